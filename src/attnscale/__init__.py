@@ -1,0 +1,16 @@
+"""attnscale: measure, compare and swap the mechanisms that set the attention-softmax temperature."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from attnscale.errors import ConfigError  # noqa: E402
+from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softmax_stats  # noqa: E402
+from attnscale.montecarlo import saturation, variance  # noqa: E402
+from attnscale.reproduce import reproduce  # noqa: E402
+
+__all__ = [
+    "__version__", "ConfigError",
+    "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats",
+    "saturation", "variance", "reproduce",
+]

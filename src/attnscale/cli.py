@@ -1,0 +1,58 @@
+"""The ``attnscale`` command line: a thin argparse layer over the Python API.
+
+Each subcommand lives in ``attnscale.commands.<name>`` and exposes ``register(subparsers)``, which
+adds its parser and sets ``func(args) -> int``.  Bad input raises :class:`~attnscale.errors.ConfigError`
+anywhere below; it is printed here as one line and the exit code is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from attnscale.errors import ConfigError
+
+# Explicit list, in the order ``attnscale --help`` shows them.
+COMMAND_MODULES = (
+    "attnscale.commands.montecarlo",
+    "attnscale.commands.reproduce",
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (no usage dump) with exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="attnscale",
+        description="Measure, compare and swap the mechanisms that set the attention-softmax "
+                    "temperature.",
+        epilog="Run 'attnscale COMMAND --help' for worked examples of each command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"attnscale {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"attnscale {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Input validation shared by the API and the CLI.
+
+Every check raises :class:`ConfigError`, a ``ValueError`` whose message is one line that names the
+offending parameter.  The CLI turns exactly this exception into ``attnscale: error: ...`` and exit
+code 2; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+
+class ConfigError(ValueError):
+    """Bad user input (an API argument or a CLI option)."""
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """Return ``" Did you mean: x?"`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean: {close[0]}?" if close else ""
+
+
+def check_choice(param: str, value: str, choices: Sequence[str], what: str | None = None) -> str:
+    """Require ``value`` to be one of ``choices``; the error suggests the nearest one."""
+    if value not in choices:
+        label = what or param
+        raise ConfigError(
+            f"Unknown {label} {value!r} for {param}.{did_you_mean(value, choices)} "
+            f"Choices: {', '.join(choices)}."
+        )
+    return value
+
+
+def check_int(param: str, value: object, minimum: int | None = None) -> int:
+    """Require an integer (bools excluded) that is at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            as_int = int(value)  # accepts numpy integers and integral strings
+        except (TypeError, ValueError):
+            raise ConfigError(f"{param} must be an integer, got {value!r}.") from None
+        if isinstance(value, float) and value != as_int:
+            raise ConfigError(f"{param} must be an integer, got {value!r}.")
+        value = as_int
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{param} must be >= {minimum}, got {value}.")
+    return value
+
+
+def check_float(param: str, value: object, *, positive: bool = False) -> float:
+    """Require a finite float, optionally > 0."""
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{param} must be a number, got {value!r}.") from None
+    if out != out or out in (float("inf"), float("-inf")):
+        raise ConfigError(f"{param} must be finite, got {value!r}.")
+    if positive and out <= 0:
+        raise ConfigError(f"{param} must be > 0, got {value!r}.")
+    return out
+
+
+def check_int_list(param: str, values: object, minimum: int | None = None) -> list[int]:
+    """Require a non-empty sequence of integers, each at least ``minimum``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ConfigError(f"{param} must be a list of integers, got {values!r}.")
+    out = [check_int(param, v, minimum) for v in values]
+    if not out:
+        raise ConfigError(f"{param} must not be empty.")
+    return out
+
+
+def parse_int_list(param: str, text: str, minimum: int | None = None) -> list[int]:
+    """Parse a comma-separated CLI list such as ``"4,16,64"``."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ConfigError(f"{param} must be a comma-separated list of integers, got {text!r}.")
+    try:
+        ints = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(
+            f"{param} must be a comma-separated list of integers, got {text!r}."
+        ) from None
+    return check_int_list(param, ints, minimum)
+
+
+def parse_name_list(param: str, text: str) -> list[str]:
+    """Parse a comma-separated CLI list of names such as ``"scaled,unscaled"``."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ConfigError(f"{param} must be a comma-separated list of names, got {text!r}.")
+    return parts

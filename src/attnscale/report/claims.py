@@ -1,0 +1,110 @@
+"""Every number the essay quotes, in one table.
+
+Each :class:`Claim` names the essay's value exactly as printed (a string, so its precision is known)
+and how a measurement is judged against it.  Experiments fill in :class:`~attnscale.report.Measurement`
+objects keyed by ``Claim.id``; :mod:`attnscale.report.writer` turns the pair into a report row.
+
+Checks
+------
+``Estimate()``
+    The essay's value is itself a Monte Carlo estimate at the same sample size as ours, so the two
+    differ by sampling noise with standard error ``sqrt(2) * se``.  They agree when the gap is within
+    1.96 of that (plus half a unit in the essay's last printed digit).
+``Exact(rel)``
+    A deterministic quantity; agrees within relative tolerance ``rel`` plus the printed precision.
+``AtMost(bound)`` / ``Within(lo, hi)``
+    The essay states a bound or a range; the measured value must satisfy it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Both numbers are Monte Carlo estimates with the same standard error."""
+
+
+@dataclass(frozen=True)
+class Exact:
+    """A deterministic quantity, agreeing to relative tolerance ``rel``."""
+    rel: float = 0.0
+
+
+@dataclass(frozen=True)
+class AtMost:
+    """The essay claims the quantity is at most ``bound``."""
+    bound: float
+
+
+@dataclass(frozen=True)
+class Within:
+    """The essay claims the quantity lies in ``[lo, hi]``."""
+    lo: float
+    hi: float
+
+
+Check = Estimate | Exact | AtMost | Within
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str        # stable key shared by experiments, results.json and the report row
+    section: str   # the essay's section heading
+    quantity: str  # what is measured, in the report's words
+    essay: str     # the essay's value as printed ("7.9774", "0.5%", "256-1024")
+    check: Check   # how our measurement is judged against it
+
+
+_VAR = "The Variance Argument"
+_SAT = "What Breaks Without It"
+_GRAD = "The Gradient Argument"
+_SMALL = "Keep the head small"
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("variance.std.dk64", _VAR, "std of q.k at d_k=64 (100k pairs)", "7.9774", Estimate()),
+    Claim("variance.max_rel_error", _VAR, "max |rel. error| of std vs sqrt(d_k), d_k=4..1024",
+          "0.5%", AtMost(0.005)),
+    Claim("saturation.scaled.max_weight.dk64", _SAT, "scaled mean max weight, d_k=64", "0.0434",
+          Estimate()),
+    Claim("saturation.scaled.max_weight.dk1024", _SAT, "scaled mean max weight, d_k=1024",
+          "0.0431", Estimate()),
+    Claim("saturation.scaled.entropy.mean", _SAT, "scaled mean entropy (nats), avg over d_k",
+          "5.05", Estimate()),
+    Claim("saturation.unscaled.max_weight.dk4", _SAT, "unscaled mean max weight, d_k=4", "0.170",
+          Estimate()),
+    Claim("saturation.unscaled.max_weight.dk64", _SAT, "unscaled mean max weight, d_k=64", "0.749",
+          Estimate()),
+    Claim("saturation.unscaled.max_weight.dk1024", _SAT, "unscaled mean max weight, d_k=1024",
+          "0.936", Estimate()),
+    Claim("saturation.unscaled.entropy.dk4", _SAT, "unscaled mean entropy (nats), d_k=4", "3.97",
+          Estimate()),
+    Claim("saturation.unscaled.entropy.dk64", _SAT, "unscaled mean entropy (nats), d_k=64", "0.75",
+          Estimate()),
+    Claim("saturation.unscaled.entropy.dk1024", _SAT, "unscaled mean entropy (nats), d_k=1024",
+          "0.159", Estimate()),
+    Claim("saturation.uniform_entropy", _SAT, "uniform entropy ceiling ln 256 (nats)", "5.545",
+          Exact()),
+    Claim("jacobian.scaled.mean", _GRAD, "scaled mean ||J||_F, avg over d_k", "0.099", Estimate()),
+    Claim("jacobian.unscaled.dk4", _GRAD, "unscaled mean ||J||_F, d_k=4", "0.187", Estimate()),
+    Claim("jacobian.unscaled.dk16", _GRAD, "unscaled mean ||J||_F, d_k=16 (the peak)", "0.288",
+          Estimate()),
+    Claim("jacobian.unscaled.dk64", _GRAD, "unscaled mean ||J||_F, d_k=64", "0.231", Estimate()),
+    Claim("jacobian.unscaled.dk256", _GRAD, "unscaled mean ||J||_F, d_k=256", "0.142",
+          Estimate()),
+    Claim("jacobian.unscaled.dk1024", _GRAD, "unscaled mean ||J||_F, d_k=1024", "0.083",
+          Estimate()),
+    Claim("jacobian.unscaled.peak_dk", _GRAD, "d_k at which unscaled ||J||_F peaks", "16",
+          Exact()),
+    Claim("jacobian.crossing_dk", _GRAD, "d_k where unscaled ||J||_F crosses below scaled",
+          "256-1024", Within(256, 1024)),
+    Claim("small_head.dk_threshold.n256", _SMALL, "d_k below which unscaled stays unsaturated, "
+          "2 ln n at n=256", "11", Exact(rel=0.05)),
+    Claim("small_head.n_threshold.dk4", _SMALL, "keys needed to saturate at d_k=4, exp(d_k/2)",
+          "7", Exact(rel=0.08)),
+)
+
+CLAIMS_BY_ID: dict[str, Claim] = {c.id: c for c in CLAIMS}
+if len(CLAIMS_BY_ID) != len(CLAIMS):  # pragma: no cover - guards edits to the table above
+    raise RuntimeError("duplicate claim id in CLAIMS")

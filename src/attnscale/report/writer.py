@@ -1,0 +1,102 @@
+"""Write ``report.md``, ``results.json`` and the figures, all or nothing.
+
+Everything is first written into a hidden staging folder inside the output directory and moved into
+place only when every section has finished, so an error or Ctrl-C leaves no half-written report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from attnscale.errors import ConfigError
+from attnscale.report.claims import CLAIMS
+from attnscale.report.model import Measurement, Section, judge
+
+SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
+
+
+def check_writable_dir(param: str, path: str | os.PathLike) -> Path:
+    """Create ``path`` if needed and make sure files can be written into it."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".attnscale-probe-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{param} {str(out)!r} is not a writable directory ({err.strerror}).") \
+            from None
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _ours(m: Measurement) -> str:
+    interval = m.interval()
+    text = _fmt(m.value)
+    if interval is not None:
+        text += f" [{_fmt(interval[0])}, {_fmt(interval[1])}]"
+    return text
+
+
+def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]:
+    """Markdown table with one row per claim, and the same rows as records."""
+    lines = ["| section | quantity | essay | ours [95% CI] | verdict |",
+             "|---|---|---|---|---|"]
+    records = []
+    for claim in CLAIMS:
+        m = measurements.get(claim.id)
+        if m is None:
+            continue
+        verdict = judge(claim, m)
+        ours = _ours(m) + (f" ({m.note})" if m.note else "")
+        lines.append(f"| {claim.section} | {claim.quantity} | {claim.essay} | {ours} | "
+                     f"{'✅' if verdict.agrees else '❌'} {verdict.text} |")
+        lo_hi = m.interval()
+        records.append({"claim": claim.id, "section": claim.section, "quantity": claim.quantity,
+                        "essay": claim.essay, "ours": m.value, "se": m.se,
+                        "ci95": list(lo_hi) if lo_hi else None, "agrees": verdict.agrees,
+                        "verdict": verdict.text})
+    return "\n".join(lines), records
+
+
+def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict) -> dict:
+    """Run every section and write the report into ``out_dir``; return the results object."""
+    out_dir = check_writable_dir("--out", out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
+    try:
+        sections = [fn(staging) for fn in section_fns]
+        measurements: dict[str, Measurement] = {}
+        for s in sections:
+            measurements.update(s.measurements)
+        table, verdicts = claims_table(measurements)
+        n_ok = sum(v["agrees"] for v in verdicts)
+        results = {"meta": meta, "claims": verdicts,
+                   "sections": {s.name: s.rows for s in sections}}
+        md = ["# attnscale reproduction report", "",
+              "Every number the essay quotes, our measurement with its 95% confidence interval, "
+              "and a verdict. Monte Carlo claims agree when the gap between the essay's estimate "
+              "and ours is within 1.96 standard deviations of the difference of two independent "
+              "estimates at the essay's sample size.", "",
+              " · ".join(f"{k}: {v}" for k, v in meta.items()), "",
+              f"**{n_ok} of {len(verdicts)} claims agree.**", "", table, ""]
+        for s in sections:
+            md += [f"## {s.name}", ""]
+            if s.markdown:
+                md += [s.markdown.rstrip(), ""]
+            for png, caption in s.figures:
+                md += [f"![{caption}]({png})", "", f"*{caption}*", ""]
+        (staging / "report.md").write_text("\n".join(md), encoding="utf-8")
+        (staging / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False),
+                                              encoding="utf-8")
+        for item in sorted(staging.iterdir()):
+            os.replace(item, out_dir / item.name)
+        return results
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
