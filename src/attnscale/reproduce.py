@@ -18,7 +18,7 @@ from attnscale.errors import check_int
 from attnscale.report.writer import check_writable_dir, write_report
 
 REPORT_SECTIONS = (
-    "attnscale.montecarlo:report_section",
+    "attnscale.sections.montecarlo:report_section",
 )
 
 

@@ -64,15 +64,19 @@ def essay_value(claim: Claim) -> float:
 def judge(claim: Claim, m: Measurement) -> Verdict:
     """Compare measurement ``m`` with ``claim`` according to the claim's check."""
     check = claim.check
-    if isinstance(check, Within):
-        ok = check.lo <= m.value <= check.hi
-        gap = 0.0 if ok else min(abs(m.value - check.lo), abs(m.value - check.hi))
-        return Verdict(ok, "agrees" if ok else f"differs: {m.value:.4g} is {gap:.3g} outside "
-                                                f"[{check.lo:g}, {check.hi:g}]")
-    if isinstance(check, AtMost):
-        ok = m.value <= check.bound
-        return Verdict(ok, "agrees" if ok else f"differs: {m.value:.4g} exceeds {check.bound:g} "
-                                                f"by {m.value - check.bound:.3g}")
+    if isinstance(check, (Within, AtMost)):
+        lo, hi = (check.lo, check.hi) if isinstance(check, Within) else (-math.inf, check.bound)
+        region = f"[{lo:g}, {hi:g}]" if isinstance(check, Within) else f"<= {hi:g}"
+        if lo <= m.value <= hi:
+            return Verdict(True, "agrees")
+        # The point estimate is outside; a CI that still overlaps the claimed region means the
+        # claim cannot be rejected at this sample size.
+        ci = m.interval()
+        if ci is not None and ci[0] <= hi and ci[1] >= lo:
+            return Verdict(True, f"agrees within noise: {m.value:.4g} is outside {region} but "
+                                 f"its 95% CI overlaps it")
+        gap = lo - m.value if m.value < lo else m.value - hi
+        return Verdict(False, f"differs: {m.value:.4g} is {gap:.3g} outside {region}")
     target = essay_value(claim)
     half_unit = _printed_half_unit(claim.essay)
     diff = m.value - target

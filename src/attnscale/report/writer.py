@@ -33,6 +33,11 @@ def check_writable_dir(param: str, path: str | os.PathLike) -> Path:
     return out
 
 
+def _cell(text: str) -> str:
+    """Escape a markdown table cell (quantities such as ||J||_F contain pipes)."""
+    return text.replace("|", "\\|")
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -56,8 +61,9 @@ def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]
             continue
         verdict = judge(claim, m)
         ours = _ours(m) + (f" ({m.note})" if m.note else "")
-        lines.append(f"| {claim.section} | {claim.quantity} | {claim.essay} | {ours} | "
-                     f"{'✅' if verdict.agrees else '❌'} {verdict.text} |")
+        cells = [claim.section, claim.quantity, claim.essay, ours,
+                 f"{'✅' if verdict.agrees else '❌'} {verdict.text}"]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lo_hi = m.interval()
         records.append({"claim": claim.id, "section": claim.section, "quantity": claim.quantity,
                         "essay": claim.essay, "ours": m.value, "se": m.se,

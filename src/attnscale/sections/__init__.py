@@ -1,0 +1,1 @@
+"""Report sections: one module per experiment, each exposing ``report_section(fig_dir, *, seed)``."""
