@@ -1,0 +1,294 @@
+"""Attention whose temperature is a registry mechanism: one pipeline, a reference path and fast paths.
+
+The pre-softmax pipeline always runs in this order (:func:`attention_reference` spells it out)::
+
+    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise q, k; pick the temperature
+    z = scale * (q @ k.T)                           # logits
+    z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
+    z = z.masked_fill(~mask, -inf)                  # mask
+    p = softmax(z)                                  # softmax
+    o = p @ v
+
+:func:`attention` computes the same thing without materialising the (Nq, Nk) logits of every head:
+a mechanism whose temperature is a scale on (normalised) q and k has the scale folded into q and
+runs on ``torch.nn.functional.scaled_dot_product_attention``; a capped mechanism runs on
+:class:`_CappedAttention`, a blockwise kernel whose extra memory is O(Nk · block), not O(Nq · Nk).
+
+Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets query
+i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to attend
+gives zero output and zero gradients, never NaN.  fp16 and bf16 inputs are computed with float32
+accumulation and returned in their own dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnscale.errors import ConfigError, check_int
+from attnscale.mechanisms import Mechanism, build_mechanism
+from attnscale.mechanisms.base import upcast
+
+# Elements of one (rows, Nk) block in the capped kernel: 2^20 float32 = 4 MiB, so at Nk = 1024 a
+# block is one whole head, and the three live blocks of the backward pass take 12 MiB.
+CAPPED_BLOCK_ELEMENTS = 2**20
+
+
+@dataclass(frozen=True)
+class AttentionTrace:
+    """The intermediates of :func:`attention_reference`, so they can be measured without hooks."""
+    logits: Tensor   # (B, H, Nq, Nk) after the mechanism and the cap, before the mask
+    weights: Tensor  # (B, H, Nq, Nk) softmax; rows with no key to attend are all zero
+    out: Tensor      # (B, H, Nq, d_v) in the dtype of v
+
+
+def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
+    """A mechanism instance; a registry name is built at its init values for q's heads."""
+    if isinstance(mechanism, Mechanism):
+        return mechanism
+    return build_mechanism(mechanism, q.shape[-1], q.shape[1])
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ConfigError(f"q, k, v shapes do not fit together: {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}.")
+
+
+def key_mask(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> Tensor | None:
+    """The user's mask and causality as one boolean mask (True = attend), or None for all keys."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ConfigError(f"mask must be a boolean tensor (True = attend), got {mask.dtype}.")
+        full = (*q.shape[:2], n_q, n_k)
+        try:
+            fits = torch.broadcast_shapes(mask.shape, full) == full
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ConfigError(f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                              f"(B, H, Nq, Nk) = {full}.")
+    if causal:
+        tril = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()  # (Nq, Nk)
+        mask = tril if mask is None else mask & tril
+    return mask
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled", *,
+              mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    """Attention output (B, H, Nq, d_v) for q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v).
+
+    ``mechanism`` is a built :class:`~attnscale.mechanisms.Mechanism` or a registry name (built at
+    its init values).  Numerically the same as :func:`attention_reference`, on fused kernels.
+    """
+    mechanism = _as_mechanism(mechanism, q)
+    _check_qkv(q, k, v)
+    full_mask = key_mask(mask, causal, q, k)
+    n_keys = k.shape[-2] if full_mask is None else full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
+    qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)
+    if isinstance(scale, Tensor):  # per-head or per-row temperature: fold it into q
+        qs, scale = qs * scale, 1.0
+    if mask is None:
+        # No user mask: causality alone never leaves a query without keys, and SDPA's is_causal
+        # lets the fused kernel skip the blocks above the diagonal.
+        return _attend(qs, ks, v, scale, mechanism.cap, None, causal)
+    # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
+    # which also zeroes their gradients.  O(mask) work, only when a mask is given.
+    empty = n_keys == 0  # (..., Nq, 1)
+    out = _attend(qs, ks, v, scale, mechanism.cap, full_mask | empty, False)
+    return out.masked_fill(empty, 0.0)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float | None,
+            mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(cap(scale q kᵀ) masked) v on the fused kernels; q, k may be float32 for half v."""
+    if cap is None:
+        # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
+        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
+                                              is_causal=causal, scale=scale)
+    q, k = q.contiguous(), k.contiguous()
+    out = _CappedAttention.apply(q, k, upcast(v).contiguous(), mask, scale, cap, causal,
+                                 CAPPED_BLOCK_ELEMENTS)
+    return out.to(v.dtype)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",
+                        *, mask: Tensor | None = None, causal: bool = False) -> AttentionTrace:
+    """The pipeline written out and materialised: logits, weights and output of every head.
+
+    Same arguments as :func:`attention`; O(B · H · Nq · Nk) memory, for tests and measurements.
+    """
+    mechanism = _as_mechanism(mechanism, q)
+    _check_qkv(q, k, v)
+    full_mask = key_mask(mask, causal, q, k)
+    n_keys = k.shape[-2] if full_mask is None else full_mask.sum(-1, keepdim=True)
+    q, k, v_acc = upcast(q), upcast(k), upcast(v)
+    qs, ks, scale = mechanism.prepare(q, k, n_keys)            # mechanism
+    z = (qs @ ks.transpose(-2, -1)) * scale                    # logits, (B, H, Nq, Nk)
+    if mechanism.cap is not None:
+        z = mechanism.cap * torch.tanh(z / mechanism.cap)      # cap
+    masked = z
+    if full_mask is not None:
+        empty = n_keys == 0                                    # rows with nothing to attend
+        masked = z.masked_fill(~(full_mask | empty), float("-inf"))  # mask
+    p = torch.softmax(masked, dim=-1)                          # softmax, (B, H, Nq, Nk)
+    if full_mask is not None:
+        p = p.masked_fill(empty, 0.0)
+    out = p @ v_acc                                            # (B, H, Nq, d_v)
+    return AttentionTrace(logits=z, weights=p, out=out.to(v.dtype))
+
+
+class _CappedAttention(torch.autograd.Function):
+    """softmax(c · tanh(scale · q kᵀ / c) masked) v, blockwise, with recomputation in backward.
+
+    Each block is ``rows`` queries of one head against all of its keys, so a block holds whole
+    softmax rows: the row max and sum are exact within the block and nothing is rescaled online.
+    Extra memory is a few (rows, Nk) blocks, O(Nk · rows), instead of the (B, H, Nq, Nk) logits.
+
+    Two identities make the elementwise work cheap (torch's sigmoid is ~3x faster than tanh):
+    c · tanh(x) = 2c · σ(2x) - c, and softmax ignores the constant -c, so the forward only needs
+    u = σ(2x) with x = scale · q·k / c; and d(c tanh x)/dx = c (1 - tanh² x) = 4c · u (1 - u).
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                cap: float, causal: bool, block_elements: int) -> Tensor:
+        # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
+        for blk in _blocks(q, k, mask, causal, block_elements):
+            z = blk.logits(q, k, scale, cap)[0]
+            torch.mm(torch.softmax(z, dim=-1), v[blk.b, blk.h, :blk.n_k], out=out[blk.out_rows])
+        ctx.save_for_backward(q, k, v, out, mask)
+        ctx.args = (scale, cap, causal, block_elements)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor):
+        q, k, v, out, mask = ctx.saved_tensors
+        scale, cap, causal, block_elements = ctx.args
+        d_out = d_out.contiguous()
+        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O), (B, H, Nq, 1)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for blk in _blocks(q, k, mask, causal, block_elements):
+            b, h, rows, n_k = blk.b, blk.h, blk.rows, blk.n_k
+            z, u = blk.logits(q, k, scale, cap)           # recomputed, (r, n_k)
+            p = torch.softmax(z, dim=-1)                   # (r, n_k)
+            do = d_out[b, h, rows]                         # (r, d_v)
+            dv[b, h, :n_k].addmm_(p.t(), do)               # dV += Pᵀ dO
+            dz = torch.mm(do, v[b, h, :n_k].t(), out=z)    # dP = dO Vᵀ, reusing z's block
+            dz.sub_(delta[b, h, rows]).mul_(p)             # softmax backward: P ∘ (dP - δ)
+            dz.mul_(torch.addcmul(u, u, u, value=-1.0, out=u))  # ∘ u (1 - u), the tanh slope
+            torch.mm(dz, k[b, h, :n_k], out=dq[b, h, rows])
+            dk[b, h, :n_k].addmm_(dz.t(), q[b, h, rows])
+        # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
+        dq.mul_(4.0 * scale)
+        dk.mul_(4.0 * scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class _Block:
+    """``rows`` queries of head (b, h) against its first ``n_k`` keys (all, or the causal prefix)."""
+    b: int
+    h: int
+    rows: slice
+    n_k: int
+    mask: Tensor | None   # (r or 1, n_k or 1) True = attend, or None
+    causal_from: int      # first key column that causality can hide in this block (n_k if none)
+
+    @property
+    def out_rows(self) -> tuple[int, int, slice]:
+        return self.b, self.h, self.rows
+
+    def logits(self, q: Tensor, k: Tensor, scale: float, cap: float) -> tuple[Tensor, Tensor]:
+        """(z', u): z' = 2c · u + (masked -inf), u = σ(2 · scale · q·k / c); z' = z + c."""
+        q_blk = q[self.b, self.h, self.rows]                            # (r, d)
+        u = torch.mm(q_blk, k[self.b, self.h, :self.n_k].t())           # (r, n_k)
+        u = torch.sigmoid(u.mul_(2.0 * scale / cap), out=u)
+        z = u * (2.0 * cap)                                             # c tanh(x) + c
+        if self.mask is not None:
+            z.masked_fill_(~self.mask, float("-inf"))
+        if self.causal_from < self.n_k:  # query i hides keys j > i: the block's diagonal square
+            i0 = self.rows.start
+            diag = z[:, self.causal_from:]
+            j = torch.arange(self.causal_from, self.n_k, device=z.device)
+            i = torch.arange(i0, i0 + z.shape[0], device=z.device).unsqueeze(1)
+            diag.masked_fill_(j > i, float("-inf"))
+        return z, u
+
+
+def _blocks(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, block_elements: int):
+    """Yield the blocks of the capped kernel, head by head, ``rows`` queries at a time."""
+    n_b, n_h, n_q, _ = q.shape
+    n_k = k.shape[-2]
+    rows = max(1, min(n_q, block_elements // max(n_k, 1)))
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, Nq|1, Nk|1)
+    for b in range(n_b):
+        for h in range(n_h):
+            for i0 in range(0, n_q, rows):
+                i1 = min(i0 + rows, n_q)
+                keys = min(n_k, i1) if causal else n_k  # causal: later keys are all hidden
+                blk_mask = None
+                if mask is not None:
+                    m = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0]
+                    m = m[i0:i1] if m.shape[0] > 1 else m
+                    blk_mask = m[:, :keys] if m.shape[1] > 1 else m
+                yield _Block(b, h, slice(i0, i1), keys, blk_mask,
+                             causal_from=min(i0 + 1, keys) if causal else keys)
+
+
+class MultiHeadAttention(nn.Module):
+    """Drop-in multi-head attention with its own W_Q, W_K, W_V, W_O and a registry mechanism.
+
+    ``x`` (B, N, d_model) -> (B, N, d_model); ``context`` (B, Nk, d_model) gives cross-attention.
+    ``options`` are the mechanism's own (``cap=30`` for softcap, ``over="model"`` for qk-layernorm).
+    The projections use torch's standard ``nn.Linear`` init; the mechanism may then act on W_Q and
+    W_K (init-reparam rescales them by d^(-1/4), sigma-reparam reparametrises them).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, mechanism: str = "scaled", *,
+                 bias: bool = False, **options):
+        super().__init__()
+        d_model = check_int("d_model", d_model, minimum=1)
+        n_heads = check_int("n_heads", n_heads, minimum=1)
+        if d_model % n_heads:
+            raise ConfigError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}.")
+        self.n_heads, self.d_head = n_heads, d_model // n_heads
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(d_model, d_model, bias=bias)
+        self.w_v = nn.Linear(d_model, d_model, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        self.mechanism = build_mechanism(mechanism, self.d_head, n_heads, **options)
+        self.mechanism.init_projections(self.w_q, self.w_k)
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, N, d)
+
+    def logits(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        """Logits after the mechanism, before any mask: (B, H, N, Nk)."""
+        kv = x if context is None else context
+        return self.mechanism.logits(self._split(self.w_q(x)), self._split(self.w_k(kv)))
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
+                causal: bool = False) -> Tensor:
+        kv = x if context is None else context
+        q = self._split(self.w_q(x))   # (B, H, N, d)
+        k = self._split(self.w_k(kv))  # (B, H, Nk, d)
+        v = self._split(self.w_v(kv))  # (B, H, Nk, d)
+        o = self.mechanism(q, k, v, mask=mask, causal=causal)  # (B, H, N, d)
+        b, h, n, d = o.shape
+        return self.w_o(o.transpose(1, 2).reshape(b, n, h * d))  # (B, N, d_model)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (as in ``named_parameters``) to exclude from weight decay."""
+        return {f"mechanism.{name}" for name in self.mechanism.no_weight_decay()}

@@ -1,0 +1,44 @@
+"""Every attention-temperature mechanism, by name.
+
+:data:`MECHANISMS` maps each registry key to its :class:`Mechanism` class; each lives in its own file,
+imported below, and enters the registry with ``@register(name)``.  Adding a mechanism means adding
+one file and one import line; the test suite is parametrised over the registry and covers it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from attnscale.errors import ConfigError, did_you_mean
+from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
+
+# Explicit imports, in the order of the issue's table; importing a module registers its mechanism.
+from attnscale.mechanisms import scaled, unscaled, init_reparam, qknorm  # noqa: E402,F401
+from attnscale.mechanisms import qk_layernorm, qk_rmsnorm, cosine, learned_temp  # noqa: E402,F401
+from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noqa: E402,F401
+
+__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "mechanism_options", "register"]
+
+
+def mechanism_options(name: str) -> tuple[str, ...]:
+    """The options ``name`` accepts: keyword-only arguments of its ``__init__``."""
+    params = inspect.signature(MECHANISMS[name].__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def build_mechanism(name: str, d_head: int, n_heads: int, **options) -> Mechanism:
+    """Build mechanism ``name`` for heads of size ``d_head``; ``options`` are its own settings.
+
+    An unknown name or an option the mechanism does not take is a :class:`ConfigError` that names
+    it and suggests the closest match.
+    """
+    if name not in MECHANISMS:
+        raise ConfigError(f"Unknown mechanism {name!r}.{did_you_mean(name, MECHANISMS)} "
+                          f"Choices: {', '.join(MECHANISMS)}.")
+    allowed = mechanism_options(name)
+    for option in options:
+        if option not in allowed:
+            takes = f"Options: {', '.join(allowed)}." if allowed else "It takes no options."
+            raise ConfigError(f"Unknown option {option!r} for mechanism {name!r}."
+                              f"{did_you_mean(option, allowed)} {takes}")
+    return MECHANISMS[name](d_head, n_heads, **options)
