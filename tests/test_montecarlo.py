@@ -1,0 +1,319 @@
+"""Monte Carlo experiments: the chi-square shortcut against direct sampling, determinism, bands.
+
+Every statistical check is a band derived from the estimates' own standard errors at a fixed seed
+(4 standard errors: a false alarm has probability ~6e-5 per comparison).
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from attnscale.errors import ConfigError
+from attnscale.montecarlo import (
+    jacobian_crossing, sample_logits_direct, saturation, saturation_direct, small_head_thresholds,
+    variance,
+)
+
+BAND = 4.0
+STAT_KEYS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
+SAT_KEYS = {"mechanism", "d_k", "n", "trials", "seed", "max_weight_mean", "max_weight_se",
+            "entropy_mean", "entropy_se", "jacobian_fro_mean", "jacobian_fro_se",
+            "logit_std_mean"}
+VAR_KEYS = {"d_k", "pairs", "seed", "std", "predicted", "rel_error", "std_ci95"}
+
+
+def assert_in_band(a: float, se_a: float, b: float, se_b: float, what: str) -> None:
+    tol = BAND * math.sqrt(se_a ** 2 + se_b ** 2)
+    assert abs(a - b) <= tol, f"{what}: {a} vs {b}, |diff| {abs(a - b):.3g} > {tol:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The shortcut against direct sampling of q and K
+
+
+@pytest.mark.parametrize("d_k, n, trials, mechanism", [
+    (4, 16, 2000, "unscaled"),
+    (64, 256, 800, "unscaled"),
+    (64, 256, 800, "scaled"),
+    (1024, 32, 400, "unscaled"),
+])
+def test_saturation_shortcut_matches_direct_sampling(d_k, n, trials, mechanism):
+    fast, = saturation([d_k], n, trials, seed=11, mechanisms=(mechanism,))
+    slow = saturation_direct(d_k, n, trials, seed=11, mechanism=mechanism)
+    for key in STAT_KEYS:
+        assert fast[f"{key}_se"] > 0 and slow[f"{key}_se"] > 0, key
+        assert_in_band(fast[f"{key}_mean"], fast[f"{key}_se"], slow[f"{key}_mean"],
+                       slow[f"{key}_se"], f"d_k={d_k} n={n} {mechanism} {key}")
+
+
+def test_saturation_mean_and_se_match_an_independent_computation():
+    """Means and standard errors against per-trial statistics computed here from raw q, K."""
+    d_k, n, trials = 16, 64, 2000
+    row, = saturation([d_k], n, trials, seed=5, mechanisms=("unscaled",))
+    z = torch.from_numpy(sample_logits_direct(d_k, n, trials, np.random.default_rng(99)))
+    p = torch.softmax(z, dim=-1)
+    jac = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    per_trial = {"max_weight": p.max(-1).values, "entropy": -(p * p.log()).sum(-1),
+                 "jacobian_fro": torch.linalg.matrix_norm(jac), "logit_std": z.std(-1)}
+    for key, values in per_trial.items():
+        mean, se = float(values.mean()), float(values.std() / math.sqrt(trials))
+        assert_in_band(row[f"{key}_mean"], row[f"{key}_se"], mean, se, key)
+        # The se of an se at 2000 trials is a few percent of it.
+        assert 0.85 < row[f"{key}_se"] / se < 1.18, (key, row[f"{key}_se"], se)
+
+
+@pytest.mark.parametrize("d_k", [4, 64, 256])
+def test_variance_std_matches_direct_sampling(d_k):
+    row, = variance([d_k], pairs=40_000, seed=2)
+    raw = sample_logits_direct(d_k, 1, 40_000, np.random.default_rng([7, d_k]))[:, 0]
+    std = float(raw.std(ddof=1))
+    kurt = 3.0 + 6.0 / d_k
+    se_direct = std * math.sqrt((kurt - 1.0) / raw.size) / 2.0   # delta method, large N
+    assert_in_band(row["std"], row["std_se"], std, se_direct, f"d_k={d_k}")
+    assert abs(std - math.sqrt(d_k)) <= BAND * se_direct
+
+
+# ---------------------------------------------------------------------------------------------
+# variance rows
+
+
+def _kurtosis_se(d_k: int, count: int) -> float:
+    """Delta-method se of the sample kurtosis m4/m2^2 for x = |q| g, from exact moments.
+
+    ``E x^(2k) = (2k-1)!! d (d+2) ... (d+2k-2)``; the influence function of the kurtosis is
+    ``(x^4 - m4)/m2^2 - 2 m4 (x^2 - m2)/m2^3``.
+    """
+    d = float(d_k)
+    m2, m4 = d, 3 * d * (d + 2)
+    m6, m8 = 15 * d * (d + 2) * (d + 4), 105 * d * (d + 2) * (d + 4) * (d + 6)
+    c = m4 / m2
+    var_if = ((m8 - m4 ** 2) - 4 * c * (m6 - m4 * m2) + 4 * c ** 2 * (m4 - m2 ** 2)) / m2 ** 4
+    return math.sqrt(var_if / count)
+
+
+def test_variance_rows_keys_ci_and_bands():
+    d_ks, pairs = [4, 16, 64, 1024], 100_000
+    rows = variance(d_ks, pairs, seed=0)
+    assert [r["d_k"] for r in rows] == d_ks
+    for r in rows:
+        d = r["d_k"]
+        assert VAR_KEYS <= set(r), set(r)
+        assert r["pairs"] == pairs and r["seed"] == 0
+        assert r["predicted"] == math.sqrt(d)
+        assert math.isclose(r["rel_error"], r["std"] / math.sqrt(d) - 1.0, rel_tol=1e-12)
+        lo, hi = r["std_ci95"]
+        assert isinstance(lo, float) and isinstance(hi, float)
+        assert lo < r["std"] < hi
+        assert math.isclose(hi - lo, 2 * 1.959963984540054 * r["std_se"], rel_tol=1e-9)
+        # se of a sample std under kurtosis k: sigma sqrt((k - 1)/N)/2, independently of the code.
+        se = math.sqrt(d) * math.sqrt((2.0 + 6.0 / d) / pairs) / 2.0
+        assert math.isclose(r["std_se"], se, rel_tol=0.02), (r["std_se"], se)
+        assert abs(r["std"] - math.sqrt(d)) <= BAND * r["std_se"], r
+        assert r["kurtosis_theory"] == 3.0 + 6.0 / d
+        assert abs(r["kurtosis_measured"] - (3.0 + 6.0 / d)) <= BAND * _kurtosis_se(d, pairs), r
+
+
+def test_variance_kurtosis_widens_the_ci():
+    # At d_k = 4 the kurtosis is 4.5, so the CI is sqrt(3.5/2) ~ 1.32x the Gaussian one.
+    r, = variance([4], 50_000, seed=1)
+    gaussian = r["std"] / math.sqrt(2 * 50_000)
+    assert math.isclose(r["std_se"] / gaussian, math.sqrt(3.5 / 2.0), rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism and independence of rows
+
+
+def test_same_seed_gives_identical_rows():
+    assert saturation([4, 64], 32, 50, seed=3) == saturation([4, 64], 32, 50, seed=3)
+    assert variance([4, 64], 500, seed=3) == variance([4, 64], 500, seed=3)
+
+
+def test_row_does_not_depend_on_other_requested_d_ks():
+    alone = saturation([64], 32, 50, seed=3)
+    among = saturation([4, 64, 256], 32, 50, seed=3)
+    assert [r for r in among if r["d_k"] == 64] == alone
+    v_alone = variance([64], 500, seed=3)
+    v_among = variance([256, 64, 4], 500, seed=3)
+    assert [r for r in v_among if r["d_k"] == 64] == v_alone
+
+
+def test_row_does_not_depend_on_other_requested_mechanisms():
+    both = saturation([16], 32, 50, seed=4, mechanisms=("scaled", "unscaled"))
+    only = saturation([16], 32, 50, seed=4, mechanisms=("unscaled",))
+    assert [r for r in both if r["mechanism"] == "unscaled"] == only
+
+
+def test_different_seeds_differ():
+    a, b = saturation([16], 32, 50, seed=0), saturation([16], 32, 50, seed=1)
+    for ra, rb in zip(a, b):
+        assert ra["max_weight_mean"] != rb["max_weight_mean"]
+        assert ra["entropy_mean"] != rb["entropy_mean"]
+    assert variance([16], 500, seed=0)[0]["std"] != variance([16], 500, seed=1)[0]["std"]
+
+
+def test_saturation_rows_have_required_keys_and_sane_values():
+    rows = saturation([4, 256], 64, 20, seed=0)
+    assert [(r["mechanism"], r["d_k"]) for r in rows] == [
+        ("scaled", 4), ("unscaled", 4), ("scaled", 256), ("unscaled", 256)]
+    for r in rows:
+        assert SAT_KEYS <= set(r), set(r)
+        assert (r["n"], r["trials"], r["seed"]) == (64, 20, 0)
+        assert 1 / 64 <= r["max_weight_mean"] <= 1.0
+        assert 0.0 <= r["entropy_mean"] <= math.log(64) + 1e-12
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+
+
+def test_single_key_is_one_hot():
+    for r in saturation([8], 1, 5, seed=0):
+        assert r["max_weight_mean"] == 1.0 and r["max_weight_se"] == 0.0
+        assert r["entropy_mean"] == 0.0 and r["jacobian_fro_mean"] == 0.0
+        assert r["logit_std_mean"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded memory
+
+
+def test_large_n_runs_in_bounded_memory():
+    n, trials = 2 ** 16, 64
+    tracemalloc.start()          # numpy buffers are traced; torch's own are not
+    try:
+        rows = saturation([64], n, trials, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    full = n * trials * 8        # the whole (trials, n) float64 logit array: 32 MiB
+    assert peak < full / 4, f"peak {peak / 2**20:.1f} MiB"
+    for r in rows:
+        assert 0.0 < r["max_weight_mean"] <= 1.0
+        assert math.isfinite(r["entropy_mean"]) and math.isfinite(r["jacobian_fro_mean"])
+
+
+def test_large_n_few_trials():
+    rows = saturation([64], 2 ** 16, 4, seed=0)
+    for r in rows:
+        assert 0.0 < r["max_weight_mean"] <= 1.0 and r["trials"] == 4
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+
+
+# ---------------------------------------------------------------------------------------------
+# Jacobian crossing on synthetic rows
+
+
+def _rows(d_ks, unscaled, scaled, se=0.0):
+    out = []
+    for d, u, s in zip(d_ks, unscaled, scaled):
+        out.append({"mechanism": "unscaled", "d_k": d, "jacobian_fro_mean": u,
+                    "jacobian_fro_se": se})
+        out.append({"mechanism": "scaled", "d_k": d, "jacobian_fro_mean": s,
+                    "jacobian_fro_se": se})
+    return out
+
+
+def test_crossing_interpolates_in_log2_dk():
+    rows = _rows([4, 16, 64, 256], [0.2, 0.3, 0.2, 0.05], [0.1] * 4)
+    c = jacobian_crossing(rows)
+    assert c["crosses"] is True and c["d_k_interval"] == [64, 256]
+    t = 0.1 / 0.15  # fraction of the log2 step where 0.1 -> -0.05 hits 0
+    assert math.isclose(c["d_k_estimate"], 2 ** (6 + 2 * t), rel_tol=1e-12)
+    assert c["d_k_ci95"] == [c["d_k_estimate"], c["d_k_estimate"]]  # se = 0
+
+
+def test_no_crossing():
+    c = jacobian_crossing(_rows([4, 16, 64], [0.2, 0.3, 0.2], [0.1] * 3, se=0.01))
+    assert c == {"crosses": False, "d_k_interval": None, "d_k_estimate": None, "d_k_ci95": None}
+    # Lower curve below from the start: no crossing *from above* either.
+    assert not jacobian_crossing(_rows([4, 16], [0.05, 0.04], [0.1, 0.1]))["crosses"]
+
+
+def test_crossing_uses_the_last_sign_change():
+    c = jacobian_crossing(_rows([4, 16, 64, 256, 1024], [0.2, 0.05, 0.2, 0.2, 0.05], [0.1] * 5))
+    assert c["d_k_interval"] == [256, 1024]
+
+
+def test_crossing_ci_is_ordered_and_contains_estimate():
+    rows = _rows([4, 16, 64, 256, 1024], [0.3, 0.25, 0.15, 0.08, 0.02], [0.1] * 5, se=0.005)
+    c = jacobian_crossing(rows)
+    lo, hi = c["d_k_ci95"]
+    assert c["d_k_interval"] == [64, 256]
+    assert lo < c["d_k_estimate"] < hi
+    assert 64 <= lo and hi <= 256
+    wider = jacobian_crossing(_rows([4, 16, 64, 256, 1024], [0.3, 0.25, 0.15, 0.08, 0.02],
+                                    [0.1] * 5, se=0.01))["d_k_ci95"]
+    assert wider[0] < lo and wider[1] > hi
+
+
+def test_crossing_ci_is_not_cut_at_the_estimate_when_a_shifted_curve_never_crosses():
+    # Difference 0.2, 0.1, -0.01 with se 0.01 + 0.01: shifted up by 1.96 * 0.02 it stays > 0 on
+    # the grid, so the crossing may lie beyond d_k = 64.  The 95% CI must not end at the point
+    # estimate (that would claim the crossing is <= the estimate with 97.5% confidence).
+    c = jacobian_crossing(_rows([4, 16, 64], [0.3, 0.2, 0.09], [0.1] * 3, se=0.01))
+    assert c["crosses"] is True
+    lo, hi = c["d_k_ci95"] if c["d_k_ci95"] is not None else (None, None)
+    assert lo is not None and lo < c["d_k_estimate"]
+    assert hi is None or hi > c["d_k_estimate"], c
+
+
+# ---------------------------------------------------------------------------------------------
+# Small-head thresholds
+
+
+def test_small_head_thresholds():
+    th = small_head_thresholds(256, 4)
+    assert th["n"] == 256 and th["d_k"] == 4
+    assert math.isclose(th["d_k_threshold"], 2 * math.log(256), rel_tol=1e-15)
+    assert math.isclose(th["d_k_threshold"], 11.09035488895912, rel_tol=1e-12)   # "about 11"
+    assert math.isclose(th["n_threshold"], math.exp(2.0), rel_tol=1e-15)           # "about 7"
+    assert math.isclose(th["sigma_threshold"], math.sqrt(2 * math.log(256)), rel_tol=1e-15)
+    assert math.isclose(small_head_thresholds(1024, 10)["n_threshold"], math.exp(5.0))
+
+
+def test_small_heads_stay_unsaturated_below_the_threshold():
+    # Unscaled d_k = 4 over n = 256 keys is far from one-hot; over n = 4 < exp(2) keys the top
+    # key takes most of the mass.
+    wide, = saturation([4], 256, 400, seed=0, mechanisms=("unscaled",))
+    narrow, = saturation([4], 4, 400, seed=0, mechanisms=("unscaled",))
+    assert wide["max_weight_mean"] + BAND * wide["max_weight_se"] < 0.3
+    assert narrow["max_weight_mean"] - BAND * narrow["max_weight_se"] > 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda: saturation([0], 8, 4, 0), "d_k"),
+    (lambda: saturation([4, -4], 8, 4, 0), "d_k"),
+    (lambda: saturation([], 8, 4, 0), "d_k"),
+    (lambda: saturation([4.5], 8, 4, 0), "d_k"),
+    (lambda: saturation([4], 0, 4, 0), "n"),
+    (lambda: saturation([4], 8, 1, 0), "trials"),
+    (lambda: saturation([4], 8, 4, -1), "seed"),
+    (lambda: saturation([4], 8, 4, 0, ()), "mechanisms"),
+    (lambda: variance([0], 100, 0), "d_k"),
+    (lambda: variance("4,8", 100, 0), "d_k"),
+    (lambda: variance([4], 1, 0), "pairs"),
+    (lambda: small_head_thresholds(1, 4), "n"),
+    (lambda: small_head_thresholds(256, 0), "d_k"),
+])
+def test_bad_arguments_raise_value_error_naming_the_parameter(call, param):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert isinstance(err.value, ConfigError)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.split()[0].strip("'") == param or f" {param} " in f" {msg} ", msg
+
+
+def test_unknown_mechanism_suggests_a_close_name():
+    with pytest.raises(ConfigError, match=r"Did you mean: unscaled\?") as err:
+        saturation([4], 8, 4, 0, mechanisms=("scaled", "unscled"))
+    assert "mechanism" in str(err.value) and "'unscled'" in str(err.value)
+    with pytest.raises(ValueError, match="Did you mean: scaled"):
+        saturation_direct(4, 8, 4, 0, mechanism="scaeld")
