@@ -8,9 +8,10 @@ from attnscale.errors import ConfigError  # noqa: E402
 from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softmax_stats  # noqa: E402
 from attnscale.montecarlo import saturation, variance  # noqa: E402
 from attnscale.reproduce import reproduce  # noqa: E402
+from attnscale.monitor import monitor  # noqa: E402
 
 __all__ = [
     "__version__", "ConfigError",
     "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats",
-    "saturation", "variance", "reproduce",
+    "saturation", "variance", "reproduce", "monitor",
 ]

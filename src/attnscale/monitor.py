@@ -11,15 +11,18 @@ per layer and head, without materialising the (B, H, N, N) attention matrix.
 What is observed, and where (all of it attached on ``__enter__`` and removed on ``__exit__``, also
 when the body raises):
 
-* ``torch.nn.functional.scaled_dot_product_attention`` is replaced by a wrapper that computes the
-  statistics from its ``(q, k, attn_mask, is_causal, scale, enable_gqa)`` and then calls the
-  original with the very same arguments.  This covers attnscale's fused path, Hugging Face models
-  running ``attn_implementation="attnscale"`` or ``"sdpa"``, and any other module that calls SDPA.
-* attnscale's blockwise soft-cap kernel, which never calls SDPA, is observed at its module-level
-  entry point in :mod:`attnscale.attention`.
+* :func:`attnscale.attention.attention` is replaced by a wrapper that reads the mechanism, mask
+  and causality it is given, then calls the original with the very same arguments.  This covers
+  attnscale's :class:`~attnscale.attention.MultiHeadAttention` and bare mechanisms on both kernels
+  (fused SDPA and blockwise soft-cap) and Hugging Face models running
+  ``attn_implementation="attnscale"`` (:mod:`attnscale.hf`).
+* ``torch.nn.functional.scaled_dot_product_attention`` is wrapped the same way, from its
+  ``(q, k, attn_mask, is_causal, scale, enable_gqa)``: the fallback for any other module that calls
+  SDPA, such as HF models on ``"sdpa"``.  The SDPA call made inside an observed ``attention`` call
+  is not counted twice.
 * Every submodule of ``model`` gets a forward pre-hook and an always-called forward hook that keep
-  a stack of the modules currently running; an observation is attributed to the innermost one, by
-  its qualified name (``model.layers.3.self_attn``).  ``layer`` numbers modules in the order of
+  a stack of the modules currently running; an observation is attributed to the innermost one
+  that is not a mechanism, by its qualified name (``model.layers.3.self_attn``).  ``layer`` numbers modules in the order of
   their first observation.
 
 Statistics (the functions of :mod:`attnscale.stats`) are taken row by row over the keys each query
@@ -31,14 +34,15 @@ distribution dropout samples from.  Everything is computed in float32 or better 
 ``torch.no_grad()`` from detached tensors, ``block`` queries at a time, so the model's outputs are
 bit for bit the same as without the monitor and the extra memory is O(B·H·block·N).
 
-Not observed: ``torch.compile``-d graphs (they captured the original SDPA) and callers that bound
-``scaled_dot_product_attention`` to a local name at import time.
+Not observed: ``torch.compile``-d graphs (they captured the original functions) and callers that
+bound ``scaled_dot_product_attention`` or ``attention`` to a local name at import time.  The taps
+are process-wide while a monitor is active; do not run monitored models from several threads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.errors import check_int
+from attnscale.mechanisms import Mechanism, build_mechanism
+from attnscale.mechanisms.base import upcast
 from attnscale.stats import logit_std, softmax_stats
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
@@ -234,28 +240,43 @@ def _block_stats(q: Tensor, k: Tensor, scale, cap, keep: Tensor | None, bias: Te
 
 
 # --------------------------------------------------------------------------------------------
-# Call points.  Each is patched once while at least one monitor is active and dispatches every
-# call to the active monitors' observer before calling the original with the same arguments.
+# Call points.  Each is patched once while at least one monitor is active: the patch hands the
+# call to every active monitor, then calls the original with the very same arguments.  A call made
+# inside an observed call (the SDPA call inside attnscale's ``attention``) is not observed again.
 
 _ACTIVE: list[Monitor] = []
 _INSTALLED: list[tuple[object, str, Callable, Callable]] = []  # (owner, attr, original, tap)
+_DEPTH = 0  # observed calls currently running
 
 
 def _call_points() -> list[tuple[object, str, str]]:
     """(owner, attribute, Monitor method) of every call point the monitor taps."""
-    return [(F, "scaled_dot_product_attention", "_observe_sdpa")]
+    import attnscale.attention  # imported here: attention imports the whole mechanism registry
+
+    return [(attnscale.attention, "attention", "_observe_attention"),
+            (F, "scaled_dot_product_attention", "_observe_sdpa")]
+
+
+def _make_tap(original: Callable, method: str) -> Callable:
+    def tap(*args, **kwargs):
+        global _DEPTH
+        if _DEPTH == 0:
+            for mon in tuple(_ACTIVE):
+                getattr(mon, method)(*args, **kwargs)
+        _DEPTH += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _DEPTH -= 1
+
+    tap.__wrapped__ = original  # type: ignore[attr-defined]
+    return tap
 
 
 def _install() -> None:
     for owner, attr, method in _call_points():
         original = getattr(owner, attr)
-
-        def tap(*args, __original=original, __method=method, **kwargs):
-            for mon in tuple(_ACTIVE):
-                getattr(mon, __method)(*args, **kwargs)
-            return __original(*args, **kwargs)
-
-        tap.__wrapped__ = original  # type: ignore[attr-defined]
+        tap = _make_tap(original, method)
         setattr(owner, attr, tap)
         _INSTALLED.append((owner, attr, original, tap))
 
@@ -263,7 +284,7 @@ def _install() -> None:
 def _uninstall() -> None:
     while _INSTALLED:
         owner, attr, original, tap = _INSTALLED.pop()
-        if getattr(owner, attr) is tap:  # someone who patched after us keeps their patch
+        if getattr(owner, attr) is tap:  # whoever patched after us keeps their patch
             setattr(owner, attr, original)
 
 
@@ -325,7 +346,7 @@ class Monitor:
         self._stack.clear()
 
     def _push(self, module: nn.Module, args) -> None:
-        self._stack.append([self._names[module], 0])
+        self._stack.append([module, 0])
 
     def _pop(self, module: nn.Module, args, output) -> None:
         if self._stack:
@@ -334,14 +355,37 @@ class Monitor:
             self.flush()  # one TensorBoard step per forward pass of the whole model
 
     def _site(self) -> str | None:
-        """Name of the innermost running module; its second SDPA call in one forward is 'name#1'."""
-        if not self._stack:
+        """Name of the innermost running attention module; a second call in one forward of the
+        same module is ``name#1``.  A mechanism called as a module is attributed to its owner."""
+        frames = [f for f in self._stack if not isinstance(f[0], Mechanism)] or self._stack
+        if not frames:
             return None  # not inside this monitor's model
-        frame = self._stack[-1]
+        frame = frames[-1]
         frame[1] += 1
-        return frame[0] if frame[1] == 1 else f"{frame[0]}#{frame[1] - 1}"
+        name = self._names[frame[0]]
+        return name if frame[1] == 1 else f"{name}#{frame[1] - 1}"
 
     # -- observing ---------------------------------------------------------------------------
+    def _observe_attention(self, q: Tensor, k: Tensor, v: Tensor,
+                           mechanism: Mechanism | str = "scaled", *, mask: Tensor | None = None,
+                           causal: bool = False) -> None:
+        """Observer with :func:`attnscale.attention.attention`'s signature (q, k (B, H, N, d))."""
+        if not self._stack:
+            return
+        from attnscale.attention import key_mask
+
+        with torch.no_grad():
+            if isinstance(mechanism, str):
+                mechanism = build_mechanism(mechanism, q.shape[-1], q.shape[1])
+            # The keys each row attends, exactly as attention() gives them to the mechanism
+            # (ssmax's temperature depends on it).
+            full_mask = key_mask(mask, causal, q, k)
+            n_keys = k.shape[-2] if full_mask is None else full_mask.sum(-1, keepdim=True)
+            del full_mask
+            qs, ks, scale = mechanism.prepare(upcast(q.detach()), upcast(k.detach()), n_keys)
+            # Rows with no key to attend are excluded here; attention() zeroes their output.
+            self._add(qs, ks, scale=scale, cap=mechanism.cap, mask=mask, causal=causal)
+
     def _observe_sdpa(self, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: Tensor | None = None, dropout_p: float = 0.0,
                       is_causal: bool = False, scale: float | None = None,

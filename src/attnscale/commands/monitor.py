@@ -1,0 +1,166 @@
+"""``attnscale monitor``: one forward pass of a local Hugging Face model under the monitor.
+
+transformers is imported only when the command runs, so ``attnscale --help`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from attnscale.commands._common import add_command, format_table
+from attnscale.errors import ConfigError, check_choice, check_int
+from attnscale.mechanisms import MECHANISMS
+from attnscale.monitor import DEFAULT_BLOCK, layer_summary, monitor, plot_entropy
+
+EXAMPLES = """
+  attnscale monitor ./tiny-llama                         # random token ids if it has no tokenizer
+  attnscale monitor ./my-model --text essay.txt --seq-len 512 --out runs/native
+  attnscale monitor ./my-model --text essay.txt --mechanism qk-rmsnorm --out runs/qk-rmsnorm
+"""
+
+# Files whose presence means MODEL_DIR ships a tokenizer (any one is enough for AutoTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+TABLE_COLUMNS = ("layer", "module", "heads", "queries", "entropy_mean", "entropy_min",
+                 "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
+
+
+def _check_inputs(args) -> Path:
+    """Everything that can be checked before transformers is imported; returns MODEL_DIR."""
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory "
+                          "(attnscale monitor never downloads; pass a local model folder).")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} has no config.json "
+                          "(save the model with save_pretrained).")
+    check_int("--seq-len", args.seq_len, minimum=1)
+    check_int("--block", args.block, minimum=1)
+    if args.text is not None and not Path(args.text).is_file():
+        raise ConfigError(f"--text {args.text!r} is not a file.")
+    if args.mechanism is not None:
+        check_choice("--mechanism", args.mechanism, list(MECHANISMS), "mechanism")
+    return model_dir
+
+
+def _load(model_dir: Path, mechanism: str | None):
+    """The model (attn_implementation="attnscale", eval mode) and its tokenizer or None."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("attnscale monitor needs transformers: pip install 'attnscale[hf]'") \
+            from None
+    from attnscale import hf
+
+    hf.register()
+    try:
+        model = transformers.AutoModel.from_pretrained(
+            model_dir, local_files_only=True, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    except (ValueError, KeyError, OSError) as err:  # unknown model_type, bad or missing weights
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"cannot load MODEL_DIR {str(model_dir)!r}: {first}") from None
+    hf.check_supported(model)
+    if mechanism is not None:
+        hf.set_mechanism(model, mechanism)
+    tokenizer = None
+    if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def _input_ids(args, model, tokenizer):
+    """(1, N) token ids: the tokenised --text, or N seeded random ids (saying so on stderr)."""
+    import torch
+
+    if tokenizer is not None and args.text is not None:
+        text = Path(args.text).read_text(encoding="utf-8")
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :args.seq_len]
+        if ids.shape[1] == 0:
+            raise ConfigError(f"--text {args.text!r} gives no tokens.")
+        return ids, "text"
+    why = "no tokenizer in MODEL_DIR" if tokenizer is None else "no --text"
+    ignored = "; --text is ignored" if args.text is not None else ""
+    print(f"attnscale monitor: {why}{ignored}: using {args.seq_len} random token ids "
+          f"(seed {args.seed}).", file=sys.stderr)
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab, (1, args.seq_len), generator=gen), "random"
+
+
+def _finite(x):
+    """NaN (a head that saw no query) as JSON null."""
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
+    """records.json and entropy_heatmap.png, moved into ``out_dir`` only once both are written."""
+    from attnscale.report.figures import new_figure, save
+    from attnscale.report.writer import check_writable_dir
+
+    out_dir = check_writable_dir("--out", out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
+    try:
+        payload = {"meta": meta,
+                   "records": [{k: _finite(v) for k, v in r.items()} for r in records]}
+        (staging / "records.json").write_text(json.dumps(payload, indent=1, allow_nan=False),
+                                              encoding="utf-8")
+        fig, (ax,) = new_figure(width=1.2 + 0.5 * (1 + max(r["head"] for r in records)))
+        plot_entropy(records, ax)
+        ax.set_title(f"{meta['model_type']} · {meta['mechanism']} · N={meta['seq_len']}")
+        save(fig, staging / "entropy_heatmap.png")
+        for item in sorted(staging.iterdir()):
+            os.replace(item, out_dir / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run(args) -> int:
+    model_dir = _check_inputs(args)
+    model, tokenizer = _load(model_dir, args.mechanism)
+    ids, source = _input_ids(args, model, tokenizer)
+
+    import torch
+
+    with torch.no_grad(), monitor(model, block=args.block) as mon:
+        model(input_ids=ids)
+    records = mon.records
+    if not records:
+        raise ConfigError(f"no attention call of {type(model).__name__} was observed; its "
+                          "family does not go through transformers' attention interface.")
+    meta = {"model_dir": str(model_dir), "model_type": model.config.model_type,
+            "mechanism": args.mechanism or "native", "seq_len": int(ids.shape[1]),
+            "input": source, "seed": args.seed}
+    print(format_table(layer_summary(records), TABLE_COLUMNS))
+    _write_outputs(Path(args.out), records, meta)
+    print(f"Wrote {args.out}/records.json and {args.out}/entropy_heatmap.png", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    p = add_command(sub, "monitor", examples=EXAMPLES,
+                    help="Entropy, max weight and logit scale per layer and head of a local "
+                         "Hugging Face model, from one forward pass.")
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="local folder written by save_pretrained (never downloaded)")
+    p.add_argument("--text", metavar="FILE", default=None,
+                   help="UTF-8 text to tokenise (default: random token ids)")
+    p.add_argument("--seq-len", metavar="N", type=int, default=128,
+                   help="tokens in the forward pass (the text is truncated to it) "
+                        "(default: %(default)s)")
+    p.add_argument("--mechanism", metavar="NAME", default=None,
+                   help="swap every layer's temperature for this registered mechanism, freshly "
+                        "initialised (default: the model's own)")
+    p.add_argument("--out", metavar="DIR", default="attnscale-monitor",
+                   help="output directory for records.json and entropy_heatmap.png "
+                        "(default: %(default)s)")
+    p.add_argument("--block", metavar="N", type=int, default=DEFAULT_BLOCK,
+                   help="queries per statistics block (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random token ids (default: %(default)s)")
+    p.set_defaults(func=_run)

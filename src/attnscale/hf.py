@@ -1,0 +1,218 @@
+"""Hugging Face transformers integration: run, watch and swap the attention temperature of HF models.
+
+Install with ``pip install 'attnscale[hf]'`` (transformers >= 4.56, < 6).
+
+::
+
+    import attnscale.hf
+    attnscale.hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnscale")
+    attnscale.hf.set_mechanism(model, "qk-rmsnorm")     # optional: swap the temperature owner
+
+**Native temperature.**  Without :func:`set_mechanism` the ``"attnscale"`` implementation keeps
+the model's own temperature: the ``scaling`` HF passes (``head_dim ** -0.5``, or Gemma 2's
+``query_pre_attn_scalar ** -0.5``), the ``softcap`` it passes (Gemma 2's
+``attn_logit_softcapping``, which HF's own ``"sdpa"`` path refuses), and grouped-query attention.
+Outputs equal HF's ``"eager"`` attention, but run on attnscale's fused SDPA path, or its blockwise
+soft-cap kernel, so no (B, H, N, N) tensor is formed.
+
+**Swapped temperature.**  :func:`set_mechanism` gives every attention layer a registered mechanism
+as the submodule ``attnscale_mechanism``; its learned parameters (``qknorm``'s g, ``cosine``'s τ,
+``qk-rmsnorm``'s gains...) train and save with the model.  The mechanism acts on the per-head q
+and k that HF passes to the attention function, i.e. **after** the projections, any q/k norm of the
+architecture and RoPE: ``qk-rmsnorm`` here normalises rotated vectors (RMSNorm commutes with the
+rotation except for its per-channel gain), and the mechanism replaces the model's ``scaling`` and
+``softcap`` entirely.  Mechanisms whose effect lives in W_Q and W_K (``init-reparam``,
+``sigma-reparam``) are refused; use :class:`attnscale.MultiHeadAttention` for those.
+
+``from_pretrained`` does not know about the added submodules: to reload a swapped model, build it,
+call :func:`set_mechanism` with the same arguments, then ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from attnscale.errors import ConfigError
+from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism
+from attnscale.mechanisms.base import Scale
+from attnscale.monitor import MASKED_BIAS
+
+try:
+    import transformers
+    from packaging.version import Version
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError("attnscale.hf needs transformers: pip install 'attnscale[hf]'") from err
+
+# The attention implementation name, for from_pretrained(..., attn_implementation=...).
+ATTN_IMPLEMENTATION = "attnscale"
+# Attribute (and state_dict prefix) of the swapped mechanism on each attention layer.
+MECHANISM_ATTR = "attnscale_mechanism"
+# Oldest transformers whose AttentionInterface / AttentionMaskInterface / sdpa_mask this uses.
+MIN_TRANSFORMERS = "4.56"
+
+
+class NativeTemperature(Mechanism):
+    """The model's own temperature: z = scaling · qᵀk, then c · tanh(z / c) when HF passes a cap.
+
+    Not in the registry: its constants come from the model (``module.scaling``, the config's
+    ``attn_logit_softcapping``), not from a name.
+    """
+
+    def __init__(self, d_head: int, n_heads: int, *, scaling: float, cap: float | None):
+        super().__init__(d_head, n_heads)
+        self.scaling = float(scaling)
+        self.cap = None if cap is None else float(cap)
+        self.scale_only = self.cap is None  # the soft-cap needs the blockwise kernel
+
+    def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
+        return q, k, self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.scaling:g}, cap={self.cap}"
+
+
+@functools.lru_cache(maxsize=None)
+def _native(d_head: int, n_heads: int, scaling: float, cap: float | None) -> NativeTemperature:
+    # One parameter-free instance per distinct temperature, instead of one per call.
+    return NativeTemperature(d_head, n_heads, scaling=scaling, cap=cap)
+
+
+def _bool_mask(mask: Tensor | None) -> Tensor | None:
+    """HF's mask as attnscale's (True = attend); additive 0/-inf masks are converted."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    keep = mask > MASKED_BIAS
+    if bool((mask[keep] != 0).any()):
+        raise ConfigError("attention_mask carries additive position biases, which "
+                          "attn_implementation='attnscale' does not support.")
+    return keep
+
+
+def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                attention_mask: Tensor | None, scaling: float | None = None,
+                                dropout: float = 0.0, softcap: float | None = None,
+                                is_causal: bool | None = None, **kwargs) -> tuple[Tensor, None]:
+    """The ``"attnscale"`` entry of HF's AttentionInterface.
+
+    Args:
+        module: the HF attention layer (its ``attnscale_mechanism``, if set, owns the temperature).
+        query: (B, H, Nq, d) after RoPE; key, value: (B, Hk, Nk, d) with ``H % Hk == 0``.
+        attention_mask: boolean (B, 1, Nq, Nk) from ``sdpa_mask`` (True = attend), or None for
+            plain causal (or, with one query, full) attention, as in HF's SDPA integration.
+    Returns:
+        ``(output (B, Nq, H, d), None)``; attention weights are never materialised.
+    """
+    from attnscale.attention import attention  # imported here: attnscale.attention loads lazily
+
+    if dropout and module.training:
+        raise ConfigError("attention dropout > 0 in training is not supported by "
+                          "attn_implementation='attnscale'; set config.attention_dropout = 0.")
+    n_heads, d_head = query.shape[1], query.shape[-1]
+    mechanism = getattr(module, MECHANISM_ATTR, None)
+    if mechanism is None:
+        mechanism = _native(d_head, n_heads, d_head ** -0.5 if scaling is None else scaling,
+                            softcap)
+    groups = n_heads // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key = key.repeat_interleave(groups, dim=1)      # (B, H, Nk, d), O(N d) memory
+        value = value.repeat_interleave(groups, dim=1)
+    mask = _bool_mask(attention_mask)
+    causal = False
+    if mask is None:
+        # HF's SDPA rule: no mask means causal (when the layer is) unless there is one query.
+        causal = query.shape[2] > 1 and (getattr(module, "is_causal", True)
+                                         if is_causal is None else is_causal)
+        if causal and key.shape[2] > query.shape[2]:
+            # As HF's SDPA path: a causal prefill into a longer, empty static cache.
+            key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    out = attention(query, key, value, mechanism, mask=mask, causal=causal)  # (B, H, Nq, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the ``"attnscale"`` attention implementation (and its mask function) with HF.
+
+    Idempotent.  After it, ``from_config(cfg, attn_implementation="attnscale")`` and
+    ``from_pretrained(path, attn_implementation="attnscale")`` work.
+    """
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"attnscale.hf needs transformers >= {MIN_TRANSFORMERS}, found "
+                          f"{transformers.__version__}: pip install 'attnscale[hf]'")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attnscale_attention_forward)
+    # Same masks as "sdpa": boolean, True = attend, or None when `causal` says it all.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _uses_interface(module: nn.Module) -> bool:
+    """Whether ``module.forward`` dispatches through HF's ALL_ATTENTION_FUNCTIONS."""
+    forward = inspect.unwrap(type(module).forward)  # past HF's deprecation decorators
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every attention layer that goes through HF's interface."""
+    return [(name, m) for name, m in model.named_modules()
+            if _uses_interface(m) and getattr(m, "head_dim", None)]
+
+
+def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`attention_layers`, or a ConfigError naming the family when there are none."""
+    layers = attention_layers(model)
+    if not layers:
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError(f"model family {family!r} does not route attention through "
+                          "transformers' AttentionInterface, so attnscale cannot run, observe or "
+                          "swap its temperature.")
+    return layers
+
+
+def _n_heads(layer: nn.Module) -> int:
+    config = getattr(layer, "config", None)
+    n = getattr(config, "num_attention_heads", None) or getattr(layer, "num_heads", None)
+    if not n:
+        raise ConfigError(f"cannot tell the number of heads of {type(layer).__name__}.")
+    return int(n)
+
+
+def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
+    """Make mechanism ``name`` own the temperature of every attention layer of ``model``.
+
+    Each layer gets a fresh ``build_mechanism(name, head_dim, num_attention_heads, **options)``
+    as its submodule ``attnscale_mechanism`` (in the dtype and device of the layer's weights), and
+    the model is switched to ``attn_implementation="attnscale"``.  ``name=None`` removes them and
+    restores the native temperature.  Returns the qualified names of the layers changed.
+
+    Raises:
+        ConfigError: unknown name or option (with a did-you-mean), a mechanism that acts on
+            W_Q/W_K (init-reparam, sigma-reparam), or a model family outside the interface.
+    """
+    layers = check_supported(model)
+    if name is not None:
+        build_mechanism(name, 1, 1, **options)  # validate name and options before touching
+        if not MECHANISMS[name].defined_at_init:
+            raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the "
+                              "q and k HF passes to the attention function; use "
+                              "attnscale.MultiHeadAttention for it.")
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for _, layer in layers:
+        if hasattr(layer, MECHANISM_ATTR):
+            delattr(layer, MECHANISM_ATTR)
+        if name is None:
+            continue
+        weight = next((p for p in layer.parameters() if p.is_floating_point()), None)
+        mechanism = build_mechanism(name, layer.head_dim, _n_heads(layer), **options)
+        if weight is not None:
+            mechanism = mechanism.to(device=weight.device, dtype=weight.dtype)
+        setattr(layer, MECHANISM_ATTR, mechanism)  # a submodule: trains and saves with the model
+    return [qualified for qualified, _ in layers]
