@@ -1,0 +1,261 @@
+"""The single-head recall model: a plain module, and a fast batched forward over several of them.
+
+Model (the essay's demo; the issue's specification)::
+
+    x_i = (E[k_i] + E[n_keys + v_i]) / sqrt(2)        pair embedding, (B, P, d_model)
+    x_q = E[q]                                          query embedding, (B, d_model)
+    q, k_i, v_i = W_Q x_q, W_K x_i, W_V x_i             (B, d_k), (B, P, d_k), (B, P, d_k)
+    z = mechanism.logits(q, k)                          (B, P), the temperature under study
+    y = W_out sum_i softmax(z)_i v_i                    (B, n_values) readout logits
+    loss = cross_entropy(y, target)
+
+Initialisation (drawn in this order from ``torch.manual_seed(seed)`` inside ``fork_rng``, so equal
+seeds give equal weights for every mechanism and the global RNG is left untouched): E ~ N(0, 1);
+W_Q, W_K, W_V ~ N(0, 1/d_model), so q and k have unit-variance coordinates at step 0, the premise of
+the variance argument; W_out ~ N(0, 1/d_k).  Then the mechanism acts on W_Q and W_K
+(:meth:`~attnscale.mechanisms.Mechanism.init_projections`: init-reparam rescales them by d^-1/4,
+sigma-reparam reparametrises them), exactly as in :class:`attnscale.attention.MultiHeadAttention`.
+
+Fast path
+---------
+:meth:`RecallNet.forward` embeds and projects every token, O(B P d_model d_k) per step.  But x_i is a
+linear function of two table rows, so projecting the (n_keys + n_values)-row table once is exact:
+``k_i = (T_K[k_i] + T_K[n_keys + v_i]) / sqrt(2)`` with ``T_K = E W_K^T``.  The readout is linear too,
+so the value vectors are only needed through ``T_R = E (W_out W_V)^T``, n_values wide.  For
+mechanisms whose logits are a temperature on the plain dot product (``prepare`` returns q and k
+untouched: scaled, unscaled, mup, softcap, ...), even the logits come from a table of every
+(query token, pair token) score, ``S = T_Q T_K^T``, so nothing d_k-wide is formed per token at all.
+:class:`StackedRecall` runs M models (mechanisms or seeds) as one: their weights are stacked on a
+leading model axis, so every matmul is one ``bmm`` and the optimiser sees five tensors, not 5 M.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnscale.mechanisms import Mechanism, build_mechanism
+from attnscale.recall.config import RecallConfig
+from attnscale.recall.task import RecallBatch
+
+# x_i = (E[k_i] + E[v_i]) / sqrt(2) keeps unit-variance coordinates for independent embeddings.
+PAIR_NORM = 1.0 / math.sqrt(2.0)
+
+
+@dataclass(frozen=True)
+class RecallOutput:
+    """What one forward pass returns; ``...`` is () for one model, (M,) for a batched forward."""
+    loss: Tensor     # (...) mean cross-entropy per model, nats
+    z: Tensor        # (..., B, P) attention logits after the mechanism
+    logits: Tensor   # (..., B, n_values) readout logits
+
+
+class RecallNet(nn.Module):
+    """One single-head attention model; :meth:`forward` is the straightforward implementation."""
+
+    def __init__(self, config: RecallConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(c.seed)
+            self.embed = nn.Embedding(c.n_keys + c.n_values, c.d_model)  # rows: keys, then values
+            self.w_q = nn.Linear(c.d_model, c.d_k, bias=False)
+            self.w_k = nn.Linear(c.d_model, c.d_k, bias=False)
+            self.w_v = nn.Linear(c.d_model, c.d_k, bias=False)
+            self.readout = nn.Linear(c.d_k, c.n_values, bias=False)
+            with torch.no_grad():
+                self.embed.weight.normal_(0.0, 1.0)
+                for w in (self.w_q, self.w_k, self.w_v):
+                    w.weight.normal_(0.0, 1.0 / math.sqrt(c.d_model))
+                self.readout.weight.normal_(0.0, 1.0 / math.sqrt(c.d_k))
+            self.mechanism: Mechanism = build_mechanism(c.mechanism, c.d_k, 1, **dict(c.options))
+            self.mechanism.init_projections(self.w_q, self.w_k)
+        self.bilinear = _is_bilinear(self.mechanism, c.d_k)
+
+    def forward(self, batch: RecallBatch) -> RecallOutput:
+        """Loss on ``batch`` of shape (B,), embedding and projecting every token."""
+        nk = self.config.n_keys
+        x = (self.embed(batch.keys) + self.embed(nk + batch.values)) * PAIR_NORM  # (B, P, d_model)
+        q = self.w_q(self.embed(batch.query))                                   # (B, d_k)
+        k, v = self.w_k(x), self.w_v(x)                                         # (B, P, d_k)
+        z = self.mechanism.logits(q[:, None, None, :], k[:, None])[:, 0, 0]     # (B, P)
+        o = (z.softmax(-1).unsqueeze(-1) * v).sum(-2)                           # (B, d_k)
+        logits = self.readout(o)                                                # (B, n_values)
+        return RecallOutput(F.cross_entropy(logits, batch.target), z, logits)
+
+    def qk_dots(self, batch: RecallBatch) -> Tensor:
+        """Raw dot products q.k_i before any temperature, (B, P): the variance argument's quantity."""
+        nk = self.config.n_keys
+        x = (self.embed(batch.keys) + self.embed(nk + batch.values)) * PAIR_NORM  # (B, P, d_model)
+        q = self.w_q(self.embed(batch.query))                                   # (B, d_k)
+        return torch.einsum("bd,bpd->bp", q, self.w_k(x))                      # (B, P)
+
+
+def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
+    """Whether the logits are ``cap(scale * q.k)`` of the *unmodified* q and k.
+
+    True when the mechanism keeps the base ``logits`` and its ``prepare`` hands q and k back as the
+    same objects; the scale may still depend on parameters or on the number of keys.  Only then may
+    the logits be gathered from a table of token-pair scores (anything else falls back to vectors).
+    """
+    if type(mechanism).logits is not Mechanism.logits:
+        return False
+    q, k = torch.zeros(1, 1, 1, d_k), torch.zeros(1, 1, 2, d_k)
+    q2, k2, _ = mechanism.prepare(q, k, 2)
+    return q2 is q and k2 is k
+
+
+@dataclass(frozen=True)
+class BatchIndex:
+    """Flat row indices of a (M, B) batch into the stacked tables of :class:`StackedRecall`."""
+    key_rows: Tensor    # (M, B, P) row of k_i's key token in the (M * T)-row tables
+    value_rows: Tensor  # (M, B, P) row of v_i's value token
+    query_rows: Tensor  # (M, B) row of the query token in the (M * n_keys)-row query table
+    key_scores: Tensor  # (M, B, P) entry (m, q, k_i) of the flattened (M, n_keys, T) score table
+    value_scores: Tensor  # (M, B, P) entry (m, q, n_keys + v_i) of the score table
+    target: Tensor      # (M, B)
+
+    @staticmethod
+    def build(batch: RecallBatch, n_keys: int, n_values: int) -> BatchIndex:
+        """Index a batch whose tensors have a leading model axis M (and any batch shape after)."""
+        n_tokens = n_keys + n_values
+        m = torch.arange(batch.query.shape[0]).view(-1, *[1] * (batch.query.dim() - 1))
+        key_rows = m.unsqueeze(-1) * n_tokens + batch.keys
+        value_rows = m.unsqueeze(-1) * n_tokens + n_keys + batch.values
+        score_row = ((m * n_keys + batch.query) * n_tokens).unsqueeze(-1)
+        return BatchIndex(key_rows, value_rows, m * n_keys + batch.query,
+                          score_row + batch.keys, score_row + n_keys + batch.values, batch.target)
+
+    def step(self, t: int) -> BatchIndex:
+        """Step ``t`` of an index built over (M, steps, B): the (M, B) batch of that step."""
+        return BatchIndex(*(getattr(self, f)[:, t] for f in self.__dataclass_fields__))
+
+
+
+class StackedRecall(nn.Module):
+    """M recall models trained as one: each weight is stacked on a leading model axis.
+
+    Built from :class:`RecallNet` instances (which fix each run's init), it owns copies of their
+    weights as (M, ...) parameters and shares their mechanisms.  A parametrisation a mechanism put on
+    W_Q or W_K (sigma-reparam) is applied per model to its slice, with the net's own state (gamma and
+    the power-iteration vectors).  The models never interact: the loss is a sum over models, and
+    Adam and SGD act elementwise, so each slice trains exactly as its model would alone.
+    """
+
+    def __init__(self, nets: list[RecallNet]):
+        super().__init__()
+        self.config = nets[0].config  # shapes are shared; per-model fields live in the nets
+        self.configs = [n.config for n in nets]
+
+        def stacked(get) -> nn.Parameter:
+            return nn.Parameter(torch.stack([get(n).detach() for n in nets]).contiguous())
+
+        # Weights are stored in the layout the matmuls read (W^T), so that neither the forward
+        # nor the gradient accumulation has to transpose-copy them.
+        self.embed = stacked(lambda n: n.embed.weight)                      # (M, T, d_model)
+        self.w_q_t = stacked(lambda n: _raw_weight(n.w_q).mT)               # (M, d_model, d_k)
+        self.w_k_t = stacked(lambda n: _raw_weight(n.w_k).mT)               # (M, d_model, d_k)
+        self.w_v_t = stacked(lambda n: n.w_v.weight.mT)                     # (M, d_model, d_k)
+        self.readout_t = stacked(lambda n: n.readout.weight.mT)             # (M, d_k, n_values)
+        self.mechanisms = nn.ModuleList(n.mechanism for n in nets)
+        # Per model, the parametrisations of W_Q and W_K (empty for most mechanisms).
+        self.q_maps = nn.ModuleList(_weight_maps(n.w_q) for n in nets)
+        self.k_maps = nn.ModuleList(_weight_maps(n.w_k) for n in nets)
+        self.bilinear = all(n.bilinear for n in nets)
+
+    def __len__(self) -> int:
+        return self.embed.shape[0]
+
+    def qk_weights(self) -> tuple[Tensor, Tensor]:
+        """The effective W_Q^T and W_K^T, (M, d_model, d_k) each, after any parametrisation."""
+        return _mapped(self.w_q_t, self.q_maps), _mapped(self.w_k_t, self.k_maps)
+
+    def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Projected token tables T_Q (M, n_keys, d_k), T_K (M, T, d_k), T_R (M, T, n_values)."""
+        W_q_t, W_k_t = self.qk_weights()
+        E = self.embed                                                       # (M, T, d_model)
+        T_q = E[:, :self.config.n_keys] @ W_q_t                              # (M, n_keys, d_k)
+        T_k = E @ W_k_t                                                      # (M, T, d_k)
+        T_r = E @ (self.w_v_t @ self.readout_t)                              # (M, T, n_values)
+        return T_q, T_k, T_r
+
+    def forward(self, idx: BatchIndex) -> RecallOutput:
+        """The M models' losses on their (M, B) batches; equals each :meth:`RecallNet.forward`
+        up to float rounding."""
+        M, B, P = idx.key_rows.shape
+        T_q, T_k, T_r = self._tables()
+        if self.bilinear:
+            dots = _gather_dots(T_q, T_k, idx)                               # (M, B, P) = q.k_i
+            z = torch.stack([_temper(mech, T_q[m], T_k[m], dots[m], P)
+                             for m, mech in enumerate(self.mechanisms)])     # (M, B, P)
+        else:
+            T_k = T_k.flatten(0, 1)                                          # (M * T, d_k)
+            k = (T_k[idx.key_rows] + T_k[idx.value_rows]) * PAIR_NORM        # (M, B, P, d_k)
+            q = T_q.flatten(0, 1)[idx.query_rows]                            # (M, B, d_k)
+            z = torch.stack([mech.logits(q[m, :, None, None], k[m, :, None])[:, 0, 0]
+                             for m, mech in enumerate(self.mechanisms)])     # (M, B, P)
+        p = z.softmax(-1)                                                    # (M, B, P)
+        T_r = T_r.flatten(0, 1)                                              # (M * T, n_values)
+        r = (T_r[idx.key_rows] + T_r[idx.value_rows]) * PAIR_NORM            # (M, B, P, n_values)
+        logits = (p.unsqueeze(-2) @ r).squeeze(-2)                           # (M, B, n_values)
+        loss = F.cross_entropy(logits.flatten(0, 1), idx.target.flatten(), reduction="none")
+        return RecallOutput(loss.view(M, B).mean(-1), z, logits)
+
+    @torch.no_grad()
+    def qk_dots(self, idx: BatchIndex) -> Tensor:
+        """Raw q.k_i before any temperature, (M, B, P): the variance argument's quantity."""
+        T_q, T_k, _ = self._tables()
+        return _gather_dots(T_q, T_k, idx)
+
+
+def _raw_weight(linear: nn.Linear) -> Tensor:
+    """The trained tensor behind ``linear.weight``: the weight, or the original under a
+    parametrisation."""
+    if hasattr(linear, "parametrizations"):
+        return linear.parametrizations.weight.original
+    return linear.weight
+
+
+def _weight_maps(linear: nn.Linear) -> nn.ModuleList:
+    return nn.ModuleList(linear.parametrizations.weight if hasattr(linear, "parametrizations")
+                         else [])
+
+
+def _mapped(w_t: Tensor, maps: nn.ModuleList) -> Tensor:
+    """Apply each model's parametrisations (which act on W, (d_k, d_model)) to its slice of the
+    stacked W^T (M, d_model, d_k); ``w_t`` itself when no model has any."""
+    if all(len(chain) == 0 for chain in maps):
+        return w_t
+    out = []
+    for m, chain in enumerate(maps):
+        w = w_t[m].mT
+        for f in chain:
+            w = f(w)
+        out.append(w.mT)
+    return torch.stack(out)
+
+
+def _gather_dots(T_q: Tensor, T_k: Tensor, idx: BatchIndex) -> Tensor:
+    """q.k_i from the table of every (query token, pair token) score S = T_Q T_K^T: (M, B, P)."""
+    S = (T_q @ T_k.mT).flatten()                                             # (M * n_keys * T,)
+    return (S[idx.key_scores] + S[idx.value_scores]) * PAIR_NORM
+
+
+def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys: int) -> Tensor:
+    """A bilinear mechanism's logits from the plain dot products: ``cap(scale * q.k)``.
+
+    The mechanism's ``prepare`` is called on its tables only to read the scale (it returns q and k
+    unchanged, see :func:`_is_bilinear`); this is :meth:`Mechanism.logits` with q.k precomputed.
+    """
+    _, _, scale = mechanism.prepare(T_q[None, None], T_k[None, None], n_keys)
+    if isinstance(scale, Tensor):
+        scale = scale.reshape(())  # one head: (1, 1, 1) -> ()
+    z = dots * scale                                                         # (B, P)
+    if mechanism.cap is not None:
+        z = mechanism.cap * torch.tanh(z / mechanism.cap)
+    return z

@@ -1,0 +1,265 @@
+"""Train recall models and measure each run: loss curve, milestones, plateaus, accuracy, statistics.
+
+:func:`train_runs` trains several runs that share every shape and optimiser setting (differing in
+mechanism, seed or options) as one batched model, see :class:`attnscale.recall.model.StackedRecall`; :func:`train`, :func:`compare` and :func:`run_all`
+are the entry points built on it.
+
+Speed and determinism
+---------------------
+Training runs on :data:`TRAIN_THREADS` intra-op thread (restored afterwards): every tensor here is
+small, so extra threads mostly add synchronisation, and a fixed thread count makes the float
+reductions, hence the curves, bit-identical on any machine.  The data stream is pre-sampled per
+chunk, and a step does one forward, one backward and one optimiser step with no host syncs beyond
+writing its loss into a preallocated tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from attnscale.errors import ConfigError
+from attnscale.progress import progress
+from attnscale.recall import metrics
+from attnscale.recall.config import RecallConfig, shared_key
+from attnscale.recall.model import BatchIndex, RecallNet, StackedRecall
+from attnscale.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
+from attnscale.stats import logit_std, softmax_stats
+
+TRAIN_THREADS = 1
+# Held-out sequences per evaluation forward (bounds the (M, chunk, P, d_k) key tensor).
+EVAL_CHUNK = 500
+
+
+@dataclass
+class RunResult:
+    """Everything measured in one run.  Steps are 0-based optimiser steps (loss at step t is on
+    batch t, before update t)."""
+    config: RecallConfig
+    loss: list[float]                    # per-step training loss (nats)
+    smoothed: list[float]                # EMA of ``loss`` (metrics.EMA_DECAY)
+    steps_to_loss_1: int | None          # first step with smoothed loss < 1.0 (None: never)
+    steps_to_loss_0_1: int | None        # first step with smoothed loss < 0.1
+    final_loss: float                    # smoothed loss at the last step
+    eval_accuracy: float                 # fraction of the held-out set answered correctly
+    grad_wq_norm_step0: float            # ||dL/dW_Q||_F at step 0
+    logit_grad_norm_step0: float         # ||dL/dz||_F at step 0, z the attention logits
+    plateaus: list[dict]                 # [{"start", "end", "level"}], see metrics.plateaus
+    wall_seconds: float                  # wall time of the (batched) training job of this run
+    trace: list[dict] = field(default_factory=list)  # attention statistics every log_every steps
+    eval_stats: dict = field(default_factory=dict)   # statistics on the held-out set after training
+
+    @property
+    def mechanism(self) -> str:
+        return self.config.mechanism
+
+    def to_json(self) -> dict:
+        """The issue's JSON record for ``attnscale compare --json`` (loss_curve = per-step loss)."""
+        return {"mechanism": self.config.mechanism, "seed": self.config.seed,
+                "steps_to_loss_1": self.steps_to_loss_1,
+                "steps_to_loss_0_1": self.steps_to_loss_0_1,
+                "final_loss": self.final_loss, "eval_accuracy": self.eval_accuracy,
+                "grad_wq_norm_step0": self.grad_wq_norm_step0, "plateaus": self.plateaus,
+                "wall_seconds": self.wall_seconds, "loss_curve": self.loss}
+
+    def row(self) -> dict:
+        """A flat record for tables and results.json (no curves)."""
+        c = self.config
+        return {"mechanism": c.mechanism, "seed": c.seed, "d_k": c.d_k, "optimizer": c.optimizer,
+                "lr": c.lr, "qk_lr_mult": c.qk_lr_mult, "steps": c.steps,
+                "steps_to_loss_1": self.steps_to_loss_1,
+                "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
+                "eval_accuracy": self.eval_accuracy,
+                "grad_wq_norm_step0": self.grad_wq_norm_step0,
+                "logit_grad_norm_step0": self.logit_grad_norm_step0,
+                "plateaus": len(self.plateaus), "wall_seconds": self.wall_seconds,
+                **{f"eval_{k}": v for k, v in self.eval_stats.items()}}
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads, restoring the previous count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
+    """Adam or SGD over the stacked weights; W_Q and W_K (with sigma-reparam's gamma) get
+    ``lr * qk_lr_mult``.  Fused kernels: one pass over all parameters per step."""
+    c = model.config
+    qk = [model.w_q_t, model.w_k_t, *model.q_maps.parameters(), *model.k_maps.parameters()]
+    qk_ids = {id(p) for p in qk}
+    rest = [p for p in model.parameters() if id(p) not in qk_ids]
+    groups = [{"params": rest, "lr": c.lr}, {"params": qk, "lr": c.lr * c.qk_lr_mult}]
+    if c.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=c.lr, fused=True)
+    return torch.optim.SGD(groups, lr=c.lr)
+
+
+def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int, cache: dict) -> BatchIndex:
+    """The chunk's batches for every run, (M, CHUNK_STEPS, B), sampled once per seed."""
+    if chunk not in cache:
+        cache.clear()
+        cache[chunk] = {}
+    per_seed = cache[chunk]
+    for c in configs:
+        if c.seed not in per_seed:
+            per_seed[c.seed] = train_chunk(c, chunk)
+    batches = [per_seed[c.seed] for c in configs]
+    return BatchIndex.build(stack_batches(batches), configs[0].n_keys, configs[0].n_values)
+
+
+_STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
+
+
+def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Row means of entropy (nats), max weight, softmax-Jacobian norm and logit std of the
+    attention logits z (M, B, P): each (M,)."""
+    s = softmax_stats(z)
+    return {"entropy": s["entropy"].mean(-1), "max_weight": s["max_weight"].mean(-1),
+            "jacobian_fro": s["jacobian_fro"].mean(-1), "logit_std": logit_std(z).mean(-1)}
+
+
+def stack_batches(batches: Sequence[RecallBatch]) -> RecallBatch:
+    """Stack per-model batches of equal shape on a new leading model axis."""
+    return RecallBatch(*(torch.stack([getattr(b, f) for b in batches])
+                         for f in ("keys", "values", "query", "target")))
+
+
+@torch.no_grad()
+def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
+    """Accuracy and attention statistics of each model on its own held-out set.
+
+    Returns per model ``accuracy, entropy, max_weight, logit_std`` (of the logits after the
+    mechanism) and ``qk_std``, the std over keys of the raw q.k before any temperature.
+    """
+    c = model.config
+    was_training = model.training
+    model.eval()  # no power-iteration updates (sigma-reparam) while evaluating
+    try:
+        sums = torch.zeros(2 + len(_STAT_NAMES), len(model), dtype=torch.float64)
+        count = len(data[0])
+        for lo in range(0, count, EVAL_CHUNK):
+            batch = stack_batches([d[lo:lo + EVAL_CHUNK] for d in data])       # (M, chunk)
+            idx = BatchIndex.build(batch, c.n_keys, c.n_values)
+            out = model(idx)
+            stats = _attention_stats(out.z)
+            rows = (out.logits.argmax(-1) == batch.target).double().sum(-1)    # (M,) correct
+            n = batch.query.shape[1]
+            sums += torch.stack([rows, *(v.double() * n for v in stats.values()),
+                                 logit_std(model.qk_dots(idx)).double().sum(-1)])
+        names = ("accuracy", *_STAT_NAMES, "qk_std")
+        return [{k: float(v) for k, v in zip(names, sums[:, m] / count)} for m in range(len(model))]
+    finally:
+        model.train(was_training)
+
+
+def check_compatible(configs: Sequence[RecallConfig]) -> list[RecallConfig]:
+    """Validate ``configs`` and require them to differ only in per-run fields."""
+    if not configs:
+        raise ConfigError("at least one run is required.")
+    configs = [c.validated() for c in configs]
+    if any(shared_key(c) != shared_key(configs[0]) for c in configs):
+        raise ConfigError("runs trained together must share every setting except mechanism, "
+                          "seed and options.")
+    return configs
+
+
+def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = None,
+               desc: str | None = None) -> list[RunResult]:
+    """Train every config as one batched model and measure each run.
+
+    Each run keeps its own initialisation (from its seed) and data stream (from its seed), so a
+    run's curve does not depend on which others it is trained with beyond float rounding of the
+    batched matmuls.
+    """
+    configs = check_compatible(configs)
+    c = configs[0]
+    M = len(configs)
+    with num_threads(TRAIN_THREADS):
+        start = time.perf_counter()
+        model = StackedRecall([RecallNet(cfg) for cfg in configs]).train()
+        opt = _optimizer(model)
+        losses = torch.empty(c.steps, M)
+        trace_steps, trace = [], []
+        cache: dict = {}
+        label = desc or ",".join(dict.fromkeys(cfg.mechanism for cfg in configs))
+        for t in progress(range(c.steps), desc=f"train {label}", enabled=show_progress):
+            if t % CHUNK_STEPS == 0:
+                chunk = _stacked_chunk(configs, t // CHUNK_STEPS, cache)
+            out = model(chunk.step(t % CHUNK_STEPS))
+            if t == 0:
+                out.z.retain_grad()
+            opt.zero_grad(set_to_none=True)
+            out.loss.sum().backward()  # models are independent: each gets its own gradient
+            if t == 0:
+                grad_wq = model.w_q_t.grad.flatten(1).norm(dim=1).tolist()
+                grad_z = out.z.grad.flatten(1).norm(dim=1).tolist()
+            opt.step()
+            losses[t] = out.loss.detach()
+            if t % c.log_every == 0 or t == c.steps - 1:
+                trace_steps.append(t)
+                trace.append(_attention_stats(out.z.detach()))
+        evals = evaluate(model, [eval_set(cfg) for cfg in configs])
+        wall = time.perf_counter() - start
+
+    results = []
+    for m, cfg in enumerate(configs):
+        loss = losses[:, m].tolist()
+        smoothed = metrics.ema(loss)
+        rows = [{"step": s, **{k: float(v[m]) for k, v in tr.items()}}
+                for s, tr in zip(trace_steps, trace)]
+        results.append(RunResult(
+            config=cfg, loss=loss, smoothed=smoothed.tolist(),
+            steps_to_loss_1=metrics.first_below(smoothed, metrics.MILESTONES[0]),
+            steps_to_loss_0_1=metrics.first_below(smoothed, metrics.MILESTONES[1]),
+            final_loss=float(smoothed[-1]), eval_accuracy=evals[m].pop("accuracy"),
+            grad_wq_norm_step0=grad_wq[m], logit_grad_norm_step0=grad_z[m],
+            plateaus=metrics.plateaus(smoothed), wall_seconds=wall, trace=rows,
+            eval_stats=evals[m]))
+    return results
+
+
+def run_all(configs: Sequence[RecallConfig], *, show_progress: bool | None = None) -> list[RunResult]:
+    """Train any set of configs, batching those that can share a model; results in input order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, cfg in enumerate(configs):
+        groups.setdefault(shared_key(cfg), []).append(i)
+    results: list[RunResult | None] = [None] * len(configs)
+    for members in groups.values():
+        for i, res in zip(members, train_runs([configs[i] for i in members],
+                                              show_progress=show_progress)):
+            results[i] = res
+    return results  # type: ignore[return-value]
+
+
+def train(config: RecallConfig | None = None, *, show_progress: bool | None = None,
+          **overrides) -> RunResult:
+    """Train one run: ``train(mechanism="unscaled", d_k=64)`` or ``train(config)``."""
+    config = replace(config or RecallConfig(), **overrides)
+    return train_runs([config], show_progress=show_progress)[0]
+
+
+def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallConfig | None = None,
+            *, seeds: Sequence[int] | None = None, show_progress: bool | None = None,
+            **overrides) -> list[RunResult]:
+    """Train each mechanism (x each seed) from the same init and data; the essay's demo by default."""
+    base = replace(config or RecallConfig(), **overrides)
+    seeds = [base.seed] if seeds is None else list(seeds)
+    return train_runs([replace(base, mechanism=m, seed=s) for s in seeds for m in mechanisms],
+                      show_progress=show_progress)
+
+
+def config_dict(config: RecallConfig) -> dict:
+    """JSON-ready view of a config."""
+    out = asdict(config)
+    out["options"] = dict(config.options)
+    return out
