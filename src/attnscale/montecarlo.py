@@ -24,6 +24,7 @@ import torch
 
 from attnscale.constants import Z95
 from attnscale.errors import ConfigError, check_choice, check_int, check_int_list
+from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
 from attnscale.stats import logit_std, softmax_stats
 
@@ -32,7 +33,8 @@ from attnscale.stats import logit_std, softmax_stats
 CHUNK_ELEMENTS = 1 << 16
 # Elements of the (trials, n, d_k) key tensor sampled per chunk by the direct reference.
 DIRECT_CHUNK_ELEMENTS = 1 << 23
-# Mechanisms whose logits on N(0, I) queries and keys this module samples exactly via the shortcut.
+# Mechanisms whose logits this module samples with the chi-square shortcut; every other mechanism
+# defined at init goes through its own ``logits`` on rotated-frame (or directly sampled) q and k.
 SHORTCUT_MECHANISMS = ("scaled", "unscaled")
 # The d_k grid of the essay's figures: 4, 8, ..., 1024.
 ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
@@ -156,8 +158,14 @@ def _check_saturation_args(d_ks, n, trials, seed, mechanisms):
     mechanisms = tuple(mechanisms)
     if not mechanisms:
         raise ConfigError("mechanisms must not be empty.")
+    at_init = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
     for name in mechanisms:
-        check_choice("mechanisms", name, SHORTCUT_MECHANISMS, what="mechanism")
+        check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
+        if name not in at_init:
+            raise ConfigError(
+                f"mechanism {name!r} has no temperature at init without data: it lives in the "
+                f"weights of W_Q and W_K, not in a rule on q and k. Mechanisms defined at init: "
+                f"{', '.join(at_init)}.")
     return d_ks, n, trials, seed, mechanisms
 
 
@@ -167,8 +175,11 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int = ESSAY_N, trials: int =
     """Softmax saturation of attention over ``n`` random keys, per mechanism and ``d_k``.
 
     For each trial a fresh query and ``n`` fresh keys are drawn; the statistics of its attention row
-    are averaged over ``trials``.  All mechanisms of one ``d_k`` see the same samples (common random
-    numbers), so their differences are measured with less noise than their levels.
+    are averaged over ``trials``.  ``scaled`` and ``unscaled`` use the chi-square shortcut; every
+    other mechanism defined at init applies its own ``logits`` to queries and keys in a rotated
+    frame (:func:`_frame_qk`), or sampled directly when its rule is not rotation invariant.
+    Mechanisms sampled the same way share samples (common random numbers), so their differences
+    are measured with less noise than their levels.
 
     Returns one row per (mechanism, d_k) with ``mechanism, d_k, n, trials, seed`` and the mean and
     standard error of ``max_weight``, ``entropy`` (nats), ``jacobian_fro`` and ``logit_std``.
@@ -184,38 +195,88 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int = ESSAY_N, trials: int =
 def _saturation_one(d_k: int, n: int, trials: int, seed: int,
                     mechanisms: tuple[str, ...]) -> list[dict]:
     """Rows of :func:`saturation` for one ``d_k``."""
-    rows = []
-    rng = _rng(seed, d_k, 1)
     acc: dict[str, dict[str, list[float]]] = {m: {} for m in mechanisms}
-    for size in _chunks(trials, n):
-        # Exact shortcut: logits q.k_i = |q| g_i, |q|^2 ~ chi2(d_k), g ~ N(0, I_n).
-        norm_q = np.sqrt(rng.chisquare(d_k, size=(size, 1)))      # (T, 1)
-        g = rng.standard_normal((size, n))                        # (T, n)
-        raw = torch.from_numpy(norm_q * g)                         # (T, n) float64
-        for name in mechanisms:
-            z = raw / math.sqrt(d_k) if name == "scaled" else raw
-            stats = softmax_stats(z)
-            stats["logit_std"] = logit_std(z)
-            _accumulate(acc[name], stats)
-    for name in mechanisms:
-        rows.append({"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
-                     **_summarise(acc[name], trials)})
-    return rows
+    method = {m: "chi2-shortcut" for m in mechanisms if m in SHORTCUT_MECHANISMS}
+    shortcut = [m for m in mechanisms if m in SHORTCUT_MECHANISMS]
+    if shortcut:
+        rng = _rng(seed, d_k, 1)
+        for size in _chunks(trials, n):
+            # Exact shortcut: logits q.k_i = |q| g_i, |q|^2 ~ chi2(d_k), g ~ N(0, I_n).
+            norm_q = np.sqrt(rng.chisquare(d_k, size=(size, 1)))      # (T, 1)
+            g = rng.standard_normal((size, n))                        # (T, n)
+            raw = torch.from_numpy(norm_q * g)                         # (T, n) float64
+            for name in shortcut:
+                _accumulate(acc[name], _row_stats(raw / math.sqrt(d_k) if name == "scaled"
+                                                  else raw))
+    modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms if m not in SHORTCUT_MECHANISMS}
+    for frame in (True, False):
+        group = {m: mod for m, mod in modules.items() if mod.rotation_invariant == frame}
+        if not group:
+            continue
+        rng = _rng(seed, d_k, 3 if frame else 4)
+        per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
+        for start in range(0, trials, per):
+            q, k = (_frame_qk if frame else _direct_qk)(d_k, n, min(per, trials - start), rng)
+            for name, mod in group.items():
+                with torch.no_grad():
+                    z = mod.logits(q, k)[:, 0, 0, :]                  # (T, n)
+                _accumulate(acc[name], _row_stats(z))
+        method.update({m: "rotation-frame" if frame else "direct" for m in group})
+    return [{"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
+             "method": method[name], **_summarise(acc[name], trials)} for name in mechanisms]
+
+
+def _row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-row statistics accumulated by the saturation experiments."""
+    stats = softmax_stats(z)
+    stats["logit_std"] = logit_std(z)
+    return stats
+
+
+def _frame_qk(d_k: int, n: int, trials: int,
+              rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys in a rotated frame, exact in distribution for rotation-invariant rules.
+
+    Rotate each trial so that ``q = |q| e_1``; the keys' first coordinates are then i.i.d.
+    ``N(0, 1)`` and the norm of their remaining ``d_k - 1`` coordinates is ``chi(d_k - 1)``, which
+    can sit on ``e_2``.  Any rule invariant under a joint rotation of ``q`` and ``k`` (dot products,
+    norms) sees exactly the distribution of ``N(0, I)`` queries and keys, at ``3`` random numbers
+    per key instead of ``d_k``.  Returns q (T, 1, 1, d_k) and k (T, 1, n, d_k), float32.
+    """
+    q = torch.zeros(trials, 1, 1, d_k)
+    k = torch.zeros(trials, 1, n, d_k)
+    q[:, 0, 0, 0] = torch.from_numpy(np.sqrt(rng.chisquare(d_k, size=trials)))
+    k[:, 0, :, 0] = torch.from_numpy(rng.standard_normal((trials, n)))
+    if d_k > 1:
+        k[:, 0, :, 1] = torch.from_numpy(np.sqrt(rng.chisquare(d_k - 1, size=(trials, n))))
+    return q, k
+
+
+def _direct_qk(d_k: int, n: int, trials: int,
+               rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian queries (T, 1, 1, d_k) and keys (T, 1, n, d_k), float32, sampled coordinatewise."""
+    q = torch.from_numpy(rng.standard_normal((trials, 1, 1, d_k), dtype=np.float32))
+    k = torch.from_numpy(rng.standard_normal((trials, 1, n, d_k), dtype=np.float32))
+    return q, k
 
 
 def saturation_direct(d_k: int, n: int, trials: int, seed: int,
                       mechanism: str = "unscaled") -> dict[str, float]:
-    """Reference for :func:`saturation`: the same statistics from explicitly sampled q and K."""
-    check_choice("mechanism", mechanism, SHORTCUT_MECHANISMS)
+    """Reference for :func:`saturation`: statistics from explicitly sampled ``q`` and ``K``.
+
+    Samples every coordinate of ``N(0, I)`` queries and keys (the essay's method) and applies the
+    mechanism's own ``logits``; slow, and the yardstick for both shortcuts.
+    """
+    _check_saturation_args([d_k], n, trials, seed, (mechanism,))
+    mod = build_mechanism(mechanism, d_k, 1)
     rng = _rng(seed, d_k, 2)
     acc: dict[str, list[float]] = {}
     per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
     for start in range(0, trials, per):
-        raw = torch.from_numpy(sample_logits_direct(d_k, n, min(per, trials - start), rng))
-        z = raw / math.sqrt(d_k) if mechanism == "scaled" else raw
-        stats = softmax_stats(z)
-        stats["logit_std"] = logit_std(z)
-        _accumulate(acc, stats)
+        q, k = _direct_qk(d_k, n, min(per, trials - start), rng)
+        with torch.no_grad():
+            z = mod.logits(q, k)                                     # (T, 1, 1, n)
+        _accumulate(acc, _row_stats(z[:, 0, 0, :]))
     return _summarise(acc, trials)
 
 
@@ -251,10 +312,12 @@ def jacobian_crossing(rows: Sequence[dict], lower: str = "unscaled",
     mid = crossing(diffs(0.0))
     if mid is None:
         return {"crosses": False, "d_k_interval": None, "d_k_estimate": None, "d_k_ci95": None}
-    bounds = [crossing(diffs(s)) for s in (-Z95, Z95)]
-    ci = [b[2] for b in bounds if b is not None]
+    # Shifting the difference down moves the crossing to smaller d_k, up to larger d_k.  A shifted
+    # curve that never crosses on the grid leaves that end of the interval open (None).
+    lo, hi = (crossing(diffs(s)) for s in (-Z95, Z95))
     return {"crosses": True, "d_k_interval": [mid[0], mid[1]], "d_k_estimate": mid[2],
-            "d_k_ci95": [min(ci + [mid[2]]), max(ci + [mid[2]])]}
+            "d_k_ci95": [None if lo is None else min(lo[2], mid[2]),
+                         None if hi is None else max(hi[2], mid[2])]}
 
 
 def condensation_threshold(n: int) -> float:

@@ -58,25 +58,30 @@ def softmax_stats(z: Tensor) -> dict[str, Tensor]:
     """
     d, e, S, valid_row = _centred(z)
     p_top = 1.0 / (1.0 + S)                                        # (...)
-    rest = S * p_top                                               # 1 - p_t, without cancellation
-    p = e.mul_(p_top.unsqueeze(-1))                                # (..., n): p_i, i != t; p_t -> 0
 
     # Entropy H = -sum p_i log p_i with -log p_i = log1p(S) - d_i >= 0, so every term is >= 0:
-    # H = log1p(S) (p_t + rest) - sum_i p_i d_i = log1p(S) - sum_{i != t} p_i d_i.
-    entropy = torch.log1p(S) - torch.linalg.vecdot(p, d)
+    # H = log1p(S) (p_t + rest) - sum_i p_i d_i = log1p(S) - p_t sum_{i != t} e_i d_i.
+    entropy = torch.log1p(S) - p_top * torch.linalg.vecdot(e, d)
 
-    # ||J||_F^2 for J = diag(p) - p p^T, split around the top key t, with R_k = sum_{i != t} p_i^k:
-    #   diagonal:      p_t^2 rest^2 + sum_{i != t} p_i^2 (1 - p_i)^2 = ... + R2 - 2 R3 + R4
-    #   off-diagonal:  sum_{i != j} p_i^2 p_j^2 = 2 p_t^2 R2 + (R2^2 - R4)
-    # Every non-top p_i is <= 1/2, so R2 - 2 R3 >= 0 and R2^2 >= R4: no catastrophic cancellation,
-    # unlike the textbook sum p^2 - 2 sum p^3 + (sum p^2)^2, which is 0 or NaN near one-hot.
-    p2 = p * p
-    R2 = p2.sum(dim=-1)
-    R3 = torch.linalg.vecdot(p2, p)
-    R4 = torch.linalg.vecdot(p2, p2)
-    diag = (p_top * rest) ** 2 + torch.clamp(R2 - 2.0 * R3 + R4, min=0.0)
-    off = 2.0 * p_top * p_top * R2 + torch.clamp(R2 * R2 - R4, min=0.0)
-    jac = torch.sqrt(diag + off)
+    # ||J||_F^2 for J = diag(p) - p p^T, split around the top key t, with R_k = sum_{i != t} p_i^k
+    # and rest = 1 - p_t = p_t S:
+    #   diagonal      p_t^2 rest^2 + sum_{i != t} p_i^2 (1 - p_i)^2 = p_t^2 rest^2 + R2 - 2 R3 + R4
+    #   off-diagonal  sum_{i != j} p_i^2 p_j^2 = 2 p_t^2 R2 + R2^2 - R4
+    # so ||J||^2 = p_t^2 rest^2 + (1 + 2 p_t^2) R2 - 2 R3 + R2^2.  Non-top weights are <= 1/2, so
+    # 2 R3 <= R2 and nothing cancels catastrophically (unlike sum p^2 - 2 sum p^3 + (sum p^2)^2,
+    # which is 0 or NaN near one-hot).  To keep p_i^2 from underflowing when the gap exceeds
+    # ~350 (float64) or ~45 (float32), factor out the largest non-top weight p_t m:
+    # with u_i = e_i / m and U_k = sum u_i^k (each in [1, n]),
+    #   ||J|| = p_t m sqrt(p_t^2 U1^2 + (1 + 2 p_t^2) U2 - 2 p_t m U3 + (p_t m)^2 U2^2).
+    m = e.amax(dim=-1)                                             # (...), 0 when n = 1
+    u = e / torch.where(m > 0, m, torch.ones_like(m)).unsqueeze(-1)
+    u2 = u * u
+    U1 = S / torch.where(m > 0, m, torch.ones_like(m))
+    U2 = u2.sum(dim=-1)
+    U3 = torch.linalg.vecdot(u2, u)
+    pm = p_top * m
+    inner = (p_top * U1) ** 2 + (1.0 + 2.0 * p_top * p_top) * U2 - 2.0 * pm * U3 + (pm * U2) ** 2
+    jac = pm * torch.sqrt(inner.clamp(min=0.0))
 
     out = {"max_weight": p_top, "entropy": entropy, "jacobian_fro": jac}
     if valid_row is not None:

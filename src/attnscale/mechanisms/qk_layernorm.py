@@ -21,6 +21,8 @@ LN_EPS = 1e-5
 class QKLayerNorm(Mechanism):
     """z = LN(q)ᵀ LN(k) / √d, LN per head or over d_model.  Source: ViT-22B, Chameleon, OLMo 2."""
 
+    rotation_invariant = False  # LayerNorm subtracts the mean over coordinates
+
     def __init__(self, d_head: int, n_heads: int, *, over: str = "head"):
         super().__init__(d_head, n_heads)
         self.over = check_choice("over", over, OVER_CHOICES)

@@ -7,6 +7,7 @@ place only when every section has finished, so an error or Ctrl-C leaves no half
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -67,7 +68,7 @@ def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]
         lo_hi = m.interval()
         records.append({"claim": claim.id, "section": claim.section, "quantity": claim.quantity,
                         "essay": claim.essay, "ours": m.value, "se": m.se,
-                        "ci95": list(lo_hi) if lo_hi else None, "agrees": verdict.agrees,
+                        "ci95": [v if math.isfinite(v) else None for v in lo_hi] if lo_hi else None, "agrees": verdict.agrees,
                         "verdict": verdict.text})
     return "\n".join(lines), records
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from attnscale.mechanisms import MECHANISMS
 from attnscale.montecarlo import (
     ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, jacobian_crossing, saturation,
     small_head_thresholds, variance,
@@ -15,6 +16,9 @@ from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, plot_vs_dk, save
 from attnscale.stats import entropy
 
+# Trials per d_k for the every-mechanism figure: its mechanisms are sampled through their own
+# modules, which costs O(n d_k) per trial instead of O(n); 500 keeps the standard errors < 1%.
+MECHANISM_TRIALS = 500
 # Grids around the small-head thresholds: d_k near 2 ln 256 ~ 11, and n near exp(4/2) ~ 7.4.
 SMALL_HEAD_D_KS = (2, 4, 6, 8, 11, 16, 24, 32)
 SMALL_HEAD_NS = (2, 4, 7, 16, 64, 256, 4096)
@@ -98,8 +102,9 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
         "small_head.n_threshold.dk4": Measurement(th["n_threshold"]),
     }
     if cross["crosses"]:
+        lo, hi = cross["d_k_ci95"]
         m["jacobian.crossing_dk"] = Measurement(
-            cross["d_k_estimate"], ci95=tuple(cross["d_k_ci95"]),
+            cross["d_k_estimate"], ci95=(lo or 0.0, math.inf if hi is None else hi),
             note=f"between grid points {cross['d_k_interval'][0]} and {cross['d_k_interval'][1]}")
 
     mechs = ("scaled", "unscaled")
@@ -115,25 +120,45 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     fig, (ax,) = new_figure(1, width=6)
     plot_vs_dk(ax, sat_rows, "jacobian_fro", mechs)
     if cross["crosses"]:
-        ax.axvspan(*cross["d_k_ci95"], color="grey", alpha=0.15, label="crossing (95% CI)")
+        lo, hi = cross["d_k_ci95"]
+        ax.axvspan(lo or ESSAY_D_KS[0], hi or ESSAY_D_KS[-1], color="grey", alpha=0.15, label="crossing (95% CI)")
     ax.set_ylabel(r"mean $\|J\|_F$")
     ax.legend()
     save(fig, fig_dir / "figure2_jacobian.png")
 
+    at_init = tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
+    mech_rows = saturation(ESSAY_D_KS, ESSAY_N, MECHANISM_TRIALS, seed, at_init)
+    fig, (ax1, ax2) = new_figure(2, width=5.5, height=4.2)
+    plot_vs_dk(ax1, mech_rows, "max_weight", at_init)
+    ax1.set_ylabel("mean max attention weight")
+    ax1.set_yscale("log")
+    plot_vs_dk(ax2, mech_rows, "entropy", at_init)
+    ax2.set_ylabel("mean entropy (nats)")
+    ax2.legend(fontsize=7, ncol=2)
+    save(fig, fig_dir / "figure_mechanisms_at_init.png")
+    skipped = [name for name in MECHANISMS if name not in at_init]
+
     md = (f"Settings: {ESSAY_PAIRS:,} pairs per d_k for the variance check; n = {ESSAY_N} keys and "
           f"{ESSAY_TRIALS} trials per d_k for the figures; seed {seed}. Logits are sampled with the "
           "exact chi-square shortcut (|q|^2 ~ chi2(d_k), q.k_i = |q| g_i).\n\n"
-          "### Keep the head small\n\n" + small_md)
+          "### Keep the head small\n\n" + small_md + "\n\n### Every mechanism at init\n\n"
+          f"Each mechanism defined at init is applied to N(0, I) queries and keys (n = {ESSAY_N}, "
+          f"{MECHANISM_TRIALS} trials per d_k) with its default options. "
+          f"Not shown: {', '.join(skipped)}, whose temperature lives in the weights of W_Q and "
+          "W_K rather than in a rule on q and k.")
     return Section(
         name="Monte Carlo: variance, saturation and the softmax Jacobian",
         rows=[dict(r, experiment="variance") for r in var_rows]
         + [dict(r, experiment="saturation") for r in sat_rows]
         + [dict(cross, experiment="jacobian_crossing")]
-        + [dict(r, experiment="small_head") for r in small_rows],
+        + [dict(r, experiment="small_head") for r in small_rows]
+        + [dict(r, experiment="saturation_by_mechanism") for r in mech_rows],
         measurements=m,
         figures=[("figure1_saturation.png", "Figure 1. Mean max attention weight and entropy vs "
                   "d_k, n = 256 keys: scaled (blue) is flat, unscaled (green) saturates."),
                  ("figure2_jacobian.png", "Figure 2. Mean softmax-Jacobian Frobenius norm vs d_k: "
-                  "unscaled peaks at d_k = 16 and crosses below scaled.")],
+                  "unscaled peaks at d_k = 16 and crosses below scaled."),
+                 ("figure_mechanisms_at_init.png", "Max weight and entropy vs d_k at init for "
+                  "every mechanism whose temperature is a rule on q and k.")],
         markdown=md,
     )
