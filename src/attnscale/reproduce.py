@@ -19,6 +19,7 @@ from attnscale.report.writer import check_writable_dir, write_report
 
 REPORT_SECTIONS = (
     "attnscale.sections.montecarlo:report_section",
+    "attnscale.sections.montecarlo:report_section_mechanisms",
 )
 
 

@@ -126,6 +126,27 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     ax.legend()
     save(fig, fig_dir / "figure2_jacobian.png")
 
+    md = (f"Settings: {ESSAY_PAIRS:,} pairs per d_k for the variance check; n = {ESSAY_N} keys and "
+          f"{ESSAY_TRIALS} trials per d_k for the figures; seed {seed}. Logits are sampled with the "
+          "exact chi-square shortcut (|q|^2 ~ chi2(d_k), q.k_i = |q| g_i).\n\n"
+          "### Keep the head small\n\n" + small_md )
+    return Section(
+        name="Monte Carlo: variance, saturation and the softmax Jacobian",
+        rows=[dict(r, experiment="variance") for r in var_rows]
+        + [dict(r, experiment="saturation") for r in sat_rows]
+        + [dict(cross, experiment="jacobian_crossing")]
+        + [dict(r, experiment="small_head") for r in small_rows],
+        measurements=m,
+        figures=[("figure1_saturation.png", "Figure 1. Mean max attention weight and entropy vs "
+                  "d_k, n = 256 keys: scaled (blue) is flat, unscaled (green) saturates."),
+                 ("figure2_jacobian.png", "Figure 2. Mean softmax-Jacobian Frobenius norm vs d_k: "
+                  "unscaled peaks at d_k = 16 and crosses below scaled.")],
+        markdown=md,
+    )
+
+
+def report_section_mechanisms(fig_dir: Path, *, seed: int) -> Section:
+    """Saturation at init for every mechanism whose temperature is a rule on q and k."""
     at_init = tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
     mech_rows = saturation(ESSAY_D_KS, ESSAY_N, MECHANISM_TRIALS, seed, at_init)
     fig, (ax1, ax2) = new_figure(2, width=5.5, height=4.2)
@@ -138,27 +159,15 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     save(fig, fig_dir / "figure_mechanisms_at_init.png")
     skipped = [name for name in MECHANISMS if name not in at_init]
 
-    md = (f"Settings: {ESSAY_PAIRS:,} pairs per d_k for the variance check; n = {ESSAY_N} keys and "
-          f"{ESSAY_TRIALS} trials per d_k for the figures; seed {seed}. Logits are sampled with the "
-          "exact chi-square shortcut (|q|^2 ~ chi2(d_k), q.k_i = |q| g_i).\n\n"
-          "### Keep the head small\n\n" + small_md + "\n\n### Every mechanism at init\n\n"
-          f"Each mechanism defined at init is applied to N(0, I) queries and keys (n = {ESSAY_N}, "
-          f"{MECHANISM_TRIALS} trials per d_k) with its default options. "
-          f"Not shown: {', '.join(skipped)}, whose temperature lives in the weights of W_Q and "
-          "W_K rather than in a rule on q and k.")
+    md = (f"Each mechanism defined at init is applied to N(0, I) queries and keys (n = {ESSAY_N}, "
+          f"{MECHANISM_TRIALS} trials per d_k) with its default options. Not shown: "
+          f"{', '.join(skipped)}, whose temperature lives in the weights of W_Q and W_K rather "
+          "than in a rule on q and k.")
     return Section(
-        name="Monte Carlo: variance, saturation and the softmax Jacobian",
-        rows=[dict(r, experiment="variance") for r in var_rows]
-        + [dict(r, experiment="saturation") for r in sat_rows]
-        + [dict(cross, experiment="jacobian_crossing")]
-        + [dict(r, experiment="small_head") for r in small_rows]
-        + [dict(r, experiment="saturation_by_mechanism") for r in mech_rows],
-        measurements=m,
-        figures=[("figure1_saturation.png", "Figure 1. Mean max attention weight and entropy vs "
-                  "d_k, n = 256 keys: scaled (blue) is flat, unscaled (green) saturates."),
-                 ("figure2_jacobian.png", "Figure 2. Mean softmax-Jacobian Frobenius norm vs d_k: "
-                  "unscaled peaks at d_k = 16 and crosses below scaled."),
-                 ("figure_mechanisms_at_init.png", "Max weight and entropy vs d_k at init for "
-                  "every mechanism whose temperature is a rule on q and k.")],
+        name="Saturation at init, every mechanism",
+        rows=[dict(r, experiment="saturation_by_mechanism") for r in mech_rows],
+        measurements={},
+        figures=[("figure_mechanisms_at_init.png", "Max weight (log scale) and entropy vs d_k "
+                  "at init for every mechanism whose temperature is a rule on q and k.")],
         markdown=md,
     )
