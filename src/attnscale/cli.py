@@ -17,6 +17,7 @@ from attnscale.errors import ConfigError
 COMMAND_MODULES = (
     "attnscale.commands.montecarlo",
     "attnscale.commands.reproduce",
+    "attnscale.commands.train",
     "attnscale.commands.monitor",
 )
 

@@ -1,0 +1,96 @@
+"""Result files of the recall commands, written all or nothing.
+
+Every file is first written under a temporary name in its destination directory and renamed into
+place (``os.replace`` is atomic on one file system), so Ctrl-C or an error never leaves a partial
+result behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from attnscale.recall.experiments import study_summary
+from attnscale.recall.figures import study_figure
+from attnscale.recall.trainer import RunResult, config_dict
+from attnscale.report.figures import save
+
+# File names written by :func:`write_study` into its output directory.
+STUDY_FILES = {"json": "study_recall.json", "markdown": "study_recall.md",
+               "figure": "study_recall.png"}
+
+
+@contextlib.contextmanager
+def staged(out_dir: Path) -> Iterator[Path]:
+    """Yield a hidden staging folder inside ``out_dir``; on success move its files into
+    ``out_dir``, and in every case remove it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
+    try:
+        yield staging
+        for item in sorted(staging.iterdir()):
+            os.replace(item, out_dir / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file and a rename."""
+    path = Path(path)
+    with staged(path.parent) as staging:
+        (staging / path.name).write_text(json.dumps(obj, allow_nan=False), encoding="utf-8")
+
+
+def study_markdown(rows: Sequence[dict]) -> str:
+    """Markdown fragment: steps to smoothed loss 0.1 and accuracy per mechanism x d_k."""
+    mechanisms = list(dict.fromkeys(r["mechanism"] for r in rows))
+    d_ks = sorted({r["d_k"] for r in rows})
+    cell = {(r["mechanism"], r["d_k"]): r for r in rows}
+    seeds = max(r["seeds"] for r in rows)
+    head = "| mechanism | " + " | ".join(f"d_k={d}" for d in d_ks) + " |"
+    rule = "|---|" + "---|" * len(d_ks)
+
+    def steps(r: dict) -> str:
+        if r["steps_to_loss_0_1_mean"] is None:
+            return "never"
+        text = f"{r['steps_to_loss_0_1_mean']:.0f} ± {r['steps_to_loss_0_1_std']:.0f}"
+        return text + (f" ({r['reached_0_1']}/{r['seeds']})" if r["reached_0_1"] < r["seeds"]
+                       else "")
+
+    def acc(r: dict) -> str:
+        return f"{100 * r['accuracy_mean']:.1f}% (min {100 * r['accuracy_min']:.1f}%)"
+
+    lines = [f"Every registered mechanism on the associative-recall task, {seeds} seeds per cell, "
+             "identical init and data per seed.", "",
+             "**Steps to smoothed loss 0.1** (mean ± std over the seeds that got there; "
+             "(k/n) when only k of n did):", "", head, rule]
+    lines += [f"| {m} | " + " | ".join(steps(cell[m, d]) if (m, d) in cell else "" for d in d_ks)
+              + " |" for m in mechanisms]
+    lines += ["", "**Held-out accuracy** (mean over seeds, and the worst seed):", "", head, rule]
+    lines += [f"| {m} | " + " | ".join(acc(cell[m, d]) if (m, d) in cell else "" for d in d_ks)
+              + " |" for m in mechanisms]
+    return "\n".join(lines) + "\n"
+
+
+def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult]) -> dict:
+    """Write the study's JSON (summary rows and per-run rows), markdown fragment and figure.
+
+    Returns ``{"summary": [...], "runs": [...], "files": {...}}``.
+    """
+    out_dir = Path(out_dir)
+    summary = study_summary(runs)
+    shared = {k: v for k, v in config_dict(runs[0].config).items()
+              if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies
+    result = {"config": shared, "summary": summary,
+              "runs": [r.row() for r in runs]}
+    with staged(out_dir) as staging:
+        (staging / STUDY_FILES["json"]).write_text(json.dumps(result, indent=1, allow_nan=False),
+                                                   encoding="utf-8")
+        (staging / STUDY_FILES["markdown"]).write_text(study_markdown(summary), encoding="utf-8")
+        save(study_figure(summary), staging / STUDY_FILES["figure"])
+    return {**result, "files": {k: str(out_dir / v) for k, v in STUDY_FILES.items()}}
