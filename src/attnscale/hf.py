@@ -183,6 +183,15 @@ def _n_heads(layer: nn.Module) -> int:
     return int(n)
 
 
+def check_swappable(name: str, **options) -> None:
+    """ConfigError unless :func:`set_mechanism` can install ``name`` with ``options``."""
+    build_mechanism(name, 1, 1, **options)  # unknown name or option: did-you-mean error
+    if not MECHANISMS[name].defined_at_init:
+        raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the q and "
+                          "k HF passes to the attention function; use "
+                          "attnscale.MultiHeadAttention for it.")
+
+
 def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
     """Make mechanism ``name`` own the temperature of every attention layer of ``model``.
 
@@ -197,11 +206,7 @@ def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
     """
     layers = check_supported(model)
     if name is not None:
-        build_mechanism(name, 1, 1, **options)  # validate name and options before touching
-        if not MECHANISMS[name].defined_at_init:
-            raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the "
-                              "q and k HF passes to the attention function; use "
-                              "attnscale.MultiHeadAttention for it.")
+        check_swappable(name, **options)
     register()
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)

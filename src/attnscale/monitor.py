@@ -147,91 +147,96 @@ def head_stats(q: Tensor, k: Tensor, *, scale: float | Tensor | None = None,
     """
     block = check_int("block", block, minimum=1)
     with torch.no_grad():
-        q, k = q.detach(), k.detach()
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = torch.promote_types(q.dtype, torch.float32)
-        q, k = q.to(work), k.to(work)
+        q, k = q.detach().to(work), k.detach().to(work)
         if scale is None:
             scale = 1.0 / math.sqrt(q.shape[-1])
         elif isinstance(scale, Tensor):
             scale = scale.detach().to(work)
+        # Fold the temperature (and 1/cap) into q: one multiply of (B, H, Nq, d) instead of one
+        # pass over every (B, H, block, Nk) block.
+        q = q * (scale if cap is None else scale / cap)
         n_heads = q.shape[-3]
-        if k.shape[-3] != n_heads:  # GQA: O(Nk d) copy, never O(N^2)
+        if k.shape[-3] != n_heads:  # GQA: an O(Nk d) copy, never O(N^2)
             k = k.repeat_interleave(n_heads // k.shape[-3], dim=-3)
-        if mask is not None:
-            mask = mask.detach()
-            if mask.dtype != torch.bool:  # additive: split into "masked" and a logit bias
-                bias = mask.to(work)
-                mask = bias > MASKED_BIAS
-                bias = torch.where(mask, bias, 0.0)
-                if not bool(bias.any()):
-                    bias = None
-            else:
+        bias = None
+        if mask is not None and mask.dtype != torch.bool:  # additive: "masked" + a logit bias
+            bias = mask.detach().to(work)
+            mask = bias > MASKED_BIAS
+            bias = torch.where(mask, bias, 0.0)
+            if not bool(bias.any()):
                 bias = None
-        else:
-            bias = None
-        n_q, n_k = q.shape[-2], k.shape[-2]
+        kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         total = HeadStats.zeros(n_heads)
-        for i0 in range(0, n_q, block):
-            i1 = min(i0 + block, n_q)
+        for i0 in range(0, q.shape[-2], block):
+            i1 = min(i0 + block, q.shape[-2])
             total = total.merge(_block_stats(
-                q[..., i0:i1, :], k, _rows(scale, i0, i1), cap, _rows(mask, i0, i1),
-                _rows(bias, i0, i1), causal, causal_offset, i0, n_k))
+                q[..., i0:i1, :], kt, cap, _rows(mask, i0, i1), _rows(bias, i0, i1),
+                causal, causal_offset, i0))
         return total
 
 
-def _block_stats(q: Tensor, k: Tensor, scale, cap, keep: Tensor | None, bias: Tensor | None,
-                 causal: bool, causal_offset: int, i0: int, n_k: int) -> HeadStats:
-    """Statistics of query rows ``i0 : i0 + Nb``; q (B, H, Nb, d), keep/bias (.., Nb, Nk)."""
-    n_b = q.shape[-2]
+def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
+                 bias: Tensor | None, causal: bool, causal_offset: int, i0: int) -> HeadStats:
+    """Statistics of query rows ``i0 : i0 + Nb``.
+
+    q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
+    keep (bool) and bias broadcastable to (B, H, Nb, Nk).
+    """
+    n_b, n_k = q.shape[-2], kt.shape[-1]
     # Only the keys some row of this block may attend are scored: under a causal or sliding-window
     # mask that skips about half of the work.  Dropping masked columns leaves every statistic as
-    # is, because masked keys carry no weight.
+    # it is, because masked keys carry no weight.
     lo, hi = 0, n_k
     if causal:
         hi = min(n_k, max(0, i0 + n_b + causal_offset))
-    if keep is not None:
-        cols = keep.reshape(-1, keep.shape[-1]).any(dim=0)   # (Nk,) or (1,)
-        if cols.shape[0] == n_k:
-            nz = cols[:hi].nonzero()
-            lo, hi = (int(nz[0]), int(nz[-1]) + 1) if len(nz) else (0, 0)
-    if hi <= lo:  # no query of the block has a key: nothing to count
+    if keep is not None and keep.shape[-1] == n_k:
+        cols = keep[..., :hi].reshape(-1, hi).any(dim=0).nonzero()  # (n_cols, 1)
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
+    if hi <= lo:  # no query of the block has a key
         return HeadStats.zeros(q.shape[-3])
 
-    def cols_of(t):
-        return t[..., lo:hi] if isinstance(t, Tensor) and t.shape[-1] == n_k else t
+    def cols_of(t: Tensor) -> Tensor:
+        return t[..., lo:hi] if t.shape[-1] == n_k else t
 
-    z = (q @ k[..., lo:hi, :].transpose(-2, -1)) * scale    # (B, H, Nb, Nk')
+    z = q @ kt[..., lo:hi]                                   # (B, H, Nb, W), scaled logits
     if cap is not None:
-        z = cap * torch.tanh(z / cap)                       # the soft-cap, before the mask
+        z = z.tanh_().mul_(cap)                              # the soft-cap, before the mask
     if bias is not None:
         z = z + cols_of(bias)
-    allowed = cols_of(keep)
-    if causal:
-        rows = torch.arange(i0, i0 + n_b, device=z.device).unsqueeze(-1)  # (Nb, 1)
-        causal_keep = torch.arange(lo, hi, device=z.device) <= rows + causal_offset
-        allowed = causal_keep if allowed is None else allowed & causal_keep
-    if allowed is not None:  # torch.where, not masked_fill: a mask may broadcast over z's batch
-        z = torch.where(allowed, z, -math.inf)
+    if keep is not None:
+        keep = cols_of(keep)
+        if torch.broadcast_shapes(keep.shape, z.shape) == z.shape:
+            z.masked_fill_(~keep, -math.inf)
+        else:  # the mask has a batch the logits broadcast over
+            z = torch.where(keep, z, -math.inf)
+    first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
+    if causal and first_hidden < hi - lo:
+        # Query i0 + r hides keys j > i0 + r + offset: only this corner of the block.
+        corner = z[..., max(first_hidden, 0):]
+        j = torch.arange(corner.shape[-1], device=z.device) + max(first_hidden, 0)
+        r = torch.arange(n_b, device=z.device).unsqueeze(-1)
+        corner.masked_fill_(j > r + first_hidden - 1, -math.inf)
 
     s = softmax_stats(z)                                     # each (B, H, Nb)
     std = logit_std(z)
-    absmax = z.abs().nan_to_num_(posinf=0.0) if allowed is not None else z.abs()
-    absmax = absmax.amax(dim=-1)                             # (B, H, Nb); masked |-inf| -> 0
-    row_ok = torch.isfinite(z.amax(dim=-1)) if allowed is not None else None
+    absmax = z.abs_().nan_to_num_(posinf=0.0).amax(dim=-1)   # masked |-inf| -> 0; z is done
+    masked = keep is not None or causal
+    # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk).
+    row_ok = s["max_weight"] > 0 if masked else None
 
     def total(x: Tensor) -> Tensor:
         if row_ok is not None:
             x = torch.where(row_ok, x, 0.0)
         return x.sum(dim=(0, 2), dtype=torch.float64)
 
-    inf = torch.tensor(math.inf, dtype=s["entropy"].dtype)
-    ent_min = s["entropy"] if row_ok is None else torch.where(row_ok, s["entropy"], inf)
-    queries = torch.ones_like(s["entropy"]) if row_ok is None else row_ok.to(s["entropy"].dtype)
+    entropy = s["entropy"] if row_ok is None else torch.where(row_ok, s["entropy"], math.inf)
+    queries = torch.ones_like(entropy) if row_ok is None else row_ok.to(entropy.dtype)
     return HeadStats(
         queries=queries.sum(dim=(0, 2), dtype=torch.float64),
         entropy_sum=total(s["entropy"]),
-        entropy_min=ent_min.amin(dim=(0, 2)).double(),
+        entropy_min=entropy.amin(dim=(0, 2)).double(),
         max_weight_sum=total(s["max_weight"]),
         logit_std_sum=total(std),
         logit_absmax=absmax.amax(dim=(0, 2)).double(),
@@ -296,17 +301,19 @@ class Monitor:
     """
 
     def __init__(self, model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None,
-                 step: int = 0):
+                 step: int = 0, every: int = 1):
         if not isinstance(model, nn.Module):
             raise TypeError(f"monitor() needs a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.block = check_int("block", block, minimum=1)
         self.writer = writer      # SummaryWriter-like: add_scalar(tag, value, step)
-        self.step = check_int("step", step)  # TensorBoard step of the next forward pass
+        self.step = check_int("step", step)  # index of the model's next forward pass
+        self.every = check_int("every", every, minimum=1)
+        self._observing = True  # whether the current forward pass is one in `every`
         self._totals: dict[str, HeadStats] = {}   # insertion order is layer order
         self._pending: dict[str, HeadStats] = {}  # since the last writer flush
         self._names: dict[nn.Module, str] = {}
-        self._stack: list[list] = []  # [qualified name, SDPA calls so far] per running module
+        self._stack: list[list] = []  # [module, calls observed so far] per running module
         self._handles: list = []
 
     # -- attaching ---------------------------------------------------------------------------
@@ -346,20 +353,27 @@ class Monitor:
         self._stack.clear()
 
     def _push(self, module: nn.Module, args) -> None:
+        if module is self.model and not self._stack:
+            self._observing = self.step % self.every == 0
         self._stack.append([module, 0])
 
     def _pop(self, module: nn.Module, args, output) -> None:
         if self._stack:
             self._stack.pop()
         if module is self.model and not self._stack:
-            self.flush()  # one TensorBoard step per forward pass of the whole model
+            self.flush()  # what this forward pass saw goes to TensorBoard at its own step
+            self.step += 1
+
+    def _watching(self) -> bool:
+        """Inside a forward pass of this monitor's model that ``every`` selects."""
+        return bool(self._stack) and self._observing
 
     def _site(self) -> str | None:
         """Name of the innermost running attention module; a second call in one forward of the
         same module is ``name#1``.  A mechanism called as a module is attributed to its owner."""
+        if not self._watching():
+            return None
         frames = [f for f in self._stack if not isinstance(f[0], Mechanism)] or self._stack
-        if not frames:
-            return None  # not inside this monitor's model
         frame = frames[-1]
         frame[1] += 1
         name = self._names[frame[0]]
@@ -370,7 +384,7 @@ class Monitor:
                            mechanism: Mechanism | str = "scaled", *, mask: Tensor | None = None,
                            causal: bool = False) -> None:
         """Observer with :func:`attnscale.attention.attention`'s signature (q, k (B, H, N, d))."""
-        if not self._stack:
+        if not self._watching():
             return
         from attnscale.attention import key_mask
 
@@ -391,7 +405,7 @@ class Monitor:
                       is_causal: bool = False, scale: float | None = None,
                       enable_gqa: bool = False, **_) -> None:
         """Observer with SDPA's signature: (..., L, E) query, (..., S, E) key, mask (.., L, S)."""
-        if not self._stack or getattr(query, "is_nested", False):
+        if not self._watching() or getattr(query, "is_nested", False):
             return
         if query.dim() == 3:  # (N, L, E): one head
             query, key = query.unsqueeze(-3), key.unsqueeze(-3)
@@ -438,10 +452,10 @@ class Monitor:
         self._pending.clear()
 
     def flush(self) -> None:
-        """Log what was observed since the last flush to the writer at ``self.step``, then step.
+        """Log what was observed since the last flush to the writer at step ``self.step``.
 
         Tags: ``attnscale/<stat>/layer<L>/head<h>`` and the head-pooled ``attnscale/<stat>/layer<L>``.
-        Called after every forward pass of the monitored model and on a clean exit.
+        Called at the end of every forward pass of the monitored model and on a clean exit.
         """
         if self.writer is None or not self._pending:
             self._pending.clear()
@@ -456,11 +470,10 @@ class Monitor:
                                            self.step)
                 self.writer.add_scalar(f"attnscale/{key}/layer{layer}", pooled[key][0], self.step)
         self._pending.clear()
-        self.step += 1
 
 
-def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None,
-            step: int = 0) -> Monitor:
+def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: int = 0,
+            every: int = 1) -> Monitor:
     """Observe the attention statistics of ``model`` per (layer, head) inside a ``with`` block.
 
     Args:
@@ -469,12 +482,15 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None,
         block: queries per statistics block (extra memory O(B · H · block · N)).
         writer: optional TensorBoard ``SummaryWriter`` (anything with ``add_scalar``); receives
             the per-(layer, head) and per-layer statistics after every forward pass.
-        step: TensorBoard step of the first forward pass; ``mon.step`` can be set at any time.
+        step: index of the first forward pass, the TensorBoard step its scalars are logged at;
+            it counts forward passes of ``model`` and can be set at any time (``mon.step = i``).
+        every: observe one forward pass of ``model`` in ``every`` (those whose step is a multiple
+            of it), so a training loop pays for the statistics only there.
     Returns:
         a :class:`Monitor`; after the block, ``mon.records`` and ``mon.to_frame()`` hold the
         statistics (entropy in nats, weights in [0, 1], logits in logit units).
     """
-    return Monitor(model, block=block, writer=writer, step=step)
+    return Monitor(model, block=block, writer=writer, step=step, every=every)
 
 
 def layer_summary(records: list[dict]) -> list[dict]:
@@ -505,7 +521,13 @@ def plot_entropy(records: list[dict], ax, *, stat: str = "entropy_mean") -> None
     for r in records:
         grid[r["layer"]][r["head"]] = r[stat]
     image = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper")
-    ax.figure.colorbar(image, ax=ax, label=f"{stat} (nats)" if "entropy" in stat else stat)
+    bar = ax.figure.colorbar(image, ax=ax, label=f"{stat} (nats)" if "entropy" in stat else stat)
+    bar.formatter.set_useOffset(False)  # an offset label would collide with the title
+    bar.update_ticks()
+    if n_layers * n_heads <= 256:  # small grids: print each value in its cell
+        for r in records:
+            ax.text(r["head"], r["layer"], f"{r[stat]:.3g}", ha="center", va="center",
+                    fontsize=7, color="white")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     # Integer ticks; label every one while they stay legible.

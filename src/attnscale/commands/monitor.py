@@ -58,7 +58,12 @@ def _load(model_dir: Path, mechanism: str | None):
             from None
     from attnscale import hf
 
+    if mechanism is not None:
+        hf.check_swappable(mechanism)  # before the (slow) load
     hf.register()
+    # Our table is the output: no load reports or progress bars from transformers.
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     try:
         model = transformers.AutoModel.from_pretrained(
             model_dir, local_files_only=True, attn_implementation=hf.ATTN_IMPLEMENTATION)
@@ -110,7 +115,10 @@ def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
                    "records": [{k: _finite(v) for k, v in r.items()} for r in records]}
         (staging / "records.json").write_text(json.dumps(payload, indent=1, allow_nan=False),
                                               encoding="utf-8")
-        fig, (ax,) = new_figure(width=1.2 + 0.5 * (1 + max(r["head"] for r in records)))
+        n_heads = 1 + max(r["head"] for r in records)
+        n_layers = 1 + max(r["layer"] for r in records)
+        fig, (ax,) = new_figure(width=max(5.0, 1.5 + 0.45 * n_heads),
+                                height=max(3.6, 1.2 + 0.3 * n_layers))
         plot_entropy(records, ax)
         ax.set_title(f"{meta['model_type']} · {meta['mechanism']} · N={meta['seq_len']}")
         save(fig, staging / "entropy_heatmap.png")

@@ -1,0 +1,143 @@
+"""Cost of ``attnscale.monitor`` on a tiny random Llama, side by side with its references.
+
+    python benchmarks/bench_monitor.py                  # hidden 256, 4 layers, 4 heads, B=1, N=2048
+    python benchmarks/bench_monitor.py --rounds 3 --seq-len 1024
+
+Time: each round runs one forward of the same ``attn_implementation="attnscale"`` model without
+and with the monitor, interleaved so machine load hits both alike; the ratio is the median over
+rounds of monitored ÷ unmonitored.  Goal (issue 5): <= 1.5.
+
+Memory: the peak extra memory of one forward, for the model on ``"attnscale"`` (plain and
+monitored) and on ``"eager"`` with ``output_attentions=True`` (how one measures entropies without
+the monitor).  Each is measured in a fresh process: after a short warm-up forward, the peak RSS is
+reset to the current RSS (``/proc/self/clear_refs``), one forward runs, and the growth of the peak
+over that baseline is reported.  glibc is told to serve every allocation of 64 KiB or more with its
+own mmap (``MALLOC_MMAP_THRESHOLD_``), so a tensor freed earlier cannot hide in already-resident
+heap pages: the growth counts every large tensor alive at the peak.  The base ``LlamaModel`` is
+used (no LM head), so the vocabulary does not pad either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+GOAL = 1.5
+MODES = ("attnscale", "attnscale+monitor", "eager+output_attentions")
+
+
+def build(seq_len: int, attn: str, seed: int = 0):
+    """The tiny random Llama of issue 5 and (1, N) token ids."""
+    import transformers
+
+    from attnscale import hf
+
+    hf.register()
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=max(seq_len, 2048))
+    torch.manual_seed(seed)
+    model = transformers.LlamaModel(cfg).eval()
+    model.set_attn_implementation(attn)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    return model, ids
+
+
+def forward(model, ids, mode: str, block: int) -> None:
+    from attnscale.monitor import monitor
+
+    with torch.no_grad():
+        if mode == "attnscale+monitor":
+            with monitor(model, block=block):
+                model(input_ids=ids)
+        elif mode == "eager+output_attentions":
+            model(input_ids=ids, output_attentions=True)
+        else:
+            model(input_ids=ids)
+
+
+def time_rounds(seq_len: int, rounds: int, block: int) -> dict[str, list[float]]:
+    """Seconds per forward, plain and monitored, interleaved over ``rounds``."""
+    model, ids = build(seq_len, "attnscale")
+    times: dict[str, list[float]] = {mode: [] for mode in MODES[:2]}
+    for mode in times:  # warm-up: thread pools, kernels
+        forward(model, ids, mode, block)
+    for _ in range(rounds):
+        for mode in times:
+            t0 = time.perf_counter()
+            forward(model, ids, mode, block)
+            times[mode].append(time.perf_counter() - t0)
+    return times
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _memory_child(mode: str, seq_len: int, block: int) -> None:
+    model, ids = build(seq_len, "eager" if mode.startswith("eager") else "attnscale")
+    forward(model, ids[:, :64], mode, block)  # warm-up at a short length
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    base = _rss_kib("VmRSS")
+    forward(model, ids, mode, block)
+    print(json.dumps({"mib": (_rss_kib("VmHWM") - base) / 1024}))
+
+
+def peak_extra_mib(mode: str, seq_len: int, block: int) -> float:
+    """Peak RSS growth of one forward in ``mode``, in a fresh process (MiB)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, __file__, "--memory-child", mode, "--seq-len", str(seq_len),
+           "--block", str(block)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])["mib"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from attnscale.monitor import DEFAULT_BLOCK
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=2048, help="N (default 2048)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK,
+                        help=f"monitor block (default {DEFAULT_BLOCK})")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    parser.add_argument("--memory-child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        _memory_child(args.memory_child, args.seq_len, args.block)
+        return 0
+
+    print(f"tiny Llama: hidden 256, 4 layers, 4 heads, B=1, N={args.seq_len}, float32, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {args.block}")
+    times = time_rounds(args.seq_len, args.rounds, args.block)
+    plain, watched = times["attnscale"], times["attnscale+monitor"]
+    ratio = statistics.median(w / p for w, p in zip(watched, plain))
+    print(f"\n{'forward':<26}{'ms':>8}{'ratio':>8}{'goal':>7}")
+    print(f"{'attnscale':<26}{statistics.median(plain) * 1e3:>8.0f}{1.0:>8.2f}")
+    print(f"{'attnscale + monitor':<26}{statistics.median(watched) * 1e3:>8.0f}{ratio:>8.2f}"
+          f"{GOAL:>7.2f}  {'ok' if ratio <= GOAL else 'over'}")
+
+    if not args.no_memory:
+        print("\npeak extra memory of one forward (peak RSS growth, MiB)")
+        peaks = {mode: peak_extra_mib(mode, args.seq_len, args.block) for mode in MODES}
+        eager = peaks["eager+output_attentions"]
+        for mode, mib in peaks.items():
+            print(f"{mode:<26}{mib:>8.1f}{mib / eager:>8.2f} × eager")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
