@@ -1,0 +1,386 @@
+"""attnscale.monitor: statistics against materialised float64 references, taps and hooks, records.
+
+The Hugging Face side (native outputs, eager entropies, the CLI) is in test_hf.py.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnscale.attention as attention_module
+from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
+from attnscale.mechanisms import MECHANISMS
+from attnscale.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
+                               monitor)
+from attnscale.stats import logit_std, softmax_stats
+
+ORIGINAL_SDPA = F.scaled_dot_product_attention
+ORIGINAL_ATTENTION = attention_module.attention
+
+
+def reference(z: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-head record statistics from materialised logits z (B, H, Nq, Nk) and a bool mask."""
+    keep = keep.expand(z.shape)
+    z = z.double().masked_fill(~keep, -math.inf)
+    s = softmax_stats(z)
+    ok = keep.any(-1)                                     # rows with a key, (B, H, Nq)
+    n = ok.sum((0, 2)).double()
+
+    def mean(x):
+        return (x * ok).sum((0, 2)) / n
+
+    return {"queries": n, "entropy_mean": mean(s["entropy"]),
+            "entropy_min": torch.where(ok, s["entropy"], math.inf).amin((0, 2)),
+            "max_weight_mean": mean(s["max_weight"]), "logit_std": mean(logit_std(z)),
+            "logit_absmax": torch.where(keep, z.abs(), 0.0).amax((0, 2, 3)),
+            "jacobian_fro_mean": mean(s["jacobian_fro"])}
+
+
+def assert_records_match(records: list[dict], ref: dict[str, torch.Tensor], atol=1e-5) -> None:
+    for key, want in ref.items():
+        got = torch.tensor([r[key] for r in records], dtype=torch.float64)
+        torch.testing.assert_close(got, want.double(), atol=atol, rtol=1e-5, msg=key)
+
+
+def assert_clean() -> None:
+    """Nothing the monitor patches is left patched."""
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    assert attention_module.attention is ORIGINAL_ATTENTION
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# head_stats: the blockwise statistics against one materialised float64 computation
+
+B, H, HK, NQ, NK, D = 2, 4, 2, 37, 45, 8
+
+
+def _logits(q, k, scale, cap, bias):
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    z = (q.double() @ k.double().transpose(-1, -2)) * (
+        scale.double() if isinstance(scale, torch.Tensor) else scale)
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z if bias is None else z + bias.double()
+
+
+def _case(name: str):
+    """(head_stats kwargs, materialised logits, keep) for one masking situation."""
+    gen = torch.Generator().manual_seed(0)
+    q = 2 * torch.randn(B, H, NQ, D, generator=gen)
+    k = torch.randn(B, HK, NK, D, generator=gen)   # grouped-query: 2 query heads per key head
+    rows, cols = torch.arange(NQ).unsqueeze(-1), torch.arange(NK)
+    kw = {"scale": 0.3, "cap": None, "mask": None, "causal": False}
+    keep, bias = torch.ones(NQ, NK, dtype=torch.bool), None
+    if name == "causal":
+        kw["causal"], keep = True, cols <= rows
+    elif name == "causal-bottom-right":
+        kw.update(causal=True, causal_offset=NK - NQ)
+        keep = cols <= rows + NK - NQ
+    elif name == "causal-empty-rows":      # the first 5 queries have no key at all
+        kw.update(causal=True, causal_offset=-5)
+        keep = cols <= rows - 5
+    elif name == "bool-mask-row-scale-cap":
+        mask = torch.rand(B, 1, NQ, NK, generator=gen) > 0.4
+        mask[0, 0, 3] = False                               # one empty row
+        kw.update(scale=torch.rand(B, H, NQ, 1, generator=gen), cap=1.5, mask=mask, causal=True)
+        keep = mask & (cols <= rows)
+    elif name == "additive-bias":          # finite entries are logit biases, -inf masks
+        bias = torch.randn(1, 1, NQ, NK, generator=gen)
+        keep = torch.rand(1, 1, NQ, NK, generator=gen) > 0.3
+        kw.update(scale=torch.rand(H, 1, 1, generator=gen), mask=bias.masked_fill(~keep, -math.inf))
+        bias = bias.masked_fill(~keep, 0.0)
+    elif name == "additive-finfo-min":     # HF's eager convention
+        keep = torch.rand(NQ, NK, generator=gen) > 0.3
+        kw.update(cap=2.0, mask=torch.where(keep, 0.0, torch.finfo(torch.float32).min))
+    z = _logits(q, k, kw["scale"], kw["cap"], bias)
+    return q, k, kw, z, keep
+
+
+CASES = ["plain", "causal", "causal-bottom-right", "causal-empty-rows",
+         "bool-mask-row-scale-cap", "additive-bias", "additive-finfo-min"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_head_stats_match_materialised_reference(name):
+    q, k, kw, z, keep = _case(name)
+    means = head_stats(q, k, block=5, **kw).means()
+    records = [{key: means[key][h] for key in means} for h in range(H)]
+    assert_records_match(records, reference(z, keep))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_blockwise_equals_unblocked(name):
+    q, k, kw, _, _ = _case(name)
+    whole = head_stats(q, k, block=NQ, **kw)
+    for block in (1, 7, 16):
+        parts = head_stats(q, k, block=block, **kw)
+        for field in ("queries", "entropy_sum", "entropy_min", "max_weight_sum", "logit_std_sum",
+                      "logit_absmax", "jacobian_fro_sum"):
+            torch.testing.assert_close(getattr(parts, field), getattr(whole, field),
+                                       atol=1e-5, rtol=1e-6, msg=f"{field}, block {block}")
+
+
+def test_masked_bias_threshold_is_what_softmax_ignores():
+    # An additive entry at MASKED_BIAS gives weight exactly 0 next to any logit below 1e3.
+    z = torch.tensor([1e3, 1e3 + MASKED_BIAS])
+    assert torch.softmax(z, 0)[1].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# attnscale's MultiHeadAttention, for every mechanism in the registry
+
+def _mha_qkv(mha: MultiHeadAttention, x: torch.Tensor):
+    b, n, _ = x.shape
+
+    def split(t):
+        return t.view(b, n, mha.n_heads, mha.d_head).transpose(1, 2)  # (B, H, N, d)
+    return split(mha.w_q(x)), split(mha.w_k(x)), split(mha.w_v(x))
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_monitor_on_multi_head_attention_every_mechanism(name):
+    torch.manual_seed(0)
+    # eval: sigma-reparam's power iteration would otherwise move W between the two forwards.
+    mha = MultiHeadAttention(32, 4, name).eval()
+    x = torch.randn(2, 24, 32)
+    mask = torch.rand(2, 1, 24, 24) > 0.3
+    mask[1, 0, 5] = False                        # a query with no key: not counted
+    expected = mha(x, mask=mask, causal=True)
+    with monitor(mha, block=5) as mon:
+        out = mha(x, mask=mask, causal=True)
+    assert torch.equal(out, expected)
+    q, k, v = _mha_qkv(mha, x)
+    trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True)
+    keep = key_mask(mask, True, q, k)
+    with torch.no_grad():
+        assert_records_match(mon.records, reference(trace.logits, keep))
+    assert [r["module"] for r in mon.records] == ["MultiHeadAttention"] * 4
+    assert [r["head"] for r in mon.records] == [0, 1, 2, 3]
+    assert_clean()
+
+
+def test_softcap_training_outputs_and_gradients_bit_identical():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+
+    def run():
+        out = mha(x, causal=True)
+        grads = torch.autograd.grad(out.square().sum(), [x, *mha.parameters()])
+        return out, grads
+
+    out0, grads0 = run()
+    with monitor(mha, block=8) as mon:
+        out1, grads1 = run()
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    assert max(r["logit_absmax"] for r in mon.records) <= 2.0
+
+
+def test_layers_numbered_in_call_order_and_named_by_module():
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.late = MultiHeadAttention(16, 2)
+            self.early = MultiHeadAttention(16, 2, "qknorm")
+
+        def forward(self, x):
+            return self.late(self.early(x))
+
+    model = Two()
+    with monitor(model) as mon:
+        model(torch.randn(1, 6, 16))
+    assert [(r["layer"], r["module"], r["head"]) for r in mon.records] == [
+        (0, "early", 0), (0, "early", 1), (1, "late", 0), (1, "late", 1)]
+    assert list(mon.records[0]) == list(RECORD_KEYS)
+    summary = layer_summary(mon.records)
+    assert [row["module"] for row in summary] == ["early", "late"]
+    assert summary[0]["heads"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The SDPA fallback, for modules that are not attnscale's
+
+class SDPAModule(nn.Module):
+    """Grouped-query attention written directly against F.scaled_dot_product_attention."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.qkv = nn.Linear(16, 4 * 8 + 2 * 2 * 8)  # 4 query heads, 2 key/value heads, d = 8
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).split([32, 16, 16], dim=-1)
+        q = q.view(b, n, 4, 8).transpose(1, 2)           # (B, 4, N, 8)
+        k = k.view(b, n, 2, 8).transpose(1, 2)           # (B, 2, N, 8)
+        v = v.view(b, n, 2, 8).transpose(1, 2)
+        kw = {"enable_gqa": True, "scale": 0.5}
+        if self.mode == "causal":
+            kw["is_causal"] = True
+        elif self.mode == "bool":
+            kw["attn_mask"] = self.keep
+        elif self.mode == "additive":
+            kw["attn_mask"] = torch.where(self.keep, self.bias, -math.inf)
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        self.q, self.k = q.detach(), k.detach()  # for the test's reference
+        return out
+
+
+@pytest.mark.parametrize("mode", ["causal", "bool", "additive"])
+def test_sdpa_fallback_on_a_plain_module(mode):
+    torch.manual_seed(0)
+    model = SDPAModule(mode)
+    n = 20
+    model.keep = torch.rand(2, 1, n, n) > 0.4
+    model.bias = torch.randn(1, 4, n, n)
+    x = torch.randn(2, n, 16)
+    expected = model(x)
+    with monitor(model, block=6) as mon:
+        out = model(x)
+    assert torch.equal(out, expected)
+    z = _logits(model.q, model.k, 0.5, None, model.bias if mode == "additive" else None)
+    keep = (torch.ones(n, n, dtype=torch.bool).tril() if mode == "causal" else model.keep)
+    assert_records_match(mon.records, reference(z, keep))
+    assert {r["module"] for r in mon.records} == {"SDPAModule"}
+
+
+def test_sdpa_calls_outside_the_model_are_not_observed():
+    model = SDPAModule("causal")
+    q = torch.randn(1, 2, 5, 8)
+    with monitor(model) as mon:
+        F.scaled_dot_product_attention(q, q, q)
+    assert mon.records == []
+
+
+def test_second_call_in_one_module_gets_its_own_site():
+    class Twice(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(F.scaled_dot_product_attention(q, q, q), q, q)
+
+    model = Twice()
+    with monitor(model) as mon:
+        model(torch.randn(1, 1, 4, 8))
+    assert [r["module"] for r in mon.records] == ["Twice", "Twice#1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attach and detach
+
+def test_everything_is_removed_when_the_body_raises():
+    model = nn.Sequential(MultiHeadAttention(16, 2, "softcap"), nn.Linear(16, 16))
+    before = hook_count(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with monitor(model):
+            assert hook_count(model) > before
+            assert F.scaled_dot_product_attention is not ORIGINAL_SDPA
+            model(torch.randn(1, 4, 16))
+            raise RuntimeError("boom")
+    assert hook_count(model) == before
+    assert_clean()
+
+
+def test_everything_is_removed_when_the_forward_raises():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = MultiHeadAttention(16, 2)
+
+        def forward(self, x):
+            self.attn(x)
+            raise ValueError("inside forward")
+
+    model = Fails()
+    with pytest.raises(ValueError, match="inside forward"):
+        with monitor(model) as mon:
+            model(torch.randn(1, 4, 16))
+    assert hook_count(model) == 0
+    assert mon._stack == []
+    assert_clean()
+    with monitor(model.attn) as again:  # a fresh monitor works afterwards
+        model.attn(torch.randn(1, 4, 16))
+    assert len(again.records) == 2
+
+
+def test_nested_monitors_both_observe_and_restore():
+    inner_model = MultiHeadAttention(16, 2)
+    outer_model = nn.Sequential(inner_model)
+    with monitor(outer_model) as outer:
+        with monitor(inner_model) as inner:
+            outer_model(torch.randn(1, 3, 16))
+        assert F.scaled_dot_product_attention is not ORIGINAL_SDPA  # outer still active
+    assert_clean()
+    assert len(outer.records) == len(inner.records) == 2
+    assert outer.records[0]["module"] == "0"
+    assert inner.records[0]["module"] == "MultiHeadAttention"
+
+
+def test_a_monitor_cannot_be_entered_twice():
+    mon = Monitor(MultiHeadAttention(16, 2))
+    with mon:
+        with pytest.raises(RuntimeError, match="already active"):
+            mon.__enter__()
+    assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: DataFrame, TensorBoard
+
+def test_to_frame_has_the_record_columns():
+    mha = MultiHeadAttention(16, 2)
+    with monitor(mha) as mon:
+        mha(torch.randn(1, 5, 16))
+    frame = mon.to_frame()
+    assert list(frame.columns) == list(RECORD_KEYS)
+    assert len(frame) == 2
+
+
+def test_to_frame_without_pandas_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` now raises ImportError
+    with pytest.raises(ImportError, match="pip install pandas"):
+        Monitor(nn.Linear(1, 1)).to_frame()
+
+
+class FakeWriter:
+    def __init__(self):
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def test_writer_gets_per_layer_and_head_scalars_every_nth_step():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2)
+    writer = FakeWriter()
+    with monitor(mha, writer=writer, step=10, every=2) as mon:
+        for _ in range(4):
+            mha(torch.randn(1, 5, 16))
+    assert mon.step == 14
+    assert sorted({step for _, _, step in writer.scalars}) == [10, 12]
+    tags = {tag for tag, _, step in writer.scalars if step == 10}
+    assert "attnscale/entropy_mean/layer0/head1" in tags
+    assert "attnscale/logit_absmax/layer0" in tags
+    assert len(tags) == 6 * (2 + 1)  # six statistics, two heads plus the layer
+    assert mon.records[0]["queries"] == 2 * 5  # two of the four forward passes were observed
+
+
+def test_tensorboard_summary_writer(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    mha = MultiHeadAttention(16, 2)
+    with SummaryWriter(tmp_path) as writer, monitor(mha, writer=writer):
+        mha(torch.randn(1, 5, 16))
+    assert list(tmp_path.glob("events.out.tfevents.*"))
