@@ -9,9 +9,16 @@ from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softma
 from attnscale.montecarlo import saturation, variance  # noqa: E402
 from attnscale.reproduce import reproduce  # noqa: E402
 from attnscale.monitor import monitor  # noqa: E402
+from attnscale.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
+from attnscale.attention import MultiHeadAttention, attention  # noqa: E402
+from attnscale.gradient import (  # noqa: E402
+    gradient_path_sweep, gradient_paths, init_reparam_checks,
+)
 
 __all__ = [
     "__version__", "ConfigError",
     "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats",
     "saturation", "variance", "reproduce", "monitor",
+    "MECHANISMS", "build_mechanism", "MultiHeadAttention", "attention",
+    "gradient_paths", "gradient_path_sweep", "init_reparam_checks",
 ]

@@ -32,9 +32,9 @@ from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import upcast
 
-# Elements of one (rows, Nk) block in the capped kernel: 2^20 float32 = 4 MiB, so at Nk = 1024 a
-# block is one whole head, and the three live blocks of the backward pass take 12 MiB.
-CAPPED_BLOCK_ELEMENTS = 2**20
+# Logits in one block of the capped kernel: 2^22 float32 = 16 MiB, four whole heads at Nk = 1024;
+# the backward pass keeps three blocks alive.
+CAPPED_BLOCK_ELEMENTS = 2**22
 
 
 @dataclass(frozen=True)
@@ -148,23 +148,28 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | 
 class _CappedAttention(torch.autograd.Function):
     """softmax(c · tanh(scale · q kᵀ / c) masked) v, blockwise, with recomputation in backward.
 
-    Each block is ``rows`` queries of one head against all of its keys, so a block holds whole
-    softmax rows: the row max and sum are exact within the block and nothing is rescaled online.
-    Extra memory is a few (rows, Nk) blocks, O(Nk · rows), instead of the (B, H, Nq, Nk) logits.
+    A block is a few heads of one batch element times ``rows`` queries, against all their keys, so
+    it holds whole softmax rows: the row max and sum are exact within the block and nothing is
+    rescaled online.  Extra memory is three (heads, rows, Nk) blocks, O(Nk · rows), instead of the
+    (B, H, Nq, Nk) logits; blocks are large so that each torch op amortises its dispatch and
+    threading overhead, as the fused kernel does with one parallel loop.
 
-    Two identities make the elementwise work cheap (torch's sigmoid is ~3x faster than tanh):
-    c · tanh(x) = 2c · σ(2x) - c, and softmax ignores the constant -c, so the forward only needs
-    u = σ(2x) with x = scale · q·k / c; and d(c tanh x)/dx = c (1 - tanh² x) = 4c · u (1 - u).
+    Two identities keep the elementwise work to one transcendental per logit and pass:
+    c · tanh(x) = 2c · σ(2x) - c, where softmax ignores the constant -c (and torch's sigmoid is ~3x
+    faster than its tanh), so with u = σ(2x), x = scale · q·k / c, the logits are z = 2c · u; and
+    d(c tanh x)/d(q·k) = scale · (1 - tanh² x) = 4 · scale · u (1 - u).
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                 cap: float, causal: bool, block_elements: int) -> Tensor:
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
+        q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
         for blk in _blocks(q, k, mask, causal, block_elements):
-            z = blk.logits(q, k, scale, cap)[0]
-            torch.mm(torch.softmax(z, dim=-1), v[blk.b, blk.h, :blk.n_k], out=out[blk.out_rows])
+            u = torch.sigmoid_(blk.scores(q_x, k))     # (h, r, n_k)
+            z = blk.hide(u.mul_(2.0 * cap))             # c tanh(x) + c, masked
+            torch.bmm(torch.softmax(z, dim=-1), blk.keys(v), out=blk.queries(out))
         ctx.save_for_backward(q, k, v, out, mask)
         ctx.args = (scale, cap, causal, block_elements)
         return out
@@ -174,21 +179,20 @@ class _CappedAttention(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, out, mask = ctx.saved_tensors
         scale, cap, causal, block_elements = ctx.args
+        q_x = q * (2.0 * scale / cap)
         d_out = d_out.contiguous()
-        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O), (B, H, Nq, 1)
+        delta = (d_out * out).sum(-1, keepdim=True)  # δ = rowsum(dO ∘ O) = Σ_j p_j dP_j, (B,H,Nq,1)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for blk in _blocks(q, k, mask, causal, block_elements):
-            b, h, rows, n_k = blk.b, blk.h, blk.rows, blk.n_k
-            z, u = blk.logits(q, k, scale, cap)           # recomputed, (r, n_k)
-            p = torch.softmax(z, dim=-1)                   # (r, n_k)
-            do = d_out[b, h, rows]                         # (r, d_v)
-            dv[b, h, :n_k].addmm_(p.t(), do)               # dV += Pᵀ dO
-            dz = torch.mm(do, v[b, h, :n_k].t(), out=z)    # dP = dO Vᵀ, reusing z's block
-            dz.sub_(delta[b, h, rows]).mul_(p)             # softmax backward: P ∘ (dP - δ)
-            dz.mul_(torch.addcmul(u, u, u, value=-1.0, out=u))  # ∘ u (1 - u), the tanh slope
-            torch.mm(dz, k[b, h, :n_k], out=dq[b, h, rows])
-            dk[b, h, :n_k].addmm_(dz.t(), q[b, h, rows])
-        # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
+            u = torch.sigmoid_(blk.scores(q_x, k))             # recomputed, (h, r, n_k)
+            p = torch.softmax(blk.hide(u * (2.0 * cap)), dim=-1)
+            do = blk.queries(d_out)                            # (h, r, d_v)
+            blk.keys(dv).baddbmm_(p.transpose(1, 2), do)       # dV += Pᵀ dO
+            # dZ = P ∘ (dO Vᵀ - δ): the -δ rides along as the bmm's added input.
+            dz = torch.baddbmm(-blk.queries(delta), do, blk.keys(v).transpose(1, 2)).mul_(p)
+            ds = torch.ops.aten.sigmoid_backward(dz, u)        # dZ ∘ u (1 - u), one fused pass
+            torch.bmm(ds, blk.keys(k), out=blk.queries(dq))
+            blk.keys(dk).baddbmm_(ds.transpose(1, 2), blk.queries(q))
         dq.mul_(4.0 * scale)
         dk.mul_(4.0 * scale)
         return dq, dk, dv, None, None, None, None, None
@@ -196,54 +200,56 @@ class _CappedAttention(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Block:
-    """``rows`` queries of head (b, h) against its first ``n_k`` keys (all, or the causal prefix)."""
+    """Heads ``heads`` of batch element ``b``, queries ``rows``, against their first ``n_k`` keys."""
     b: int
-    h: int
+    heads: slice
     rows: slice
-    n_k: int
-    mask: Tensor | None   # (r or 1, n_k or 1) True = attend, or None
-    causal_from: int      # first key column that causality can hide in this block (n_k if none)
+    n_k: int                 # all keys, or the causal prefix min(Nk, last row + 1)
+    hidden: Tensor | None    # (h|1, r|1, n_k|1), True = masked out; or None
+    causal_from: int | None  # first key column causality can hide in this block; None if not causal
 
-    @property
-    def out_rows(self) -> tuple[int, int, slice]:
-        return self.b, self.h, self.rows
+    def queries(self, x: Tensor) -> Tensor:
+        return x[self.b, self.heads, self.rows]         # (h, r, ·)
 
-    def logits(self, q: Tensor, k: Tensor, scale: float, cap: float) -> tuple[Tensor, Tensor]:
-        """(z', u): z' = 2c · u + (masked -inf), u = σ(2 · scale · q·k / c); z' = z + c."""
-        q_blk = q[self.b, self.h, self.rows]                            # (r, d)
-        u = torch.mm(q_blk, k[self.b, self.h, :self.n_k].t())           # (r, n_k)
-        u = torch.sigmoid(u.mul_(2.0 * scale / cap), out=u)
-        z = u * (2.0 * cap)                                             # c tanh(x) + c
-        if self.mask is not None:
-            z.masked_fill_(~self.mask, float("-inf"))
-        if self.causal_from < self.n_k:  # query i hides keys j > i: the block's diagonal square
-            i0 = self.rows.start
-            diag = z[:, self.causal_from:]
-            j = torch.arange(self.causal_from, self.n_k, device=z.device)
-            i = torch.arange(i0, i0 + z.shape[0], device=z.device).unsqueeze(1)
-            diag.masked_fill_(j > i, float("-inf"))
-        return z, u
+    def keys(self, x: Tensor) -> Tensor:
+        return x[self.b, self.heads, :self.n_k]         # (h, n_k, ·)
+
+    def scores(self, q: Tensor, k: Tensor) -> Tensor:
+        return torch.bmm(self.queries(q), self.keys(k).transpose(1, 2))  # (h, r, n_k)
+
+    def hide(self, z: Tensor) -> Tensor:
+        """Set masked logits to -inf in place: the user's mask, then keys j > i under causality."""
+        if self.hidden is not None:
+            z.masked_fill_(self.hidden, float("-inf"))
+        if self.causal_from is not None and self.causal_from < self.n_k:
+            j = torch.arange(self.causal_from, self.n_k, device=z.device)           # (c,)
+            i = torch.arange(self.rows.start, self.rows.stop, device=z.device)[:, None]  # (r, 1)
+            z[..., self.causal_from:].masked_fill_(j > i, float("-inf"))
+        return z
 
 
 def _blocks(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, block_elements: int):
-    """Yield the blocks of the capped kernel, head by head, ``rows`` queries at a time."""
+    """The capped kernel's blocks: about ``block_elements`` logits each, whole heads when they fit."""
     n_b, n_h, n_q, _ = q.shape
     n_k = k.shape[-2]
     rows = max(1, min(n_q, block_elements // max(n_k, 1)))
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, Nq|1, Nk|1)
+    n_heads = max(1, min(n_h, block_elements // max(rows * n_k, 1)))
+    hidden = None
+    if mask is not None:  # invert once; view it as (B|1, H|1, Nq|1, Nk|1)
+        hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     for b in range(n_b):
-        for h in range(n_h):
+        for h0 in range(0, n_h, n_heads):
             for i0 in range(0, n_q, rows):
                 i1 = min(i0 + rows, n_q)
-                keys = min(n_k, i1) if causal else n_k  # causal: later keys are all hidden
-                blk_mask = None
-                if mask is not None:
-                    m = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0]
-                    m = m[i0:i1] if m.shape[0] > 1 else m
-                    blk_mask = m[:, :keys] if m.shape[1] > 1 else m
-                yield _Block(b, h, slice(i0, i1), keys, blk_mask,
-                             causal_from=min(i0 + 1, keys) if causal else keys)
+                keys = min(n_k, i1) if causal else n_k  # keys after the last row are all hidden
+                blk_hidden = None
+                if hidden is not None:
+                    m = hidden[b if hidden.shape[0] > 1 else 0]
+                    m = m[h0:h0 + n_heads] if m.shape[0] > 1 else m
+                    m = m[:, i0:i1] if m.shape[1] > 1 else m
+                    blk_hidden = m[..., :keys] if m.shape[2] > 1 else m
+                yield _Block(b, slice(h0, h0 + n_heads), slice(i0, i1), keys, blk_hidden,
+                             causal_from=i0 + 1 if causal else None)
 
 
 class MultiHeadAttention(nn.Module):
@@ -256,18 +262,22 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, mechanism: str = "scaled", *,
-                 bias: bool = False, **options):
+                 bias: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **options):
         super().__init__()
         d_model = check_int("d_model", d_model, minimum=1)
         n_heads = check_int("n_heads", n_heads, minimum=1)
         if d_model % n_heads:
             raise ConfigError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}.")
         self.n_heads, self.d_head = n_heads, d_model // n_heads
-        self.w_q = nn.Linear(d_model, d_model, bias=bias)
-        self.w_k = nn.Linear(d_model, d_model, bias=bias)
-        self.w_v = nn.Linear(d_model, d_model, bias=bias)
-        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.w_q = nn.Linear(d_model, d_model, **factory)
+        self.w_k = nn.Linear(d_model, d_model, **factory)
+        self.w_v = nn.Linear(d_model, d_model, **factory)
+        self.w_o = nn.Linear(d_model, d_model, **factory)
         self.mechanism = build_mechanism(mechanism, self.d_head, n_heads, **options)
+        self.mechanism.to(device=device, dtype=dtype)
+        # After the dtype is set, so init-reparam's rescale rounds in the model's own precision.
         self.mechanism.init_projections(self.w_q, self.w_k)
 
     def _split(self, x: Tensor) -> Tensor:

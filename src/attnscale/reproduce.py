@@ -20,6 +20,7 @@ from attnscale.report.writer import check_writable_dir, write_report
 REPORT_SECTIONS = (
     "attnscale.sections.montecarlo:report_section",
     "attnscale.sections.montecarlo:report_section_mechanisms",
+    "attnscale.sections.mechanisms:report_section",
 )
 
 

@@ -103,6 +103,22 @@ CLAIMS: tuple[Claim, ...] = (
           "2 ln n at n=256", "11", Exact(rel=0.05)),
     Claim("small_head.n_threshold.dk4", _SMALL, "keys needed to saturate at d_k=4, exp(d_k/2)",
           "7", Exact(rel=0.08)),
+
+    # --- Gradient paths and init-reparam, measured by attnscale.sections.mechanisms -------------
+    Claim("gradient.routing.one_hot", _GRAD, "routing path ||J a|| at one-hot p (unscaled row, "
+          "d_k=1024, logits x1e4)", "0", AtMost(1e-12)),
+    Claim("gradient.value.one_hot", _GRAD, "value path ||(p_i g)_i|| / ||g|| at one-hot p: stays "
+          "healthy", "1", Within(0.999, 1.001)),
+    Claim("gradient.routing_share.unscaled.dk1024", _GRAD, "routing / value path norm, unscaled "
+          "d_k=1024, n=256: frozen routing, learnable payload (scaled ~ 1)", "<< 1",
+          AtMost(0.25)),
+    Claim("init_reparam.step0.max_abs_diff", "Move it into the initialization", "init-reparam vs "
+          "scaled logits at step 0, same seed, float64: max |diff|", "identical", AtMost(1e-6)),
+    Claim("init_reparam.sgd.max_abs_diff", "Move it into the initialization", "one SGD step, lr "
+          "vs lr*sqrt(d_k) on W_Q, W_K (scaled): max |logit diff|", "equivalent", AtMost(1e-6)),
+    Claim("init_reparam.adam.rel_diff", "Move it into the initialization", "one Adam step, same "
+          "lr mapping: max |logit diff| / scaled's max logit change", "differ",
+          Within(0.1, float("inf"))),
 )
 
 CLAIMS_BY_ID: dict[str, Claim] = {c.id: c for c in CLAIMS}

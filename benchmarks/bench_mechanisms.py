@@ -1,0 +1,140 @@
+"""Forward + backward time of every mechanism relative to plain SDPA, measured side by side.
+
+    python benchmarks/bench_mechanisms.py                 # B=4, H=8, N=1024, d=64, float32
+    python benchmarks/bench_mechanisms.py --rounds 3      # quicker
+    python benchmarks/bench_mechanisms.py --mechanisms softcap,scaled --no-memory
+
+Each round times plain ``scaled_dot_product_attention`` and every mechanism once each, interleaved,
+so machine load hits all of them alike; a mechanism's ratio is the median over rounds of its time
+divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechanism's parameters.
+``softcap-materialised`` (the reference path with the whole logit tensor) is an extra reference row.
+
+Goals (issue 3): <= 1.15 for every mechanism except softcap, <= 1.5 for softcap.
+
+Peak extra memory of one forward + backward is measured in a fresh subprocess per variant, as the
+growth of the peak resident set size over the inputs already allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attnscale.attention import attention_reference
+from attnscale.errors import parse_name_list
+from attnscale.mechanisms import MECHANISMS, build_mechanism
+
+SDPA = "sdpa"
+MATERIALISED = "softcap-materialised"
+GOAL = {"softcap": 1.5, MATERIALISED: None}  # everything else: 1.15
+DEFAULT_GOAL = 1.15
+
+
+def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0):
+    """A zero-argument function running one forward + backward of variant ``name``."""
+    b, h, n, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g = (torch.randn(b, h, n, d, generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if name == SDPA:
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v), ()
+    elif name == MATERIALISED:
+        mech = build_mechanism("softcap", d, h)
+
+        def forward():
+            return attention_reference(q, k, v, mech).out, ()
+    else:
+        mech = build_mechanism(name, d, h)
+
+        def forward():
+            return mech(q, k, v), tuple(mech.parameters())
+
+    def step():
+        out, params = forward()
+        torch.autograd.grad(out, (q, k, v, *params), g)
+    return step
+
+
+def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per forward + backward, one list per variant, measured interleaved."""
+    steps = {name: make_step(name, shape) for name in [SDPA, *names]}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def peak_extra_mib(name: str, shape) -> float:
+    """Peak RSS growth of one forward + backward of ``name``, in a fresh process (MiB)."""
+    cmd = [sys.executable, __file__, "--memory-child", name, "--shape", ",".join(map(str, shape))]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip())
+
+
+def _memory_child(name: str, shape) -> None:
+    make_step(name, (1, 1, 64, shape[-1]))()  # load kernels and thread pools before the baseline
+    step = make_step(name, shape)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    step()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"{(after - before) / 1024:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--shape", default="4,8,1024,64", help="B,H,N,d (default 4,8,1024,64)")
+    parser.add_argument("--mechanisms", default=",".join(MECHANISMS),
+                        help="comma-separated registry names (default: all)")
+    parser.add_argument("--no-materialised", action="store_true",
+                        help="skip the slow materialised-softcap reference row")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if args.memory_child:
+        _memory_child(args.memory_child, shape)
+        return 0
+    names = parse_name_list("--mechanisms", args.mechanisms)
+    for name in names:
+        build_mechanism(name, shape[-1], shape[1])  # unknown names fail here, before any timing
+    if not args.no_materialised:
+        names.append(MATERIALISED)
+
+    print(f"B,H,N,d = {shape}, float32, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds, forward + backward")
+    times = time_rounds(names, shape, args.rounds)
+    sdpa = times[SDPA]
+    print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms")
+    print(f"{'mechanism':<22}{'ms':>8}{'÷ SDPA':>9}{'goal':>7}")
+    for name in names:
+        ratio = statistics.median(t / s for t, s in zip(times[name], sdpa))
+        goal = GOAL.get(name, DEFAULT_GOAL)
+        mark = "" if goal is None else ("  ok" if ratio <= goal else "  over")
+        goal_text = "-" if goal is None else f"{goal:.2f}"
+        print(f"{name:<22}{statistics.median(times[name]) * 1e3:>8.0f}{ratio:>9.2f}"
+              f"{goal_text:>7}{mark}")
+
+    if not args.no_memory:
+        print("\npeak extra memory of one forward + backward (peak RSS growth, MiB)")
+        for name in [SDPA, "softcap"] + ([] if args.no_materialised else [MATERIALISED]):
+            print(f"{name:<22}{peak_extra_mib(name, shape):>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

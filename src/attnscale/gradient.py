@@ -1,0 +1,189 @@
+"""The essay's gradient argument, measured ("The Gradient Argument", "Move it into the initialization").
+
+For one query with logits z (n keys), weights p = softmax(z), values v_i and upstream gradient
+g = dL/do, the output o = Σ_i p_i v_i gives two paths back:
+
+* the value path, dL/dv_i = p_i g, which never touches the softmax Jacobian J;
+* the routing path, dL/dz = J a with a_i = v_iᵀ g and J = diag(p) - p pᵀ, i.e.
+  (J a)_i = p_i (a_i - Σ_j p_j a_j).  Every gradient reaching W_Q and W_K is a linear image of it,
+  and it vanishes as p approaches one-hot, while the value path tends to g on the selected key.
+
+:func:`init_reparam_checks` measures the essay's claims about moving 1/sqrt(d) into the init.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnscale.attention import MultiHeadAttention
+from attnscale.errors import check_float, check_int, check_int_list
+from attnscale.mechanisms import build_mechanism
+
+# d_k swept by the gradient-path experiment (the essay's range) and its default size.
+GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
+GRADIENT_N = 256
+GRADIENT_TRIALS = 1000
+# Width of the values: only a_i = v_iᵀ g enters the routing path, and with g ~ N(0, I / d_v) it is
+# N(0, ~1) whatever d_v is, so a fixed small d_v keeps the sweep cheap at d_k = 1024.
+GRADIENT_DV = 64
+# Logit multipliers that drive p to one-hot; at 1e4 every non-top weight underflows to exactly 0.
+ONE_HOT_MULTIPLIERS = (1.0, 4.0, 16.0, 64.0, 256.0, 1e4)
+
+
+@dataclass(frozen=True)
+class GradientPaths:
+    """The two ways dL/do flows back through one softmax row."""
+    weights: Tensor  # p, (..., n)
+    value: Tensor    # dL/dv_i = p_i g, (..., n, d_v)
+    routing: Tensor  # dL/dz = J a, (..., n)
+
+
+def gradient_paths(z: Tensor, v: Tensor, g: Tensor) -> GradientPaths:
+    """Split attention's backward pass into its value and routing paths.
+
+    ``z`` is (..., n) logits, ``v`` (..., n, d_v) values, ``g`` (..., d_v) the gradient of the loss
+    with respect to the output.  J a is computed as p ∘ (a - pᵀa) in O(n) per row, without J.
+    """
+    p = torch.softmax(z, dim=-1)                               # (..., n)
+    a = (v @ g.unsqueeze(-1)).squeeze(-1)                      # a_i = v_iᵀ g, (..., n)
+    routing = p * (a - (p * a).sum(-1, keepdim=True))          # J a, (..., n)
+    value = p.unsqueeze(-1) * g.unsqueeze(-2)                  # p_i g, (..., n, d_v)
+    return GradientPaths(weights=p, value=value, routing=routing)
+
+
+def _path_norms(paths: GradientPaths) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: max weight, ||J a||_2 and the Frobenius norm of the value path over all keys."""
+    return (paths.weights.amax(-1), paths.routing.norm(dim=-1),
+            paths.value.flatten(-2).norm(dim=-1))
+
+
+def _mean_se(x: Tensor) -> tuple[float, float]:
+    x = x.double()
+    return x.mean().item(), (x.std() / math.sqrt(x.numel())).item() if x.numel() > 1 else 0.0
+
+
+def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
+                        mechanisms: Sequence[str] = ("scaled", "unscaled"), *,
+                        n: int = GRADIENT_N, trials: int = GRADIENT_TRIALS, seed: int = 0,
+                        chunk: int = 100) -> list[dict]:
+    """Mean routing and value path norms vs d_k, one row per (mechanism, d_k).
+
+    Row keys: ``max_weight``, ``routing_norm`` (||J a||_2) and ``value_norm`` (||(p_i g)_i||_F),
+    each as ``<key>_mean`` and ``<key>_se`` (standard error over trials).
+
+    Each trial draws one query q and n keys with i.i.d. N(0, 1) coordinates in d_k dimensions, n
+    values in ``GRADIENT_DV`` dimensions and g ~ N(0, I / d_v), so a_i = v_iᵀ g has unit variance
+    and the paths are comparable across d_k.  Norms are per query row; ``*_se`` are standard errors.
+    """
+    d_ks = check_int_list("d_ks", d_ks, minimum=1)
+    n = check_int("n", n, minimum=1)
+    trials = check_int("trials", trials, minimum=1)
+    mechs = {name: build_mechanism(name, 1, 1) for name in mechanisms}  # unknown names fail here
+    rows = []
+    for d_k in d_ks:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + d_k)
+        stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
+        for start in range(0, trials, chunk):
+            t = min(chunk, trials - start)
+            q = torch.randn(t, 1, 1, d_k, generator=gen)                  # (T, 1, 1, d)
+            k = torch.randn(t, 1, n, d_k, generator=gen)                  # (T, 1, n, d)
+            v = torch.randn(t, n, GRADIENT_DV, generator=gen)             # (T, n, d_v)
+            g = torch.randn(t, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)  # (T, d_v)
+            for name in mechs:
+                z = build_mechanism(name, d_k, 1).logits(q, k)[:, 0, 0]  # (T, n)
+                for acc, x in zip(stats[name], _path_norms(gradient_paths(z, v, g))):
+                    acc.append(x)
+        for name, (mw, routing, value) in stats.items():
+            row = {"mechanism": name, "d_k": d_k, "n": n, "trials": trials}
+            for key, parts in (("max_weight", mw), ("routing_norm", routing),
+                               ("value_norm", value)):
+                row[f"{key}_mean"], row[f"{key}_se"] = _mean_se(torch.cat(parts))
+            rows.append(row)
+    return rows
+
+
+def one_hot_limit(d_k: int = 1024, *, n: int = GRADIENT_N,
+                  multipliers: Sequence[float] = ONE_HOT_MULTIPLIERS, seed: int = 0) -> list[dict]:
+    """Routing and value path of one unscaled row as its logits are multiplied towards one-hot.
+
+    float64; ``value_over_g`` is the value-path norm divided by ||g||, which tends to 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(d_k, generator=gen, dtype=torch.float64)
+    k = torch.randn(n, d_k, generator=gen, dtype=torch.float64)
+    v = torch.randn(n, d_k, generator=gen, dtype=torch.float64)
+    g = torch.randn(d_k, generator=gen, dtype=torch.float64) / math.sqrt(d_k)
+    z = build_mechanism("unscaled", d_k, 1).logits(q.view(1, 1, 1, d_k), k.view(1, 1, n, d_k))
+    rows = []
+    for m in multipliers:
+        m = check_float("multipliers", m, positive=True)
+        max_w, routing, value = _path_norms(gradient_paths(m * z.view(n), v, g))
+        rows.append({"mechanism": "unscaled", "d_k": d_k, "n": n, "multiplier": m,
+                     "max_weight": max_w.item(), "routing_norm": routing.item(),
+                     "value_norm": value.item(), "value_over_g": (value / g.norm()).item()})
+    return rows
+
+
+def _twin_models(d_model: int, n_heads: int, seed: int) -> tuple[MultiHeadAttention, ...]:
+    """``scaled`` and ``init-reparam`` attention built from the same seed, in float64."""
+    models = []
+    for mechanism in ("scaled", "init-reparam"):
+        torch.manual_seed(seed)  # the same draws for W_Q, W_K, W_V, W_O in both
+        models.append(MultiHeadAttention(d_model, n_heads, mechanism, dtype=torch.float64))
+    return tuple(models)
+
+
+def _one_step(model: MultiHeadAttention, opt_name: str, lr: float, qk_lr: float,
+              x: Tensor, y: Tensor) -> None:
+    """One optimiser step on ½ ||model(x) - y||² with learning rate ``qk_lr`` on W_Q and W_K."""
+    qk = [model.w_q.weight, model.w_k.weight]
+    rest = [p for p in model.parameters() if all(p is not w for w in qk)]
+    opt_cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.Adam
+    opt = opt_cls([{"params": qk, "lr": qk_lr}, {"params": rest, "lr": lr}])
+    opt.zero_grad()
+    (0.5 * (model(x) - y).pow(2).sum()).backward()
+    opt.step()
+
+
+def init_reparam_checks(d_model: int = 64, n_heads: int = 1, *, n_tokens: int = 16,
+                        batch: int = 4, lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """Measure the essay's three claims about init-reparam against scaled, in float64.
+
+    Rows (``check`` names them), each with ``max_abs_diff`` of the attention logits:
+
+    * ``step0``: logits of the two models built from the same seed;
+    * ``sgd``: after one SGD step, init-reparam at ``lr`` vs scaled at ``lr·√d_k`` on W_Q and W_K;
+    * ``adam``: the same mapping under Adam; ``rel_diff`` divides by scaled's own logit change;
+    * ``adam-quarter``: Adam is invariant to the gradient's scale, so under Adam init-reparam at
+      ``lr`` tracks scaled at ``lr·d_k^(1/4)`` instead (equal up to Adam's eps).
+    """
+    d_model = check_int("d_model", d_model, minimum=1)
+    lr = check_float("lr", lr, positive=True)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n_tokens, d_model, generator=gen, dtype=torch.float64)
+    y = torch.randn(batch, n_tokens, d_model, generator=gen, dtype=torch.float64)
+    scaled, reparam = _twin_models(d_model, n_heads, seed)
+    d_k = scaled.d_head
+    with torch.no_grad():
+        z0 = scaled.logits(x)
+        rows = [{"check": "step0", "d_k": d_k,
+                 "max_abs_diff": (reparam.logits(x) - z0).abs().max().item()}]
+    for check, opt_name, qk_factor in (("sgd", "sgd", math.sqrt(d_k)),
+                                       ("adam", "adam", math.sqrt(d_k)),
+                                       ("adam-quarter", "adam", d_k ** 0.25)):
+        scaled, reparam = _twin_models(d_model, n_heads, seed)
+        _one_step(scaled, opt_name, lr, lr * qk_factor, x, y)
+        _one_step(reparam, opt_name, lr, lr, x, y)
+        with torch.no_grad():
+            z_scaled, z_reparam = scaled.logits(x), reparam.logits(x)
+        diff = (z_reparam - z_scaled).abs().max().item()
+        change = (z_scaled - z0).abs().max().item()
+        rows.append({"check": check, "d_k": d_k, "optimizer": opt_name, "lr": lr,
+                     "scaled_qk_lr": lr * qk_factor, "max_abs_diff": diff,
+                     "logit_change": change, "rel_diff": diff / change})
+    return rows
