@@ -164,7 +164,7 @@ def test_grad_decomposition_and_reparam_gradient_scale():
 
 
 def test_init_reparam_tracks_scaled_under_sgd():
-    out = init_reparam_sgd(replace(TINY, d_k=16, steps=20), lr=0.5)
+    out = init_reparam_sgd(replace(TINY, d_k=16, steps=20), lr=0.1)
     assert out["tracking_max_rel_gap"] < 1e-4
     reparam, boosted, plain = out["runs"]
     assert_close(torch.tensor(reparam.loss), torch.tensor(boosted.loss), rtol=1e-4, atol=0.0)

@@ -21,6 +21,7 @@ REPORT_SECTIONS = (
     "attnscale.sections.montecarlo:report_section",
     "attnscale.sections.montecarlo:report_section_mechanisms",
     "attnscale.sections.mechanisms:report_section",
+    "attnscale.sections.recall:report_section",
 )
 
 

@@ -99,6 +99,18 @@ def power_law_exponent(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.polyfit(lx, ly, 1)[0])
 
 
+def json_safe(obj):
+    """``obj`` with every NaN or infinite float replaced by None (a diverged run's loss), so that
+    it can be written as strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def mean_spread(values: Sequence[float | None]) -> dict:
     """Mean, sample std, min and max of the non-None values, plus how many were None."""
     got = [float(v) for v in values if v is not None]
@@ -108,7 +120,3 @@ def mean_spread(values: Sequence[float | None]) -> dict:
     std = float(np.std(got, ddof=1)) if len(got) > 1 else 0.0
     return {"mean": float(np.mean(got)), "std": std, "min": min(got), "max": max(got),
             "n": len(got), "missing": len(values) - len(got)}
-
-
-def is_finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

@@ -58,26 +58,27 @@ class RunResult:
         return self.config.mechanism
 
     def to_json(self) -> dict:
-        """The issue's JSON record for ``attnscale compare --json`` (loss_curve = per-step loss)."""
-        return {"mechanism": self.config.mechanism, "seed": self.config.seed,
-                "steps_to_loss_1": self.steps_to_loss_1,
-                "steps_to_loss_0_1": self.steps_to_loss_0_1,
-                "final_loss": self.final_loss, "eval_accuracy": self.eval_accuracy,
-                "grad_wq_norm_step0": self.grad_wq_norm_step0, "plateaus": self.plateaus,
-                "wall_seconds": self.wall_seconds, "loss_curve": self.loss}
+        """The issue's JSON record for ``attnscale compare --json`` (loss_curve = per-step loss;
+        non-finite numbers of a diverged run become null)."""
+        c = self.config
+        return metrics.json_safe({
+            "mechanism": c.mechanism, "seed": c.seed, "steps_to_loss_1": self.steps_to_loss_1,
+            "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
+            "eval_accuracy": self.eval_accuracy, "grad_wq_norm_step0": self.grad_wq_norm_step0,
+            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss})
 
     def row(self) -> dict:
         """A flat record for tables and results.json (no curves)."""
         c = self.config
-        return {"mechanism": c.mechanism, "seed": c.seed, "d_k": c.d_k, "optimizer": c.optimizer,
-                "lr": c.lr, "qk_lr_mult": c.qk_lr_mult, "steps": c.steps,
-                "steps_to_loss_1": self.steps_to_loss_1,
-                "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
-                "eval_accuracy": self.eval_accuracy,
-                "grad_wq_norm_step0": self.grad_wq_norm_step0,
-                "logit_grad_norm_step0": self.logit_grad_norm_step0,
-                "plateaus": len(self.plateaus), "wall_seconds": self.wall_seconds,
-                **{f"eval_{k}": v for k, v in self.eval_stats.items()}}
+        return metrics.json_safe({
+            "mechanism": c.mechanism, "seed": c.seed, "d_k": c.d_k, "optimizer": c.optimizer,
+            "lr": c.lr, "qk_lr_mult": c.qk_lr_mult, "steps": c.steps,
+            "steps_to_loss_1": self.steps_to_loss_1, "steps_to_loss_0_1": self.steps_to_loss_0_1,
+            "final_loss": self.final_loss, "eval_accuracy": self.eval_accuracy,
+            "grad_wq_norm_step0": self.grad_wq_norm_step0,
+            "logit_grad_norm_step0": self.logit_grad_norm_step0,
+            "plateaus": len(self.plateaus), "wall_seconds": self.wall_seconds,
+            **{f"eval_{k}": v for k, v in self.eval_stats.items()}})
 
 
 @contextlib.contextmanager

@@ -103,6 +103,40 @@ CLAIMS: tuple[Claim, ...] = (
           "2 ln n at n=256", "11", Exact(rel=0.05)),
     Claim("small_head.n_threshold.dk4", _SMALL, "keys needed to saturate at d_k=4, exp(d_k/2)",
           "7", Exact(rel=0.08)),
+    # --- Associative-recall training (attnscale.sections.recall) ---------------------------------
+    # The essay's model is not fully specified (batch, d_model, smoothing), so step counts are
+    # judged as ratios unscaled / scaled within [1.4, 4] (means over 3 seeds); the absolute numbers
+    # stand side by side with the essay's in the section's table.
+    Claim("recall.steps_to_loss_1.ratio", "A Training Demo", "steps to smoothed loss 1.0, "
+          "unscaled / scaled (essay 424 / 224)", "1.89", Within(1.4, 4.0)),
+    Claim("recall.steps_to_loss_0_1.ratio", "A Training Demo", "steps to smoothed loss 0.1, "
+          "unscaled / scaled (essay 822 / 436)", "1.89", Within(1.4, 4.0)),
+    Claim("recall.plateau.unscaled.level", "A Training Demo", "level of the unscaled run's "
+          "mid-training plateau, detected automatically (essay: steps ~530-820)", "0.3",
+          Within(0.1, 1.0)),
+    Claim("recall.final_loss.ratio", "A Training Demo", "final smoothed loss, unscaled / scaled "
+          "(essay 0.01374 / 0.00562)", "2.4", Within(1.4, 4.0)),
+    Claim("recall.eval_accuracy.scaled", "A Training Demo", "held-out accuracy, scaled "
+          "(2000 sequences)", "100.0%", Within(0.995, 1.0)),
+    Claim("recall.eval_accuracy.unscaled", "A Training Demo", "held-out accuracy, unscaled "
+          "(2000 sequences)", "100.0%", Within(0.995, 1.0)),
+    Claim("recall.grad_wq.ratio", "A Training Demo", "||dL/dW_Q||_F at step 0, unscaled / scaled: "
+          "larger, not smaller, yet below sqrt(d_k) = 16 (essay 1.0610 / 0.1085)", "9.8",
+          Within(1.0, 16.0)),
+    Claim("recall.grad_wq.saturation", "A Training Demo", "saturation factor = that ratio / "
+          "sqrt(d_k), between 1/sqrt(d_k) and 1", "0.61", Within(0.0625, 1.0)),
+    Claim("recall.init_reparam.step0_gap", "Move it into the initialization", "init-reparam vs "
+          "scaled, same init and batch: relative loss gap at step 0", "0", AtMost(1e-6)),
+    Claim("recall.init_reparam.sgd_tracking", "Move it into the initialization", "SGD: "
+          "init-reparam at lr vs scaled with sqrt(d_k) lr on W_Q, W_K, max relative loss gap",
+          "0", AtMost(1e-4)),
+    Claim("recall.init_reparam.adam_separation", "Move it into the initialization", "Adam: first "
+          "step where init-reparam's loss differs from scaled's by > 1%", "< 10,000",
+          AtMost(10_000)),
+    Claim("recall.logit_std.exponent_init", "Use 1/d instead (muP)", "a in std(q.k) ~ d_k^a at "
+          "init, d_k 16-256 (independent q, k)", "0.5", Within(0.45, 0.55)),
+    Claim("recall.logit_std.exponent_trained", "Use 1/d instead (muP)", "a in std(q.k) ~ d_k^a "
+          "once trained (scaled runs, d_k 16-256)", "1", Within(0.75, 1.25)),
 
     # --- Gradient paths and init-reparam, measured by attnscale.sections.mechanisms -------------
     Claim("gradient.routing.one_hot", _GRAD, "routing path ||J a|| at one-hot p (unscaled row, "
