@@ -5,6 +5,7 @@ The Hugging Face side (native outputs, eager entropies, the CLI) is in test_hf.p
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 
@@ -13,13 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import attnscale.attention as attention_module
+import attnscale
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
 from attnscale.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
                                monitor)
 from attnscale.stats import logit_std, softmax_stats
 
+# By module name: ``attnscale.attention`` is also the re-exported function.
+attention_module = importlib.import_module("attnscale.attention")
 ORIGINAL_SDPA = F.scaled_dot_product_attention
 ORIGINAL_ATTENTION = attention_module.attention
 
@@ -52,6 +55,7 @@ def assert_clean() -> None:
     """Nothing the monitor patches is left patched."""
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
     assert attention_module.attention is ORIGINAL_ATTENTION
+    assert attnscale.attention is ORIGINAL_ATTENTION
 
 
 def hook_count(model: nn.Module) -> int:
@@ -384,3 +388,15 @@ def test_tensorboard_summary_writer(tmp_path):
     with SummaryWriter(tmp_path) as writer, monitor(mha, writer=writer):
         mha(torch.randn(1, 5, 16))
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_package_level_attention_calls_are_observed_once():
+    class Functional(nn.Module):
+        def forward(self, q):
+            return attnscale.attention(q, q, q, "softcap", causal=True)  # blockwise kernel
+
+    model, q = Functional(), torch.randn(1, 2, 9, 8)
+    with monitor(model) as mon:
+        model(q)
+    assert [r["queries"] for r in mon.records] == [9, 9]
+    assert_clean()

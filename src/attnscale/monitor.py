@@ -41,6 +41,7 @@ are process-wide while a monitor is active; do not run monitored models from sev
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -256,10 +257,13 @@ _DEPTH = 0  # observed calls currently running
 
 def _call_points() -> list[tuple[object, str, str]]:
     """(owner, attribute, Monitor method) of every call point the monitor taps."""
-    import attnscale.attention  # imported here: attention imports the whole mechanism registry
-
-    return [(attnscale.attention, "attention", "_observe_attention"),
-            (F, "scaled_dot_product_attention", "_observe_sdpa")]
+    # By module name: the package re-exports the *function* ``attnscale.attention``.
+    module = importlib.import_module("attnscale.attention")
+    package = importlib.import_module("attnscale")
+    points = [(module, "attention", "_observe_attention")]
+    if getattr(package, "attention", None) is module.attention:  # attnscale.attention(...)
+        points.append((package, "attention", "_observe_attention"))
+    return points + [(F, "scaled_dot_product_attention", "_observe_sdpa")]
 
 
 def _make_tap(original: Callable, method: str) -> Callable:
