@@ -14,6 +14,7 @@ from attnscale.attention import MultiHeadAttention, attention  # noqa: E402
 from attnscale.gradient import (  # noqa: E402
     gradient_path_sweep, gradient_paths, init_reparam_checks,
 )
+from attnscale.recall import RecallConfig, compare, study, train  # noqa: E402
 
 __all__ = [
     "__version__", "ConfigError",
@@ -21,4 +22,5 @@ __all__ = [
     "saturation", "variance", "reproduce", "monitor",
     "MECHANISMS", "build_mechanism", "MultiHeadAttention", "attention",
     "gradient_paths", "gradient_path_sweep", "init_reparam_checks",
+    "RecallConfig", "train", "compare", "study",
 ]
