@@ -49,7 +49,8 @@ def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
     """A mechanism instance; a registry name is built at its init values for q's heads."""
     if isinstance(mechanism, Mechanism):
         return mechanism
-    return build_mechanism(mechanism, q.shape[-1], q.shape[1])
+    built = build_mechanism(mechanism, q.shape[-1], q.shape[1])
+    return built.to(device=q.device, dtype=upcast(q).dtype)  # prepare() sees upcast q and k
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:

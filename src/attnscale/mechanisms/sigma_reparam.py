@@ -2,7 +2,7 @@
 
 σ(W) is the spectral norm, estimated by power iteration: one step per training forward, with the
 singular-vector estimates u, v kept as buffers across steps (as in Miyato et al.'s spectral norm).
-γ is learned and starts at σ(W_0), so the reparametrised weight equals W_0 at init.  Bounding the
+γ is learned and starts at the estimate of σ(W_0), so the reparametrised weight is W_0 at init.  Bounding the
 spectral norm of W_Q and W_K bounds the logit scale, which prevents attention entropy collapse.
 The logit rule itself is ``scaled``; as a bare module (no projections) it is exactly ``scaled``.
 """
@@ -16,9 +16,9 @@ from torch.nn.utils import parametrize
 
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
 
-# Power-iteration steps at construction, to start from a converged σ(W_0) (torch's spectral_norm
-# does the same); afterwards one step per training forward.
-INIT_POWER_ITERS = 15
+# Power-iteration steps at construction, so σ(W_0) starts near converged (torch's spectral_norm
+# does 15; these are cheap, once); afterwards one step per training forward.
+INIT_POWER_ITERS = 50
 
 
 class SigmaReparam(nn.Module):
@@ -60,4 +60,7 @@ class SigmaReparamMechanism(Mechanism):
 
     def init_projections(self, w_q: nn.Linear, w_k: nn.Linear) -> None:
         for linear in (w_q, w_k):
-            parametrize.register_parametrization(linear, "weight", SigmaReparam(linear.weight))
+            # unsafe=True only skips torch's trial evaluation, which in training mode would take a
+            # power-iteration step and move σ off γ, so Ŵ would not start at exactly W_0.
+            parametrize.register_parametrization(linear, "weight", SigmaReparam(linear.weight),
+                                                 unsafe=True)

@@ -1,0 +1,252 @@
+"""The mechanism registry: every mechanism against its formula, options, and MultiHeadAttention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from attnscale.attention import MultiHeadAttention
+from attnscale.errors import ConfigError
+from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism, mechanism_options, register
+from attnscale.mechanisms.cosine import TAU_INIT, TAU_MAX
+from attnscale.mechanisms.qk_layernorm import LN_EPS
+from attnscale.mechanisms.qk_rmsnorm import RMS_EPS
+from attnscale.mechanisms.qknorm import DEFAULT_MAX_LEN
+from attnscale.mechanisms.sigma_reparam import SigmaReparam
+from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
+from attnscale.mechanisms.ssmax import S_INIT
+
+ISSUE_KEYS = ("scaled", "unscaled", "init-reparam", "qknorm", "qk-layernorm", "qk-rmsnorm",
+              "cosine", "learned-temp", "mup", "softcap", "yarn", "sigma-reparam", "ssmax")
+B, H, NQ, NK, D = 2, 3, 5, 7, 8
+
+
+def _qk(seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, NQ, D, generator=gen, dtype=torch.float64) * scale
+    k = torch.randn(B, H, NK, D, generator=gen, dtype=torch.float64) * scale
+    return q, k
+
+
+def _unit(x):
+    return x / x.pow(2).sum(-1, keepdim=True).sqrt()
+
+
+def _layer_norm(x, dims):
+    mean = x.mean(dims, keepdim=True)
+    var = (x - mean).pow(2).mean(dims, keepdim=True)
+    return (x - mean) / (var + LN_EPS).sqrt()
+
+
+def _rms_norm(x):
+    return x / (x.pow(2).mean(-1, keepdim=True) + RMS_EPS).sqrt()
+
+
+def _affine(x, norm):
+    """Apply a norm module's learned gain (and bias, if any) to an already normalised x."""
+    return x * norm.weight + (norm.bias if getattr(norm, "bias", None) is not None else 0.0)
+
+
+# Each formula written out in float64 from the issue's table, independently of the modules.
+# ``m`` is the built module, read only for its learned parameters.
+def _dot(q, k):
+    return q @ k.transpose(-2, -1)
+
+
+FORMULAS = {
+    "scaled": lambda q, k, m: _dot(q, k) / math.sqrt(D),
+    "unscaled": lambda q, k, m: _dot(q, k),
+    "init-reparam": lambda q, k, m: _dot(q, k),
+    "qknorm": lambda q, k, m: m.g * _dot(_unit(q), _unit(k)),
+    "qk-layernorm": lambda q, k, m: _dot(_affine(_layer_norm(q, -1), m.q_norm),
+                                        _affine(_layer_norm(k, -1), m.k_norm)) / math.sqrt(D),
+    "qk-rmsnorm": lambda q, k, m: _dot(_affine(_rms_norm(q), m.q_norm),
+                                      _affine(_rms_norm(k), m.k_norm)) / math.sqrt(D),
+    "cosine": lambda q, k, m: torch.exp(m.tau.clamp(max=math.log(100))) * _dot(_unit(q), _unit(k)),
+    "learned-temp": lambda q, k, m: torch.exp(m.beta) * _dot(q, k),
+    "mup": lambda q, k, m: _dot(q, k) / D,
+    "softcap": lambda q, k, m: 50.0 * torch.tanh(_dot(q, k) / math.sqrt(D) / 50.0),
+    "yarn": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # factor 1 by default: m = 1
+    "sigma-reparam": lambda q, k, m: _dot(q, k) / math.sqrt(D),
+    "ssmax": lambda q, k, m: m.s * math.log(NK) * _dot(q, k) / math.sqrt(D),
+}
+
+
+def test_registry_holds_exactly_the_issue_keys():
+    assert tuple(MECHANISMS) == ISSUE_KEYS
+    assert set(FORMULAS) == set(MECHANISMS), "every registered mechanism needs a formula test"
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_mechanism_matches_its_formula_in_float64(name):
+    m = build_mechanism(name, D, H).double()
+    q, k = _qk()
+    assert_close(m.logits(q, k), FORMULAS[name](q, k, m), rtol=1e-12, atol=1e-12)
+    # Move any learned parameter away from its init: the formula must still hold.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    assert_close(m.logits(q, k), FORMULAS[name](q, k, m), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_mechanism_declares_its_kind_and_cites_its_source(name):
+    cls = MECHANISMS[name]
+    assert cls.name == name
+    assert isinstance(cls.defined_at_init, bool) and isinstance(cls.scale_only, bool)
+    assert cls.scale_only == (name != "softcap")  # only softcap is not a scale on q and k
+    assert cls.defined_at_init == (name not in ("init-reparam", "sigma-reparam"))
+    doc = cls.__doc__ or ""
+    assert "Source" in doc and "=" in doc, f"{name}: docstring must state formula and source"
+
+
+def test_defaults_match_the_issue():
+    q, k = _qk()
+    assert GEMMA2_CAP == 50.0 and GROK1_CAP == 30.0 and S_INIT == 0.43
+    assert TAU_INIT == math.log(10) and TAU_MAX == math.log(100) and RMS_EPS == 1e-6
+    assert build_mechanism("qknorm", D, H).g.item() == pytest.approx(math.log2(128**2 - 128))
+    assert DEFAULT_MAX_LEN == 128
+    assert_close(build_mechanism("learned-temp", D, H).double().logits(q, k),
+                 build_mechanism("scaled", D, H).logits(q, k))
+    assert_close(build_mechanism("softcap", D, H, cap=GROK1_CAP).logits(q * 40, k * 40).abs().max(),
+                 torch.tensor(GROK1_CAP, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_options_change_the_temperature():
+    q, k = _qk()
+    s = _dot(q, k) / math.sqrt(D)
+    assert_close(build_mechanism("mup", D, H, alpha=2.0).logits(q, k), 2 * _dot(q, k) / D)
+    m = 0.1 * math.log(4.0) + 1
+    assert_close(build_mechanism("yarn", D, H, factor=4.0).logits(q, k), m * m * s)
+    assert_close(build_mechanism("yarn", D, H, factor=0.5).logits(q, k), s)  # m = 1 if factor <= 1
+    assert_close(build_mechanism("softcap", D, H, cap=2.0).logits(q, k), 2.0 * torch.tanh(s / 2))
+    g = build_mechanism("qknorm", D, H, max_len=16).g
+    assert g.item() == pytest.approx(math.log2(16 * 15))
+    over_model = build_mechanism("qk-layernorm", D, H, over="model").double()
+    flat = _layer_norm(q.transpose(1, 2).reshape(B, NQ, H * D), -1)  # LN over d_model
+    q_ln = flat.view(B, NQ, H, D).transpose(1, 2)
+    flat_k = _layer_norm(k.transpose(1, 2).reshape(B, NK, H * D), -1)
+    k_ln = flat_k.view(B, NK, H, D).transpose(1, 2)
+    assert_close(over_model.logits(q, k), _dot(q_ln, k_ln) / math.sqrt(D))
+
+
+def test_cosine_temperature_is_clamped_and_kept_from_weight_decay():
+    m = build_mechanism("cosine", D, H).double()
+    with torch.no_grad():
+        m.tau.fill_(10.0)
+    q, k = _qk()
+    assert_close(m.logits(q, k), 100.0 * _dot(_unit(q), _unit(k)))
+    assert m.no_weight_decay() == {"tau"}
+    mha = MultiHeadAttention(H * D, H, "cosine")
+    names = dict(mha.named_parameters())
+    assert mha.no_weight_decay() == {"mechanism.tau"} and "mechanism.tau" in names
+    assert MultiHeadAttention(H * D, H).no_weight_decay() == set()
+
+
+def test_ssmax_counts_the_keys_each_query_attends():
+    m = build_mechanism("ssmax", D, H).double()
+    q, k = _qk()
+    n_keys = torch.tensor([1, 2, 3, 4, 7], dtype=torch.long).view(NQ, 1)
+    z = m.logits(q, k, n_keys)
+    expected = S_INIT * torch.log(n_keys.double()) * _dot(q, k) / math.sqrt(D)
+    assert_close(z, expected)
+
+
+def test_register_rejects_duplicates():
+    before = dict(MECHANISMS)
+
+    class Again(Mechanism):
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        register("scaled")(Again)
+    assert MECHANISMS == before
+
+
+def test_unknown_name_and_option_suggest_the_closest():
+    with pytest.raises(ConfigError, match=r"Unknown mechanism 'qk_nrom'\. Did you mean: qknorm\?"):
+        build_mechanism("qk_nrom", D, H)
+    with pytest.raises(ConfigError, match=r"Unknown option 'caps' .*softcap.*Did you mean: cap\?"):
+        build_mechanism("softcap", D, H, caps=30)
+    with pytest.raises(ConfigError, match="takes no options"):
+        build_mechanism("scaled", D, H, cap=30)
+    with pytest.raises(ConfigError, match=r"over.*Did you mean: model\?"):
+        build_mechanism("qk-layernorm", D, H, over="mdoel")
+    with pytest.raises(ConfigError, match="cap must be > 0"):
+        build_mechanism("softcap", D, H, cap=-1)
+    with pytest.raises(ConfigError, match="max_len"):
+        build_mechanism("qknorm", D, H, max_len=1)
+    with pytest.raises(ConfigError, match="d_head"):
+        build_mechanism("scaled", 0, H)
+    for err in (ConfigError, ValueError):
+        with pytest.raises(err):
+            MultiHeadAttention(10, 3)
+    assert mechanism_options("softcap") == ("cap",) and mechanism_options("scaled") == ()
+
+
+# --- MultiHeadAttention -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_multi_head_attention_shapes(name):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, name)
+    x, ctx = torch.randn(3, 5, 16), torch.randn(3, 9, 16)
+    assert mha(x).shape == (3, 5, 16)
+    assert mha(x, ctx).shape == (3, 5, 16)
+    assert mha.logits(x, ctx).shape == (3, 2, 5, 9)
+    assert mha(x, causal=True).shape == (3, 5, 16)
+
+
+def test_init_reparam_logits_equal_scaled_at_step_zero():
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    models = {}
+    for name in ("scaled", "init-reparam"):
+        torch.manual_seed(7)
+        models[name] = MultiHeadAttention(32, 4, name, dtype=torch.float64)
+    assert_close(models["init-reparam"].logits(x), models["scaled"].logits(x), rtol=1e-13,
+                 atol=1e-13)
+    assert_close(models["init-reparam"](x), models["scaled"](x), rtol=1e-13, atol=1e-13)
+    gain = 8 ** -0.25  # d_head = 8
+    assert_close(models["init-reparam"].w_q.weight, gain * models["scaled"].w_q.weight)
+    assert_close(models["init-reparam"].w_v.weight, models["scaled"].w_v.weight)
+
+
+def test_qk_layernorm_over_model_normalises_the_whole_projection():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(12, 3, "qk-layernorm", over="model", dtype=torch.float64)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    q = _layer_norm(mha.w_q(x), -1).view(2, 5, 3, 4).transpose(1, 2)  # LN before the head split
+    k = _layer_norm(mha.w_k(x), -1).view(2, 5, 3, 4).transpose(1, 2)
+    assert_close(mha.logits(x), _dot(q, k) / 2.0)
+
+
+def test_sigma_reparam_starts_at_w0_and_tracks_the_spectral_norm():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, "sigma-reparam", dtype=torch.float64)
+    w0 = mha.w_q.parametrizations.weight.original
+    sigma = torch.linalg.matrix_norm(w0.detach(), ord=2)
+    param = mha.w_q.parametrizations.weight[0]
+    assert isinstance(param, SigmaReparam)
+    assert_close(param.gamma.detach(), sigma, rtol=1e-2, atol=0)  # γ init ~ σ(W_0)
+    mha.eval()
+    assert_close(mha.w_q.weight, w0, rtol=1e-13, atol=1e-15)       # Ŵ = W_0 at init
+    # One power-iteration step per training forward, none in eval.
+    u = param.u.clone()
+    with torch.no_grad():
+        w0.mul_(torch.linspace(0.5, 2.0, 16, dtype=torch.float64)[:, None])  # change W
+    mha(torch.randn(1, 3, 16, dtype=torch.float64))
+    assert torch.equal(param.u, u)
+    mha.train()
+    for _ in range(30):
+        mha(torch.randn(1, 3, 16, dtype=torch.float64))
+    assert not torch.equal(param.u, u)
+    w = mha.w_q.weight.detach()
+    assert_close(torch.linalg.matrix_norm(w, ord=2), param.gamma.detach(), rtol=1e-4, atol=0)
+    # Gradients reach both W and γ, and two forwards before one backward are fine.
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    (mha(x).sum() + mha(x).sum()).backward()
+    assert param.gamma.grad is not None and w0.grad is not None
