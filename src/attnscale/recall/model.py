@@ -112,29 +112,21 @@ def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
 
 @dataclass(frozen=True)
 class BatchIndex:
-    """Flat row indices of a (M, B) batch into the stacked tables of :class:`StackedRecall`."""
-    key_rows: Tensor    # (M, B, P) row of k_i's key token in the (M * T)-row tables
-    value_rows: Tensor  # (M, B, P) row of v_i's value token
-    query_rows: Tensor  # (M, B) row of the query token in the (M * n_keys)-row query table
-    key_scores: Tensor  # (M, B, P) entry (m, q, k_i) of the flattened (M, n_keys, T) score table
-    value_scores: Tensor  # (M, B, P) entry (m, q, n_keys + v_i) of the score table
-    target: Tensor      # (M, B)
+    """A batch with a leading model axis, as rows of the per-model token tables (see
+    :class:`StackedRecall`); built once per chunk of steps, sliced per step."""
+    tokens: Tensor   # (M, ..., 2P) table rows of the pair halves: k_1..k_P, then n_keys + v_1..v_P
+    query: Tensor    # (M, ...) table row of the query key
+    target: Tensor   # (M, ...) the value to recall
 
     @staticmethod
-    def build(batch: RecallBatch, n_keys: int, n_values: int) -> BatchIndex:
+    def build(batch: RecallBatch, n_keys: int) -> BatchIndex:
         """Index a batch whose tensors have a leading model axis M (and any batch shape after)."""
-        n_tokens = n_keys + n_values
-        m = torch.arange(batch.query.shape[0]).view(-1, *[1] * (batch.query.dim() - 1))
-        key_rows = m.unsqueeze(-1) * n_tokens + batch.keys
-        value_rows = m.unsqueeze(-1) * n_tokens + n_keys + batch.values
-        score_row = ((m * n_keys + batch.query) * n_tokens).unsqueeze(-1)
-        return BatchIndex(key_rows, value_rows, m * n_keys + batch.query,
-                          score_row + batch.keys, score_row + n_keys + batch.values, batch.target)
+        return BatchIndex(torch.cat([batch.keys, n_keys + batch.values], -1), batch.query,
+                          batch.target)
 
     def step(self, t: int) -> BatchIndex:
         """Step ``t`` of an index built over (M, steps, B): the (M, B) batch of that step."""
-        return BatchIndex(*(getattr(self, f)[:, t] for f in self.__dataclass_fields__))
-
+        return BatchIndex(self.tokens[:, t], self.query[:, t], self.target[:, t])
 
 
 class StackedRecall(nn.Module):
@@ -166,7 +158,8 @@ class StackedRecall(nn.Module):
         # Per model, the parametrisations of W_Q and W_K (empty for most mechanisms).
         self.q_maps = nn.ModuleList(_weight_maps(n.w_q) for n in nets)
         self.k_maps = nn.ModuleList(_weight_maps(n.w_k) for n in nets)
-        self.bilinear = all(n.bilinear for n in nets)
+        # Per model: whether its logits can be read off the token-pair score table.
+        self.bilinear = tuple(n.bilinear for n in nets)
 
     def __len__(self) -> int:
         return self.embed.shape[0]
@@ -187,22 +180,29 @@ class StackedRecall(nn.Module):
     def forward(self, idx: BatchIndex) -> RecallOutput:
         """The M models' losses on their (M, B) batches; equals each :meth:`RecallNet.forward`
         up to float rounding."""
-        M, B, P = idx.key_rows.shape
+        M, B, P2 = idx.tokens.shape
+        P = P2 // 2
         T_q, T_k, T_r = self._tables()
-        if self.bilinear:
+        z: list[Tensor | None] = [None] * M
+        table = [m for m in range(M) if self.bilinear[m]]
+        if table:
             dots = _gather_dots(T_q, T_k, idx)                               # (M, B, P) = q.k_i
-            z = torch.stack([_temper(mech, T_q[m], T_k[m], dots[m], P)
-                             for m, mech in enumerate(self.mechanisms)])     # (M, B, P)
-        else:
-            T_k = T_k.flatten(0, 1)                                          # (M * T, d_k)
-            k = (T_k[idx.key_rows] + T_k[idx.value_rows]) * PAIR_NORM        # (M, B, P, d_k)
-            q = T_q.flatten(0, 1)[idx.query_rows]                            # (M, B, d_k)
-            z = torch.stack([mech.logits(q[m, :, None, None], k[m, :, None])[:, 0, 0]
-                             for m, mech in enumerate(self.mechanisms)])     # (M, B, P)
+            for m in table:
+                z[m] = _temper(self.mechanisms[m], T_q[m], T_k[m], dots[m], P)  # (B, P)
+        vector = [m for m in range(M) if not self.bilinear[m]]
+        if vector:  # mechanisms that transform q and k themselves need the vectors
+            sub = torch.tensor(vector)[:, None, None]
+            k = T_k[sub, idx.tokens[vector]].view(len(vector), B, 2, P, -1).sum(2) * PAIR_NORM
+            q = T_q[sub[..., 0], idx.query[vector]]                          # (M', B, d_k)
+            for j, m in enumerate(vector):                                   # k[j]: (B, P, d_k)
+                z[m] = self.mechanisms[m].logits(q[j, :, None, None], k[j, :, None])[:, 0, 0]
+        z = torch.stack(z)                                                   # (M, B, P)
         p = z.softmax(-1)                                                    # (M, B, P)
-        T_r = T_r.flatten(0, 1)                                              # (M * T, n_values)
-        r = (T_r[idx.key_rows] + T_r[idx.value_rows]) * PAIR_NORM            # (M, B, P, n_values)
-        logits = (p.unsqueeze(-2) @ r).squeeze(-2)                           # (M, B, n_values)
+        # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
+        # attention on token t (p_i / sqrt(2) on both halves of pair i).  A scatter and a bmm
+        # replace gathering (B, P, n_values) readout rows, whose backward is a slow index_put.
+        mass = p.new_zeros(M, B, T_r.shape[1]).scatter_add(-1, idx.tokens, p.repeat(1, 1, 2))
+        logits = (mass * PAIR_NORM) @ T_r                                    # (M, B, n_values)
         loss = F.cross_entropy(logits.flatten(0, 1), idx.target.flatten(), reduction="none")
         return RecallOutput(loss.view(M, B).mean(-1), z, logits)
 
@@ -241,9 +241,11 @@ def _mapped(w_t: Tensor, maps: nn.ModuleList) -> Tensor:
 
 
 def _gather_dots(T_q: Tensor, T_k: Tensor, idx: BatchIndex) -> Tensor:
-    """q.k_i from the table of every (query token, pair token) score S = T_Q T_K^T: (M, B, P)."""
-    S = (T_q @ T_k.mT).flatten()                                             # (M * n_keys * T,)
-    return (S[idx.key_scores] + S[idx.value_scores]) * PAIR_NORM
+    """q.k_i read off the table of every (query token, token) score S = T_Q T_K^T: (M, B, P)."""
+    M, B, P2 = idx.tokens.shape
+    S = T_q @ T_k.mT                                                         # (M, n_keys, T)
+    S_q = S.gather(1, idx.query[..., None].expand(M, B, S.shape[-1]))        # (M, B, T) q's row
+    return S_q.gather(-1, idx.tokens).view(M, B, 2, P2 // 2).sum(2) * PAIR_NORM
 
 
 def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys: int) -> Tensor:

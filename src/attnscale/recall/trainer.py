@@ -100,6 +100,8 @@ def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
     qk_ids = {id(p) for p in qk}
     rest = [p for p in model.parameters() if id(p) not in qk_ids]
     groups = [{"params": rest, "lr": c.lr}, {"params": qk, "lr": c.lr * c.qk_lr_mult}]
+    if c.qk_lr_mult == 1.0:
+        groups = [{"params": rest + qk, "lr": c.lr}]  # one group: one fused kernel per step
     if c.optimizer == "adam":
         return torch.optim.Adam(groups, lr=c.lr, fused=True)
     return torch.optim.SGD(groups, lr=c.lr)
@@ -115,7 +117,7 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int, cache: dict) -> 
         if c.seed not in per_seed:
             per_seed[c.seed] = train_chunk(c, chunk)
     batches = [per_seed[c.seed] for c in configs]
-    return BatchIndex.build(stack_batches(batches), configs[0].n_keys, configs[0].n_values)
+    return BatchIndex.build(stack_batches(batches), configs[0].n_keys)
 
 
 _STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
@@ -150,7 +152,7 @@ def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
         count = len(data[0])
         for lo in range(0, count, EVAL_CHUNK):
             batch = stack_batches([d[lo:lo + EVAL_CHUNK] for d in data])       # (M, chunk)
-            idx = BatchIndex.build(batch, c.n_keys, c.n_values)
+            idx = BatchIndex.build(batch, c.n_keys)
             out = model(idx)
             stats = _attention_stats(out.z)
             rows = (out.logits.argmax(-1) == batch.target).double().sum(-1)    # (M,) correct
