@@ -52,6 +52,9 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 ATTN_IMPLEMENTATION = "attnscale"
 # Attribute (and state_dict prefix) of the swapped mechanism on each attention layer.
 MECHANISM_ATTR = "attnscale_mechanism"
+# Attention-function arguments that change the softmax and that this implementation lacks:
+# attention sinks (gpt-oss) and T5-style additive position biases.
+UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
 # Oldest transformers whose AttentionInterface / AttentionMaskInterface / sdpa_mask this uses.
 MIN_TRANSFORMERS = "4.56"
 
@@ -104,11 +107,16 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
         query: (B, H, Nq, d) after RoPE; key, value: (B, Hk, Nk, d) with ``H % Hk == 0``.
         attention_mask: boolean (B, 1, Nq, Nk) from ``sdpa_mask`` (True = attend), or None for
             plain causal (or, with one query, full) attention, as in HF's SDPA integration.
+            Sliding windows and padding arrive in this mask.
     Returns:
         ``(output (B, Nq, H, d), None)``; attention weights are never materialised.
     """
     from attnscale.attention import attention  # imported here: attnscale.attention loads lazily
 
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:  # ignoring them would silently change the attention
+            raise ConfigError(f"attn_implementation='attnscale' does not support {name!r} "
+                              f"({type(module).__name__}).")
     if dropout and module.training:
         raise ConfigError("attention dropout > 0 in training is not supported by "
                           "attn_implementation='attnscale'; set config.attention_dropout = 0.")

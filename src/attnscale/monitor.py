@@ -41,6 +41,7 @@ are process-wide while a monitor is active; do not run monitored models from sev
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -267,6 +268,7 @@ def _call_points() -> list[tuple[object, str, str]]:
 
 
 def _make_tap(original: Callable, method: str) -> Callable:
+    @functools.wraps(original)
     def tap(*args, **kwargs):
         global _DEPTH
         if _DEPTH == 0:
@@ -278,7 +280,6 @@ def _make_tap(original: Callable, method: str) -> Callable:
         finally:
             _DEPTH -= 1
 
-    tap.__wrapped__ = original  # type: ignore[attr-defined]
     return tap
 
 
