@@ -260,6 +260,19 @@ def test_cli_with_tokenizer_and_text(cli, model_dirs, tmp_path):
     assert meta == {**meta, "input": "text", "seq_len": 16, "mechanism": "qk-rmsnorm"}
 
 
+def test_cli_writes_nothing_when_the_figure_fails(cli, model_dirs, tmp_path, monkeypatch):
+    import attnscale.commands.monitor as command
+
+    def broken(records, ax):
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(command, "plot_entropy", broken)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="figure failed"):
+        cli("monitor", str(model_dirs / "bare"), "--seq-len", "8", "--out", str(out))
+    assert list(out.iterdir()) == []  # records.json was written, but only into the staging folder
+
+
 @pytest.mark.parametrize("args,match", [
     (["{tmp}/missing"], "is not a directory"),
     (["{tmp}"], "has no config.json"),

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from attnscale.commands._common import add_command, format_table
@@ -105,12 +102,11 @@ def _finite(x):
 
 def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
     """records.json and entropy_heatmap.png, moved into ``out_dir`` only once both are written."""
+    from attnscale.recall.outputs import staged
     from attnscale.report.figures import new_figure, save
     from attnscale.report.writer import check_writable_dir
 
-    out_dir = check_writable_dir("--out", out_dir)
-    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
-    try:
+    with staged(check_writable_dir("--out", out_dir)) as staging:
         payload = {"meta": meta,
                    "records": [{k: _finite(v) for k, v in r.items()} for r in records]}
         (staging / "records.json").write_text(json.dumps(payload, indent=1, allow_nan=False),
@@ -122,10 +118,6 @@ def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
         plot_entropy(records, ax)
         ax.set_title(f"{meta['model_type']} · {meta['mechanism']} · N={meta['seq_len']}")
         save(fig, staging / "entropy_heatmap.png")
-        for item in sorted(staging.iterdir()):
-            os.replace(item, out_dir / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _run(args) -> int:
