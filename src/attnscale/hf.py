@@ -111,7 +111,8 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     Returns:
         ``(output (B, Nq, H, d), None)``; attention weights are never materialised.
     """
-    from attnscale.attention import attention  # imported here: attnscale.attention loads lazily
+    # Looked up at every call, so that attnscale.monitor's tap on this function sees it.
+    from attnscale.attention import attention
 
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:  # ignoring them would silently change the attention
