@@ -1,0 +1,87 @@
+"""The gradient argument: the two paths against autograd, their limits, and init-reparam."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch.testing import assert_close
+
+from attnscale.gradient import (
+    gradient_path_sweep, gradient_paths, init_reparam_checks, one_hot_limit,
+)
+from attnscale.report.claims import CLAIMS_BY_ID
+from attnscale.report.model import judge
+
+
+def test_paths_equal_autograd_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 3, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, 3, 10, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 3, 5, generator=gen, dtype=torch.float64)
+    o = (torch.softmax(z, -1).unsqueeze(-2) @ v).squeeze(-2)  # (4, 3, 5)
+    dz, dv = torch.autograd.grad(o, (z, v), g)
+    paths = gradient_paths(z, v, g)
+    assert_close(paths.routing, dz)
+    assert_close(paths.value, dv)
+    # The routing path is J a with the explicit Jacobian J = diag(p) - p pᵀ.
+    p = paths.weights
+    jac = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    a = (v @ g.unsqueeze(-1)).squeeze(-1)
+    assert_close(paths.routing, (jac @ a.unsqueeze(-1)).squeeze(-1))
+
+
+def test_one_hot_kills_routing_and_keeps_the_value_path():
+    z = torch.tensor([0.0, 5e3, -1.0, 2.0], dtype=torch.float64)
+    v = torch.randn(4, 3, dtype=torch.float64)
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    paths = gradient_paths(z, v, g)
+    assert torch.equal(paths.routing, torch.zeros(4, dtype=torch.float64))  # exactly zero
+    assert_close(paths.value[1], g)                                        # selected key gets g
+    rows = one_hot_limit(d_k=64, n=32)
+    routing = [r["routing_norm"] for r in rows]
+    assert all(b <= a for a, b in zip(routing[1:], routing[2:]))  # shrinks once p saturates
+    assert rows[-1]["routing_norm"] == 0.0 and rows[-1]["max_weight"] == 1.0
+    assert abs(rows[-1]["value_over_g"] - 1.0) < 1e-12
+
+
+def test_sweep_unscaled_routing_collapses_while_value_grows():
+    rows = gradient_path_sweep(d_ks=(1, 1024), n=64, trials=60, seed=0, chunk=25)
+    by = {(r["mechanism"], r["d_k"]): r for r in rows}
+    # d_k = 1: 1/sqrt(d) = 1, the two mechanisms are the same computation.
+    for key in ("routing_norm_mean", "value_norm_mean", "max_weight_mean"):
+        assert by["scaled", 1][key] == by["unscaled", 1][key]
+    s, u = by["scaled", 1024], by["unscaled", 1024]
+    share_u = u["routing_norm_mean"] / u["value_norm_mean"]
+    share_s = s["routing_norm_mean"] / s["value_norm_mean"]
+    assert share_u < 0.25 < 0.5 < share_s
+    assert u["value_norm_mean"] > 3 * s["value_norm_mean"]
+    assert all(r["trials"] == 60 and r["routing_norm_se"] > 0 for r in rows)
+
+
+def test_init_reparam_claims():
+    rows = {r["check"]: r for r in init_reparam_checks(d_model=16, n_heads=2, n_tokens=6)}
+    assert rows["step0"]["max_abs_diff"] < 1e-12          # identical at step 0
+    assert rows["sgd"]["rel_diff"] < 1e-10                # SGD: lr <-> lr·√d_k on W_Q, W_K
+    assert rows["sgd"]["scaled_qk_lr"] == rows["sgd"]["lr"] * math.sqrt(8)
+    assert rows["adam"]["rel_diff"] > 0.1                 # Adam breaks that correspondence
+    assert rows["adam-quarter"]["rel_diff"] < 1e-4        # ... and tracks d_k^(1/4) instead
+
+
+def test_report_section_agrees_with_its_claims(tmp_path, monkeypatch):
+    import attnscale.sections.mechanisms as section
+
+    monkeypatch.setattr(section, "gradient_path_sweep",
+                        partial(gradient_path_sweep, n=64, trials=40, chunk=40))
+    monkeypatch.setattr(section, "init_reparam_checks", partial(init_reparam_checks, d_model=16))
+    result = section.report_section(tmp_path, seed=0)
+    assert (tmp_path / section.FIGURE).stat().st_size > 0
+    assert {"gradient.routing.one_hot", "gradient.value.one_hot",
+            "gradient.routing_share.unscaled.dk1024", "init_reparam.step0.max_abs_diff",
+            "init_reparam.sgd.max_abs_diff", "init_reparam.adam.rel_diff"} == set(
+                result.measurements)
+    for claim_id, measurement in result.measurements.items():
+        assert judge(CLAIMS_BY_ID[claim_id], measurement).agrees, claim_id
+    assert {r["experiment"] for r in result.rows} == {"gradient_paths", "one_hot_limit",
+                                                      "init_reparam"}

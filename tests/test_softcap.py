@@ -1,0 +1,98 @@
+"""The blockwise soft-capped kernel against the materialised reference, forward and backward."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from attnscale.attention import _blocks, _CappedAttention, attention_reference, key_mask
+from attnscale.mechanisms import build_mechanism
+from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
+
+# By module name: the package re-exports the function ``attnscale.attention`` under that name.
+attention_module = importlib.import_module("attnscale.attention")
+B, H, D = 2, 3, 8
+
+
+def _inputs(nq, nk, dtype=torch.float64, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) * s).to(dtype)
+            .requires_grad_() for n, s in ((nq, scale), (nk, scale), (nk, 1.0))]
+
+
+def _mask(shape, seed=0):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.3
+    return mask
+
+
+def _check(q, k, v, cap, mask=None, causal=False, rtol=1e-10, atol=1e-12):
+    """The kernel (through the softcap mechanism) against attention_reference, with gradients."""
+    mech = build_mechanism("softcap", D, H, cap=cap).to(q.dtype)
+    fast = mech(q, k, v, mask=mask, causal=causal)
+    ref = attention_reference(q, k, v, mech, mask=mask, causal=causal).out
+    assert_close(fast, ref, rtol=rtol, atol=atol)
+    g = torch.randn(fast.shape, generator=torch.Generator().manual_seed(3), dtype=fast.dtype)
+    for a, b in zip(torch.autograd.grad(fast, (q, k, v), g),
+                    torch.autograd.grad(ref, (q, k, v), g)):
+        assert_close(a, b, rtol=rtol, atol=atol)
+
+
+# One row per block; a few rows; all rows of 2 of the 3 heads (a partial head group); everything.
+@pytest.mark.parametrize("block_elements", [1, 24, 150, 2**22])
+@pytest.mark.parametrize("nq, nk", [(7, 9), (9, 7), (8, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_matches_reference(monkeypatch, block_elements, nq, nk, causal):
+    monkeypatch.setattr(attention_module, "CAPPED_BLOCK_ELEMENTS", block_elements)
+    q, k, v = _inputs(nq, nk, scale=4.0)  # large enough that the tanh bends
+    _check(q, k, v, cap=2.0, causal=causal)
+    for shape in [(nq, nk), (B, 1, nq, nk), (1, H, 1, nk), (B, H, nq, nk), (nk,)]:
+        _check(q, k, v, cap=2.0, mask=_mask(shape), causal=causal)
+
+
+@pytest.mark.parametrize("cap", [GEMMA2_CAP, GROK1_CAP, 0.5])
+def test_float32_matches_reference(monkeypatch, cap):
+    monkeypatch.setattr(attention_module, "CAPPED_BLOCK_ELEMENTS", 40)
+    q, k, v = _inputs(33, 40, dtype=torch.float32, scale=6.0)
+    _check(q, k, v, cap=cap, mask=_mask((B, 1, 33, 40)), rtol=1e-4, atol=1e-5)
+    _check(q, k, v, cap=cap, causal=True, rtol=1e-4, atol=1e-5)
+
+
+def test_gradcheck_over_several_blocks():
+    q, k, v = _inputs(5, 6)
+    mask = _mask((5, 6), seed=1)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: _CappedAttention.apply(q, k, v, mask, 0.3, 1.5, causal, 7),
+            (q, k, v), fast_mode=True)
+
+
+def test_blocks_hold_a_bounded_number_of_logits():
+    # Extra memory is O(Nk · rows): no block exceeds the budget unless one row alone does.
+    q, k, _ = _inputs(50, 64)
+    for budget in (64, 200, 1000, 10**6):
+        for causal in (False, True):
+            blocks = list(_blocks(q, k, None, causal, budget))
+            sizes = [(blk.heads.stop - blk.heads.start) * (blk.rows.stop - blk.rows.start) * blk.n_k
+                     for blk in blocks]
+            assert max(sizes) <= max(budget, 64)
+            rows = {(blk.b, h, i) for blk in blocks for h in range(H)[blk.heads]
+                    for i in range(50)[blk.rows]}
+            assert len(rows) == B * H * 50  # every (batch, head, query) exactly once
+            assert len(rows) == sum(len(range(H)[blk.heads]) * len(range(50)[blk.rows])
+                                    for blk in blocks)
+
+
+def test_logits_are_capped_and_fully_masked_rows_are_zero():
+    q, k, v = _inputs(6, 6, dtype=torch.float32, scale=300.0)
+    mech = build_mechanism("softcap", D, H)
+    z = mech.logits(q, k)
+    assert torch.isfinite(z).all() and z.abs().max() <= GEMMA2_CAP
+    mask = key_mask(None, True, q, k).clone()
+    mask[3] = False
+    out = mech(q, k, v, mask=mask)
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert (out[..., 3, :] == 0).all() and (dq[..., 3, :] == 0).all()
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
