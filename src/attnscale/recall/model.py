@@ -88,13 +88,6 @@ class RecallNet(nn.Module):
         logits = self.readout(o)                                                # (B, n_values)
         return RecallOutput(F.cross_entropy(logits, batch.target), z, logits)
 
-    def qk_dots(self, batch: RecallBatch) -> Tensor:
-        """Raw dot products q.k_i before any temperature, (B, P): the variance argument's quantity."""
-        nk = self.config.n_keys
-        x = (self.embed(batch.keys) + self.embed(nk + batch.values)) * PAIR_NORM  # (B, P, d_model)
-        q = self.w_q(self.embed(batch.query))                                   # (B, d_k)
-        return torch.einsum("bd,bpd->bp", q, self.w_k(x))                      # (B, P)
-
 
 def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
     """Whether the logits are ``cap(scale * q.k)`` of the *unmodified* q and k.
@@ -193,6 +186,7 @@ class StackedRecall(nn.Module):
         if vector:  # mechanisms that transform q and k themselves need the vectors
             sub = torch.tensor(vector)[:, None, None]
             k = T_k[sub, idx.tokens[vector]].view(len(vector), B, 2, P, -1).sum(2) * PAIR_NORM
+            # k: (M', B, P, d_k) for the M' vector-path models
             q = T_q[sub[..., 0], idx.query[vector]]                          # (M', B, d_k)
             for j, m in enumerate(vector):                                   # k[j]: (B, P, d_k)
                 z[m] = self.mechanisms[m].logits(q[j, :, None, None], k[j, :, None])[:, 0, 0]

@@ -1,8 +1,8 @@
 """Train recall models and measure each run: loss curve, milestones, plateaus, accuracy, statistics.
 
 :func:`train_runs` trains several runs that share every shape and optimiser setting (differing in
-mechanism, seed or options) as one batched model, see :class:`attnscale.recall.model.StackedRecall`; :func:`train`, :func:`compare` and :func:`run_all`
-are the entry points built on it.
+mechanism, seed or options) as one batched model, see :class:`attnscale.recall.model.StackedRecall`;
+:func:`train`, :func:`compare` and :func:`run_all` are the entry points built on it.
 
 Speed and determinism
 ---------------------
@@ -107,17 +107,13 @@ def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=c.lr)
 
 
-def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int, cache: dict) -> BatchIndex:
+def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
     """The chunk's batches for every run, (M, CHUNK_STEPS, B), sampled once per seed."""
-    if chunk not in cache:
-        cache.clear()
-        cache[chunk] = {}
-    per_seed = cache[chunk]
+    per_seed: dict[int, RecallBatch] = {}
     for c in configs:
         if c.seed not in per_seed:
             per_seed[c.seed] = train_chunk(c, chunk)
-    batches = [per_seed[c.seed] for c in configs]
-    return BatchIndex.build(stack_batches(batches), configs[0].n_keys)
+    return BatchIndex.build(stack_batches([per_seed[c.seed] for c in configs]), configs[0].n_keys)
 
 
 _STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
@@ -141,8 +137,9 @@ def stack_batches(batches: Sequence[RecallBatch]) -> RecallBatch:
 def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
     """Accuracy and attention statistics of each model on its own held-out set.
 
-    Returns per model ``accuracy, entropy, max_weight, logit_std`` (of the logits after the
-    mechanism) and ``qk_std``, the std over keys of the raw q.k before any temperature.
+    Returns per model ``accuracy`` and the row means of ``entropy, max_weight, jacobian_fro,
+    logit_std`` (of the logits after the mechanism) and ``qk_std``, the std over keys of the raw
+    q.k before any temperature.
     """
     c = model.config
     was_training = model.training
@@ -193,11 +190,10 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
         opt = _optimizer(model)
         losses = torch.empty(c.steps, M)
         trace_steps, trace = [], []
-        cache: dict = {}
         label = desc or ",".join(dict.fromkeys(cfg.mechanism for cfg in configs))
         for t in progress(range(c.steps), desc=f"train {label}", enabled=show_progress):
             if t % CHUNK_STEPS == 0:
-                chunk = _stacked_chunk(configs, t // CHUNK_STEPS, cache)
+                chunk = _stacked_chunk(configs, t // CHUNK_STEPS)
             out = model(chunk.step(t % CHUNK_STEPS))
             if t == 0:
                 out.z.retain_grad()
