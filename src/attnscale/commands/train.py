@@ -78,11 +78,15 @@ def _show(runs: list[RunResult], args) -> None:
         if mech != "scaled" or u is None:
             continue
         ratios, grad = milestone_ratios(s, u), grad_decomposition(s, u)
-        fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
-        print(f"seed {seed}, unscaled/scaled: steps to loss 1.0 {fmt(ratios['steps_to_loss_1_ratio'])}"
-              f", to 0.1 {fmt(ratios['steps_to_loss_0_1_ratio'])}, final loss "
-              f"{fmt(ratios['final_loss_ratio'])}; grad W_Q at step 0 {grad['ratio']:.2f}x = "
+        print(f"seed {seed}, unscaled/scaled: steps to loss 1.0 "
+              f"{_times(ratios['steps_to_loss_1_ratio'])}, to 0.1 "
+              f"{_times(ratios['steps_to_loss_0_1_ratio'])}, final loss "
+              f"{_times(ratios['final_loss_ratio'])}; grad W_Q at step 0 {_times(grad['ratio'])} = "
               f"sqrt(d_k) {grad['sqrt_d_k']:.3g} x saturation {grad['saturation']:.3f}")
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _save(runs: list[RunResult], args) -> None:

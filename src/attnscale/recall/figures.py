@@ -16,16 +16,23 @@ from attnscale.recall.trainer import RunResult
 from attnscale.report.figures import color_for, new_figure
 
 
+def mechanism_color(name: str) -> str:
+    """One colour per mechanism in every recall figure (registry order; scaled blue, unscaled
+    green as in the essay)."""
+    from attnscale.mechanisms import MECHANISMS
+    names = list(MECHANISMS)
+    return color_for(name, names.index(name) if name in names else len(names))
+
+
 def plot_loss_curves(ax, runs: Sequence[RunResult], *, mark_milestones: bool = True) -> None:
     """Smoothed training loss against step, log y, one colour per mechanism.
 
     The first run of each mechanism is drawn solid, further seeds thin and faint.  Milestone
     crossings (smoothed loss 1.0 and 0.1) are marked with dots, plateaus with a shaded band.
     """
-    order = list(dict.fromkeys(r.mechanism for r in runs))
     seen: set[str] = set()
     for r in runs:
-        color = color_for(r.mechanism, order.index(r.mechanism))
+        color = mechanism_color(r.mechanism)
         first = r.mechanism not in seen
         seen.add(r.mechanism)
         ax.plot(r.smoothed, color=color, lw=1.6 if first else 0.8, alpha=1.0 if first else 0.35,

@@ -21,10 +21,10 @@ from attnscale.recall import metrics
 from attnscale.recall.experiments import (
     adam_separation, grad_decomposition, init_reparam_sgd, logit_scaling, milestone_ratios,
 )
-from attnscale.recall.figures import plot_loss_curves
+from attnscale.recall.figures import mechanism_color, plot_loss_curves
 from attnscale.recall.trainer import RunResult, config_dict
 from attnscale.report import Measurement, Section
-from attnscale.report.figures import color_for, new_figure, save
+from attnscale.report.figures import new_figure, save
 
 SECTION_SEEDS = 3              # seeds seed, seed+1, ...: the ">= 3 seeds"
 SGD_STEPS = 300                # the SGD pair reaches loss 0.1 by ~200 steps at SGD_LR
@@ -136,9 +136,9 @@ def _figure_attention(fig_dir: Path, runs: list[RunResult]) -> str:
     stats = (("entropy", "attention entropy (nats)"), ("max_weight", "max attention weight"),
              ("logit_std", "logit std over keys (after temperature)"))
     for ax, (key, label) in zip(axes, stats):
-        for i, r in enumerate(runs):
+        for r in runs:
             ax.plot([t["step"] for t in r.trace], [t[key] for t in r.trace],
-                    color=color_for(r.mechanism, i), label=r.mechanism)
+                    color=mechanism_color(r.mechanism), label=r.mechanism)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.25)
@@ -157,7 +157,7 @@ def _figure_init_reparam(fig_dir: Path, adam_runs: list[RunResult], sgd: dict) -
     for r, label, style in ((reparam, "init-reparam, lr", "-"),
                             (boosted, f"scaled, {sgd['qk_lr_mult']:g}x lr on W_Q, W_K", "--"),
                             (plain, "scaled, lr", ":")):
-        ax2.plot(r.smoothed, style, color=color_for(r.mechanism, 3), label=label)
+        ax2.plot(r.smoothed, style, color=mechanism_color(r.mechanism), label=label)
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.set_title(f"SGD, lr {sgd['lr']:g}", fontsize=9)
