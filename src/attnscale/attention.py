@@ -183,20 +183,25 @@ class _CappedAttention(torch.autograd.Function):
         q_x = q * (2.0 * scale / cap)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1, keepdim=True)  # δ = rowsum(dO ∘ O) = Σ_j p_j dP_j, (B,H,Nq,1)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq = torch.empty_like(q)
+        # dK and dV are accumulated transposed: dKᵀ += Qᵀ dS reads dS untransposed, a gemm that
+        # runs ~1.4x faster on CPU than dK += dSᵀ Q.
+        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
+        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
         for blk in _blocks(q, k, mask, causal, block_elements):
-            u = torch.sigmoid_(blk.scores(q_x, k))             # recomputed, (h, r, n_k)
+            u = torch.sigmoid_(blk.scores(q_x, k))                 # recomputed, (h, r, n_k)
             p = torch.softmax(blk.hide(u * (2.0 * cap)), dim=-1)
-            do = blk.queries(d_out)                            # (h, r, d_v)
-            blk.keys(dv).baddbmm_(p.transpose(1, 2), do)       # dV += Pᵀ dO
-            # dZ = P ∘ (dO Vᵀ - δ): the -δ rides along as the bmm's added input.
-            dz = torch.baddbmm(-blk.queries(delta), do, blk.keys(v).transpose(1, 2)).mul_(p)
-            ds = torch.ops.aten.sigmoid_backward(dz, u)        # dZ ∘ u (1 - u), one fused pass
-            torch.bmm(ds, blk.keys(k), out=blk.queries(dq))
-            blk.keys(dk).baddbmm_(ds.transpose(1, 2), blk.queries(q))
+            do = blk.queries(d_out)                                # (h, r, d_v)
+            blk.keys_t(dv_t).baddbmm_(do.transpose(1, 2), p)       # dVᵀ += dOᵀ P
+            dz = torch.bmm(do, blk.keys(v).transpose(1, 2))        # dP = dO Vᵀ, (h, r, n_k)
+            dz.sub_(blk.queries(delta)).mul_(p)                    # dZ = P ∘ (dP - δ)
+            ds = torch.ops.aten.sigmoid_backward(dz, u)            # dZ ∘ u (1 - u), one pass
+            torch.bmm(ds, blk.keys(k), out=blk.queries(dq))        # dQ = dS K
+            blk.keys_t(dk_t).baddbmm_(blk.queries(q).transpose(1, 2), ds)  # dKᵀ += Qᵀ dS
+        # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
         dq.mul_(4.0 * scale)
-        dk.mul_(4.0 * scale)
-        return dq, dk, dv, None, None, None, None, None
+        dk = dk_t.transpose(-2, -1).mul(4.0 * scale)
+        return dq, dk, dv_t.transpose(-2, -1).contiguous(), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,9 @@ class _Block:
 
     def keys(self, x: Tensor) -> Tensor:
         return x[self.b, self.heads, :self.n_k]         # (h, n_k, ·)
+
+    def keys_t(self, x_t: Tensor) -> Tensor:
+        return x_t[self.b, self.heads, :, :self.n_k]    # (h, ·, n_k) of a transposed (B, H, ·, Nk)
 
     def scores(self, q: Tensor, k: Tensor) -> Tensor:
         return torch.bmm(self.queries(q), self.keys(k).transpose(1, 2))  # (h, r, n_k)
