@@ -21,7 +21,7 @@ TRAIN_EXAMPLES = """
   attnscale train                                   # scaled, d_k=256: the essay's setting
   attnscale train --mechanism unscaled --steps 1000 --seed 1
   attnscale train --mechanism softcap --option cap=30 --d-k 64
-  attnscale train --mechanism init-reparam --optimizer sgd --lr 0.5 --json > run.json
+  attnscale train --mechanism init-reparam --optimizer sgd --lr 0.1 --json > run.json
 """
 
 COMPARE_EXAMPLES = """
