@@ -150,10 +150,11 @@ def test_same_curve_across_processes():
 
 
 def test_dk1_scaled_equals_unscaled():
-    """"At d_k = 1 the two variants are literally identical": bit-identical curves."""
-    runs = compare(("scaled", "unscaled"), replace(TINY, d_k=1))
-    assert runs[0].loss == runs[1].loss
-    assert runs[0].grad_wq_norm_step0 == pytest.approx(runs[1].grad_wq_norm_step0, rel=1e-6)
+    """"At d_k = 1 the two variants are literally identical": the same curves (up to the rounding
+    of the two slots of one batched matmul)."""
+    scaled, unscaled = compare(("scaled", "unscaled"), replace(TINY, d_k=1))
+    assert_close(torch.tensor(unscaled.loss), torch.tensor(scaled.loss), rtol=1e-6, atol=0.0)
+    assert unscaled.grad_wq_norm_step0 == pytest.approx(scaled.grad_wq_norm_step0, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
