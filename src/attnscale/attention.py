@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
-from attnscale.mechanisms.base import upcast
+from attnscale.mechanisms.base import Scale, upcast
 
 # Logits in one block of the capped kernel: 2^22 float32 = 16 MiB, four whole heads at Nk = 1024;
 # the backward pass keeps three blocks alive.
@@ -91,20 +91,33 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
     """
     mechanism = _as_mechanism(mechanism, q)
     _check_qkv(q, k, v)
-    full_mask = key_mask(mask, causal, q, k)
-    n_keys = k.shape[-2] if full_mask is None else full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
-    qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)
-    if isinstance(scale, Tensor):  # per-head or per-row temperature: fold it into q
-        qs, scale = qs * scale, 1.0
+    n_q, n_k = q.shape[-2], k.shape[-2]
     if mask is None:
-        # No user mask: causality alone never leaves a query without keys, and SDPA's is_causal
-        # lets the fused kernel skip the blocks above the diagonal.
+        # No mask to build: causality alone never leaves a query without keys, and the kernels
+        # skip the keys above the diagonal themselves (SDPA's is_causal).
+        n_keys = _causal_counts(n_q, n_k, q.device) if causal else n_k
+        qs, ks, scale = _fold(*mechanism.prepare(upcast(q), upcast(k), n_keys))
         return _attend(qs, ks, v, scale, mechanism.cap, None, causal)
+    full_mask = key_mask(mask, causal, q, k)
+    n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
+    qs, ks, scale = _fold(*mechanism.prepare(upcast(q), upcast(k), n_keys))
     # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
     # which also zeroes their gradients.  O(mask) work, only when a mask is given.
     empty = n_keys == 0  # (..., Nq, 1)
     out = _attend(qs, ks, v, scale, mechanism.cap, full_mask | empty, False)
     return out.masked_fill(empty, 0.0)
+
+
+def _causal_counts(n_q: int, n_k: int, device: torch.device) -> Tensor:
+    """Keys query i attends under top-left causality, min(i + 1, Nk): (Nq, 1)."""
+    return torch.arange(1, n_q + 1, device=device).clamp(max=n_k).unsqueeze(-1)
+
+
+def _fold(q: Tensor, k: Tensor, scale: Scale) -> tuple[Tensor, Tensor, float]:
+    """Fold a per-head or per-row temperature tensor into q, leaving SDPA a float scale."""
+    if isinstance(scale, Tensor):
+        return q * scale, k, 1.0
+    return q, k, scale
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float | None,
