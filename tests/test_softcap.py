@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale.attention import _blocks, _CappedAttention, attention_reference, key_mask
+from attnscale.attention import _CappedAttention, _Tiles, attention_reference, key_mask
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 
@@ -74,15 +74,17 @@ def test_blocks_hold_a_bounded_number_of_logits():
     q, k, _ = _inputs(50, 64)
     for budget in (64, 200, 1000, 10**6):
         for causal in (False, True):
-            blocks = list(_blocks(q, k, None, causal, budget))
-            sizes = [(blk.heads.stop - blk.heads.start) * (blk.rows.stop - blk.rows.start) * blk.n_k
-                     for blk in blocks]
+            tiles = _Tiles(q, k, None, causal, budget)
+            seen, sizes = [], []
+            for b, heads in tiles.groups():
+                (row_blocks,) = tiles.split(b, heads, q)
+                for i, blk in enumerate(row_blocks):
+                    sizes.append(blk.shape[0] * blk.shape[1] * tiles.n_keys(i))
+                    seen += [(b, h, i * tiles.rows + r) for h in range(H)[heads]
+                             for r in range(blk.shape[1])]
             assert max(sizes) <= max(budget, 64)
-            rows = {(blk.b, h, i) for blk in blocks for h in range(H)[blk.heads]
-                    for i in range(50)[blk.rows]}
-            assert len(rows) == B * H * 50  # every (batch, head, query) exactly once
-            assert len(rows) == sum(len(range(H)[blk.heads]) * len(range(50)[blk.rows])
-                                    for blk in blocks)
+            assert sorted(seen) == [(b, h, i) for b in range(B) for h in range(H)
+                                    for i in range(50)]  # every query exactly once
 
 
 def test_logits_are_capped_and_fully_masked_rows_are_zero():

@@ -165,8 +165,8 @@ class _CappedAttention(torch.autograd.Function):
     A block is a few heads of one batch element times ``rows`` queries, against all their keys, so
     it holds whole softmax rows: the row max and sum are exact within the block and nothing is
     rescaled online.  Extra memory is three (heads, rows, Nk) blocks, O(Nk · rows), instead of the
-    (B, H, Nq, Nk) logits; blocks are large so that each torch op amortises its dispatch and
-    threading overhead, as the fused kernel does with one parallel loop.
+    (B, H, Nq, Nk) logits.  Blocks are sized to stay in cache while each torch op still amortises
+    its dispatch, and the per-block views come from one ``split`` per head group.
 
     Two identities keep the elementwise work to one transcendental per logit and pass:
     c · tanh(x) = 2c · σ(2x) - c, where softmax ignores the constant -c (and torch's sigmoid is ~3x
@@ -180,10 +180,15 @@ class _CappedAttention(torch.autograd.Function):
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
         q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
-        for blk in _blocks(q, k, mask, causal, block_elements):
-            u = torch.sigmoid_(blk.scores(q_x, k))     # (h, r, n_k)
-            z = blk.hide(u.mul_(2.0 * cap))             # c tanh(x) + c, masked
-            torch.bmm(torch.softmax(z, dim=-1), blk.keys(v), out=blk.queries(out))
+        tiles = _Tiles(q, k, mask, causal, block_elements)
+        for b, heads in tiles.groups():
+            k_g, v_g = k[b, heads], v[b, heads]        # (h, Nk, d), (h, Nk, d_v)
+            rows = zip(*tiles.split(b, heads, q_x, out))
+            for i, (q_blk, out_blk) in enumerate(rows):
+                n_k = tiles.n_keys(i)
+                u = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)).sigmoid_()  # (h, r, n_k)
+                z = tiles.hide(u.mul_(2.0 * cap), b, heads, i)                  # c tanh(x) + c
+                torch.bmm(torch.softmax(z, dim=-1), v_g[:, :n_k], out=out_blk)
         ctx.save_for_backward(q, k, v, out, mask)
         ctx.args = (scale, cap, causal, block_elements)
         return out
@@ -201,77 +206,70 @@ class _CappedAttention(torch.autograd.Function):
         # runs ~1.4x faster on CPU than dK += dSᵀ Q.
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
-        for blk in _blocks(q, k, mask, causal, block_elements):
-            u = torch.sigmoid_(blk.scores(q_x, k))                 # recomputed, (h, r, n_k)
-            p = torch.softmax(blk.hide(u * (2.0 * cap)), dim=-1)
-            do = blk.queries(d_out)                                # (h, r, d_v)
-            blk.keys_t(dv_t).baddbmm_(do.transpose(1, 2), p)       # dVᵀ += dOᵀ P
-            dz = torch.bmm(do, blk.keys(v).transpose(1, 2))        # dP = dO Vᵀ, (h, r, n_k)
-            dz.sub_(blk.queries(delta)).mul_(p)                    # dZ = P ∘ (dP - δ)
-            ds = torch.ops.aten.sigmoid_backward(dz, u)            # dZ ∘ u (1 - u), one pass
-            torch.bmm(ds, blk.keys(k), out=blk.queries(dq))        # dQ = dS K
-            blk.keys_t(dk_t).baddbmm_(blk.queries(q).transpose(1, 2), ds)  # dKᵀ += Qᵀ dS
+        tiles = _Tiles(q, k, mask, causal, block_elements)
+        for b, heads in tiles.groups():
+            k_g, v_g, dk_g, dv_g = k[b, heads], v[b, heads], dk_t[b, heads], dv_t[b, heads]
+            rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
+            for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
+                n_k = tiles.n_keys(i)
+                u = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2)).sigmoid_()  # (h, r, n_k)
+                p = torch.softmax(tiles.hide(u * (2.0 * cap), b, heads, i), dim=-1)
+                dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)         # dVᵀ += dOᵀ P
+                dz = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))       # dP = dO Vᵀ
+                dz.sub_(delta_blk).mul_(p)                                 # dZ = P ∘ (dP - δ)
+                ds = torch.ops.aten.sigmoid_backward(dz, u)                # dZ ∘ u (1 - u)
+                torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
+                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
         # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
         dq.mul_(4.0 * scale)
         dk = dk_t.transpose(-2, -1).mul(4.0 * scale)
         return dq, dk, dv_t.transpose(-2, -1).contiguous(), None, None, None, None, None
 
 
-@dataclass(frozen=True)
-class _Block:
-    """Heads ``heads`` of batch element ``b``, queries ``rows``, against their first ``n_k`` keys."""
-    b: int
-    heads: slice
-    rows: slice
-    n_k: int                 # all keys, or the causal prefix min(Nk, last row + 1)
-    hidden: Tensor | None    # (h|1, r|1, n_k|1), True = masked out; or None
-    causal_from: int | None  # first key column causality can hide in this block; None if not causal
+class _Tiles:
+    """How the capped kernel cuts (B, H, Nq) into blocks of about ``block_elements`` logits.
 
-    def queries(self, x: Tensor) -> Tensor:
-        return x[self.b, self.heads, self.rows]         # (h, r, ·)
+    A block is ``heads`` heads of one batch element by ``rows`` queries, by all the keys those
+    queries can see: every key, or under causality the prefix up to the block's last query.
+    """
 
-    def keys(self, x: Tensor) -> Tensor:
-        return x[self.b, self.heads, :self.n_k]         # (h, n_k, ·)
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+                 block_elements: int):
+        self.n_b, self.n_h, self.n_q, _ = q.shape
+        self.n_k, self.causal = k.shape[-2], causal
+        self.rows = max(1, min(self.n_q, block_elements // max(self.n_k, 1)))
+        self.heads = max(1, min(self.n_h, block_elements // max(self.rows * self.n_k, 1)))
+        self.hidden = None
+        if mask is not None:  # invert once; view as (B|1, H|1, Nq|1, Nk|1)
+            self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
-    def keys_t(self, x_t: Tensor) -> Tensor:
-        return x_t[self.b, self.heads, :, :self.n_k]    # (h, ·, n_k) of a transposed (B, H, ·, Nk)
+    def groups(self):
+        """(b, heads) of each head group, ``heads`` a slice."""
+        for b in range(self.n_b):
+            for h0 in range(0, self.n_h, self.heads):
+                yield b, slice(h0, h0 + self.heads)
 
-    def scores(self, q: Tensor, k: Tensor) -> Tensor:
-        return torch.bmm(self.queries(q), self.keys(k).transpose(1, 2))  # (h, r, n_k)
+    def split(self, b: int, heads: slice, *tensors: Tensor) -> list[tuple[Tensor, ...]]:
+        """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
+        return [t[b, heads].split(self.rows, dim=1) for t in tensors]
 
-    def hide(self, z: Tensor) -> Tensor:
-        """Set masked logits to -inf in place: the user's mask, then keys j > i under causality."""
+    def n_keys(self, i: int) -> int:
+        """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
+        return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
+
+    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
+        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
+        i0, n_k = i * self.rows, z.shape[-1]
         if self.hidden is not None:
-            z.masked_fill_(self.hidden, float("-inf"))
-        if self.causal_from is not None and self.causal_from < self.n_k:
-            j = torch.arange(self.causal_from, self.n_k, device=z.device)           # (c,)
-            i = torch.arange(self.rows.start, self.rows.stop, device=z.device)[:, None]  # (r, 1)
-            z[..., self.causal_from:].masked_fill_(j > i, float("-inf"))
+            m = self.hidden[b if self.hidden.shape[0] > 1 else 0]
+            m = m[heads] if m.shape[0] > 1 else m
+            m = m[:, i0:i0 + z.shape[1]] if m.shape[1] > 1 else m
+            z.masked_fill_(m[..., :n_k] if m.shape[2] > 1 else m, float("-inf"))
+        if self.causal and i0 + 1 < n_k:  # only the block's diagonal square can hide keys
+            j = torch.arange(i0 + 1, n_k, device=z.device)                    # (c,)
+            rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
+            z[..., i0 + 1:].masked_fill_(j > rows, float("-inf"))
         return z
-
-
-def _blocks(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, block_elements: int):
-    """The capped kernel's blocks: about ``block_elements`` logits each, whole heads when they fit."""
-    n_b, n_h, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    rows = max(1, min(n_q, block_elements // max(n_k, 1)))
-    n_heads = max(1, min(n_h, block_elements // max(rows * n_k, 1)))
-    hidden = None
-    if mask is not None:  # invert once; view it as (B|1, H|1, Nq|1, Nk|1)
-        hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    for b in range(n_b):
-        for h0 in range(0, n_h, n_heads):
-            for i0 in range(0, n_q, rows):
-                i1 = min(i0 + rows, n_q)
-                keys = min(n_k, i1) if causal else n_k  # keys after the last row are all hidden
-                blk_hidden = None
-                if hidden is not None:
-                    m = hidden[b if hidden.shape[0] > 1 else 0]
-                    m = m[h0:h0 + n_heads] if m.shape[0] > 1 else m
-                    m = m[:, i0:i1] if m.shape[1] > 1 else m
-                    blk_hidden = m[..., :keys] if m.shape[2] > 1 else m
-                yield _Block(b, slice(h0, h0 + n_heads), slice(i0, i1), keys, blk_hidden,
-                             causal_from=i0 + 1 if causal else None)
 
 
 class MultiHeadAttention(nn.Module):
