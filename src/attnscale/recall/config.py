@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from attnscale.errors import ConfigError, check_choice, check_float, check_int
+from attnscale.mechanisms import build_mechanism
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -47,7 +48,6 @@ class RecallConfig:
 
     def validated(self) -> RecallConfig:
         """Return self after checking every field; bad values raise a one-line ConfigError."""
-        from attnscale.mechanisms import build_mechanism  # validates name and options
         for name in ("d_k", "d_model", "pairs", "n_keys", "n_values", "steps", "batch_size",
                      "eval_size", "log_every"):
             check_int(name.replace("_", "-"), getattr(self, name), minimum=1)
@@ -60,13 +60,8 @@ class RecallConfig:
                               f"got pairs={self.pairs} > n-keys={self.n_keys}.")
         if self.pairs < 2:
             raise ConfigError(f"pairs must be >= 2 for attention to have a choice, got {self.pairs}.")
-        build_mechanism(self.mechanism, self.d_k, 1, **dict(self.options))
+        build_mechanism(self.mechanism, self.d_k, 1, **dict(self.options))  # name and options
         return self
-
-    @property
-    def chance(self) -> float:
-        """Accuracy of guessing: 1 / n_values (3.125% at the default 32)."""
-        return 1.0 / self.n_values
 
 
 # Fields that may differ between runs trained together as one batched model.

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from attnscale.recall import metrics
 from attnscale.recall.experiments import study_summary
 from attnscale.recall.figures import study_figure
 from attnscale.recall.trainer import RunResult, config_dict
@@ -86,8 +87,8 @@ def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult]) -> dict:
     summary = study_summary(runs)
     shared = {k: v for k, v in config_dict(runs[0].config).items()
               if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies
-    result = {"config": shared, "summary": summary,
-              "runs": [r.row() for r in runs]}
+    result = metrics.json_safe({"config": shared, "summary": summary,
+                                "runs": [r.row() for r in runs]})
     with staged(out_dir) as staging:
         (staging / STUDY_FILES["json"]).write_text(json.dumps(result, indent=1, allow_nan=False),
                                                    encoding="utf-8")
