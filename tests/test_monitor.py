@@ -173,6 +173,20 @@ def test_monitor_on_multi_head_attention_every_mechanism(name):
     assert_clean()
 
 
+@pytest.mark.parametrize("name", ["ssmax", "softcap"])
+def test_causal_without_mask_matches_reference(name):
+    # No mask: the monitor counts each row's keys (ssmax's ln n) without an (N, N) mask.
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, name)
+    x = torch.randn(2, 30, 32)
+    with monitor(mha, block=4) as mon:
+        mha(x, causal=True)
+    q, k, v = _mha_qkv(mha, x)
+    with torch.no_grad():
+        trace = attention_reference(q, k, v, mha.mechanism, causal=True)
+        assert_records_match(mon.records, reference(trace.logits, key_mask(None, True, q, k)))
+
+
 def test_softcap_training_outputs_and_gradients_bit_identical():
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)

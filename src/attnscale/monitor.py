@@ -396,11 +396,15 @@ class Monitor:
         with torch.no_grad():
             if isinstance(mechanism, str):
                 mechanism = build_mechanism(mechanism, q.shape[-1], q.shape[1])
-            # The keys each row attends, exactly as attention() gives them to the mechanism
-            # (ssmax's temperature depends on it).
-            full_mask = key_mask(mask, causal, q, k)
-            n_keys = k.shape[-2] if full_mask is None else full_mask.sum(-1, keepdim=True)
-            del full_mask
+            # The keys each row attends, as attention() counts them for the mechanism (ssmax's
+            # temperature depends on it); causality alone is counted without an (Nq, Nk) mask.
+            n_q, n_k = q.shape[-2], k.shape[-2]
+            if mask is not None:
+                n_keys = key_mask(mask, causal, q, k).sum(-1, keepdim=True)    # (..., Nq, 1)
+            elif causal:
+                n_keys = torch.arange(1, n_q + 1, device=q.device).clamp(max=n_k).unsqueeze(-1)
+            else:
+                n_keys = n_k
             qs, ks, scale = mechanism.prepare(upcast(q.detach()), upcast(k.detach()), n_keys)
             # Rows with no key to attend are excluded here; attention() zeroes their output.
             self._add(qs, ks, scale=scale, cap=mechanism.cap, mask=mask, causal=causal)
