@@ -23,9 +23,11 @@ from attnscale.recall import metrics
 from attnscale.recall.config import RecallConfig, sqrt_dk, sweep
 from attnscale.recall.model import RecallNet, StackedRecall
 from attnscale.recall.task import eval_set
-from attnscale.recall.trainer import RunResult, evaluate, num_threads, run_all, train_runs
+from attnscale.recall.trainer import (
+    TRAIN_THREADS, RunResult, evaluate, num_threads, run_all, train_runs,
+)
 
-# The essay's d_k grid for the study ("d_k in {16, 64, 256, 1024}").
+# The all-mechanism study's grid (issue 4: "d_k in {16, 64, 256, 1024} x 3 seeds").
 STUDY_D_KS = (16, 64, 256, 1024)
 STUDY_SEEDS = (0, 1, 2)
 # SGD learning rate of the init-reparam tracking experiment.  SGD needs a far larger step than
@@ -68,7 +70,7 @@ def milestone_ratios(scaled: RunResult, unscaled: RunResult) -> dict:
 @torch.no_grad()
 def init_stats(configs: Sequence[RecallConfig]) -> list[dict]:
     """:func:`~attnscale.recall.trainer.evaluate` on untrained models (step 0)."""
-    with num_threads(1):
+    with num_threads(TRAIN_THREADS):
         model = StackedRecall([RecallNet(c) for c in configs])
         return evaluate(model, [eval_set(c) for c in configs])
 
