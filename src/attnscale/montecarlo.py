@@ -186,9 +186,8 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int = ESSAY_N, trials: int =
     """
     d_ks, n, trials, seed, mechanisms = _check_saturation_args(d_ks, n, trials, seed, mechanisms)
     rows = []
-    with _one_thread():
-        for d_k in progress(d_ks, desc="saturation", enabled=show_progress):
-            rows += _saturation_one(d_k, n, trials, seed, mechanisms)
+    for d_k in progress(d_ks, desc="saturation", enabled=show_progress):
+        rows += _saturation_one(d_k, n, trials, seed, mechanisms)
     return rows
 
 
@@ -200,14 +199,8 @@ def _saturation_one(d_k: int, n: int, trials: int, seed: int,
     shortcut = [m for m in mechanisms if m in SHORTCUT_MECHANISMS]
     if shortcut:
         rng = _rng(seed, d_k, 1)
-        for size in _chunks(trials, n):
-            # Exact shortcut: logits q.k_i = |q| g_i, |q|^2 ~ chi2(d_k), g ~ N(0, I_n).
-            norm_q = np.sqrt(rng.chisquare(d_k, size=(size, 1)))      # (T, 1)
-            g = rng.standard_normal((size, n))                        # (T, n)
-            raw = torch.from_numpy(norm_q * g)                         # (T, n) float64
-            for name in shortcut:
-                _accumulate(acc[name], _row_stats(raw / math.sqrt(d_k) if name == "scaled"
-                                                  else raw))
+        with _one_thread():
+            _shortcut_stats(acc, shortcut, d_k, n, trials, rng)
     modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms if m not in SHORTCUT_MECHANISMS}
     for frame in (True, False):
         group = {m: mod for m, mod in modules.items() if mod.rotation_invariant == frame}
@@ -224,6 +217,18 @@ def _saturation_one(d_k: int, n: int, trials: int, seed: int,
         method.update({m: "rotation-frame" if frame else "direct" for m in group})
     return [{"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
              "method": method[name], **_summarise(acc[name], trials)} for name in mechanisms]
+
+
+def _shortcut_stats(acc: dict, names: list[str], d_k: int, n: int, trials: int,
+                    rng: np.random.Generator) -> None:
+    """Accumulate statistics of ``scaled``/``unscaled`` logits sampled by the chi-square shortcut."""
+    for size in _chunks(trials, n):
+        # Exact shortcut: logits q.k_i = |q| g_i, |q|^2 ~ chi2(d_k), g ~ N(0, I_n).
+        norm_q = np.sqrt(rng.chisquare(d_k, size=(size, 1)))          # (T, 1)
+        g = rng.standard_normal((size, n))                            # (T, n)
+        raw = torch.from_numpy(norm_q * g)                             # (T, n) float64
+        for name in names:
+            _accumulate(acc[name], _row_stats(raw / math.sqrt(d_k) if name == "scaled" else raw))
 
 
 def _row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
