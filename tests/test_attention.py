@@ -170,15 +170,21 @@ def test_deterministic(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_gradcheck_float64(name):
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64, requires_grad=True)
                for n in (3, 4, 4))
-    mech = build_mechanism(name, 4, 2).double()
+    mech = _mechanism(name)
+    names = [n for n, _ in mech.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in mech.named_parameters())
     mask = torch.tensor([[True, False, True, True], [False, False, False, False],
                          [True, True, False, True]])
+
+    def run(q, k, v, *values, **kwargs):  # the output as a function of inputs and parameters
+        return torch.func.functional_call(mech, dict(zip(names, values)), (q, k, v), kwargs)
+
     # fast_mode checks random projections uᵀ J v of the Jacobian: as strict, much cheaper.
-    assert torch.autograd.gradcheck(lambda q, k, v: mech(q, k, v), (q, k, v), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda q, k, v: mech(q, k, v, mask=mask, causal=True),
-                                    (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(run, (q, k, v, *params), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *a: run(*a, mask=mask, causal=True), (q, k, v, *params),
+                                    fast_mode=True)
 
 
 def test_bad_masks_and_shapes_are_config_errors():

@@ -15,6 +15,7 @@ from attnscale.mechanisms.cosine import TAU_INIT, TAU_MAX
 from attnscale.mechanisms.qk_layernorm import LN_EPS
 from attnscale.mechanisms.qk_rmsnorm import RMS_EPS
 from attnscale.mechanisms.qknorm import DEFAULT_MAX_LEN
+from attnscale.mechanisms.rownorm import rms_rows, unit_rows
 from attnscale.mechanisms.sigma_reparam import SigmaReparam
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 from attnscale.mechanisms.ssmax import S_INIT
@@ -46,8 +47,8 @@ def _rms_norm(x):
 
 
 def _affine(x, norm):
-    """Apply a norm module's learned gain (and bias, if any) to an already normalised x."""
-    return x * norm.weight + (norm.bias if getattr(norm, "bias", None) is not None else 0.0)
+    """Apply a LayerNorm module's learned gain and bias to an already normalised x."""
+    return x * norm.weight + norm.bias
 
 
 # Each formula written out in float64 from the issue's table, independently of the modules.
@@ -63,8 +64,8 @@ FORMULAS = {
     "qknorm": lambda q, k, m: m.g * _dot(_unit(q), _unit(k)),
     "qk-layernorm": lambda q, k, m: _dot(_affine(_layer_norm(q, -1), m.q_norm),
                                         _affine(_layer_norm(k, -1), m.k_norm)) / math.sqrt(D),
-    "qk-rmsnorm": lambda q, k, m: _dot(_affine(_rms_norm(q), m.q_norm),
-                                      _affine(_rms_norm(k), m.k_norm)) / math.sqrt(D),
+    "qk-rmsnorm": lambda q, k, m: _dot(_rms_norm(q) * m.q_gain, _rms_norm(k) * m.k_gain)
+    / math.sqrt(D),
     "cosine": lambda q, k, m: torch.exp(m.tau.clamp(max=math.log(100))) * _dot(_unit(q), _unit(k)),
     "learned-temp": lambda q, k, m: torch.exp(m.beta) * _dot(q, k),
     "mup": lambda q, k, m: _dot(q, k) / D,
@@ -144,6 +145,21 @@ def test_cosine_temperature_is_clamped_and_kept_from_weight_decay():
     names = dict(mha.named_parameters())
     assert mha.no_weight_decay() == {"mechanism.tau"} and "mechanism.tau" in names
     assert MultiHeadAttention(H * D, H).no_weight_decay() == set()
+
+
+def test_row_norm_backward_matches_autograd():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.rand(3, 1, 1, generator=gen, dtype=torch.float64, requires_grad=True)
+    scalar = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+    gain = torch.rand(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    for fn, args in ((unit_rows, (x,)), (unit_rows, (x, head)), (unit_rows, (x, scalar)),
+                     (lambda x, g: rms_rows(x, g, RMS_EPS), (x, gain))):
+        assert torch.autograd.gradcheck(fn, args)
+    assert_close(unit_rows(x, head), head * x / x.norm(dim=-1, keepdim=True))
+    assert_close(rms_rows(x, gain, RMS_EPS), gain * x / (x.pow(2).mean(-1, keepdim=True)
+                                                       + RMS_EPS).sqrt())
+    assert torch.equal(unit_rows(torch.zeros(2, 3)), torch.zeros(2, 3))  # zero rows stay zero
 
 
 def test_ssmax_counts_the_keys_each_query_attends():

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.mechanisms.base import Mechanism, Scale, register
+from attnscale.mechanisms.rownorm import unit_rows
 
 # Swin V2: logit_scale = log(10) at init, clamped at log(1 / 0.01).
 TAU_INIT = math.log(10.0)
@@ -30,7 +30,7 @@ class Cosine(Mechanism):
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         scale = self.tau.clamp(max=TAU_MAX).exp()  # (H, 1, 1)
-        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), scale
+        return unit_rows(q, scale), unit_rows(k), 1.0  # the temperature folded into q's norm
 
     def no_weight_decay(self) -> set[str]:
         return {"tau"}  # Swin V2 excludes logit_scale from weight decay

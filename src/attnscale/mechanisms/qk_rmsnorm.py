@@ -6,9 +6,11 @@ for k (shared by the heads), gain 1 at init.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
+from attnscale.mechanisms.rownorm import rms_rows
 
 # Gemma 3's rms_norm_eps.
 RMS_EPS = 1e-6
@@ -20,8 +22,9 @@ class QKRMSNorm(Mechanism):
 
     def __init__(self, d_head: int, n_heads: int):
         super().__init__(d_head, n_heads)
-        self.q_norm = nn.RMSNorm(d_head, eps=RMS_EPS)
-        self.k_norm = nn.RMSNorm(d_head, eps=RMS_EPS)
+        self.q_gain = nn.Parameter(torch.ones(d_head))  # RMSNorm weight for q, shared by heads
+        self.k_gain = nn.Parameter(torch.ones(d_head))
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
-        return self.q_norm(q), self.k_norm(k), inv_sqrt(self.d_head)
+        return (rms_rows(q, self.q_gain, RMS_EPS), rms_rows(k, self.k_gain, RMS_EPS),
+                inv_sqrt(self.d_head))
