@@ -62,16 +62,16 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _check_against_naive(configs: list[RecallConfig], force_vectors: bool = False) -> None:
+def _check_against_naive(configs: list[RecallConfig], force_pair_table: bool = False) -> None:
     """Loss, logits and every gradient of the stacked table-projected model equal the
     straightforward per-token model's, in float64."""
     nets = [RecallNet(c).double() for c in configs]
     naive = copy.deepcopy(nets)   # sigma-reparam's power iteration state advances per forward
     model = StackedRecall(nets)
-    if force_vectors:
+    if force_pair_table:
         model.bilinear = (False,) * len(nets)
     batches = [train_chunk(c, 0)[0] for c in configs]                   # (B,) each
-    out = model(BatchIndex.build(stack_batches(batches), TINY.n_keys))
+    out = model(BatchIndex.build(stack_batches(batches), TINY.n_keys, TINY.n_values))
     out.loss.sum().backward()
     for m, (net, batch) in enumerate(zip(naive, batches)):
         ref = net(batch)
@@ -92,18 +92,18 @@ def _check_against_naive(configs: list[RecallConfig], force_vectors: bool = Fals
             assert_close(ours[name], g)
 
 
-@pytest.mark.parametrize("path", ["score-table", "vectors"])
+@pytest.mark.parametrize("path", ["score-table", "pair-table"])
 @pytest.mark.parametrize("mechanism", list(MECHANISMS))
 def test_fast_model_equals_naive(mechanism, path):
     """Every mechanism, two seeds in one stacked model, on each path it can take."""
     configs = [replace(TINY, mechanism=mechanism, seed=s) for s in (0, 1)]
     if path == "score-table" and not RecallNet(configs[0]).bilinear:
-        pytest.skip("mechanism transforms q and k: vector path only")
-    _check_against_naive(configs, force_vectors=path == "vectors")
+        pytest.skip("mechanism transforms q and k: pair-table path only")
+    _check_against_naive(configs, force_pair_table=path == "pair-table")
 
 
 def test_fast_model_equals_naive_for_a_mixed_group():
-    """Table-path and vector-path mechanisms stacked together."""
+    """Score-table and pair-table mechanisms stacked together."""
     _check_against_naive([replace(TINY, mechanism=m, seed=s) for m, s in
                           (("qknorm", 0), ("scaled", 1), ("cosine", 2), ("sigma-reparam", 0))])
 

@@ -25,6 +25,8 @@ so the value vectors are only needed through ``T_R = E (W_out W_V)^T``, n_values
 mechanisms whose logits are a temperature on the plain dot product (``prepare`` returns q and k
 untouched: scaled, unscaled, mup, softcap, ...), even the logits come from a table of every
 (query token, pair token) score, ``S = T_Q T_K^T``, so nothing d_k-wide is formed per token at all.
+Mechanisms that transform q and k (qknorm, cosine, ...) run once on the n_keys x n_values distinct
+pair vectors instead of on the B x P pairs of a batch (:func:`_pair_logits`).
 :class:`StackedRecall` runs M models (mechanisms or seeds) as one: their weights are stacked on a
 leading model axis, so every matmul is one ``bmm`` and the optimiser sees five tensors, not 5 M.
 """
@@ -94,7 +96,7 @@ def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
 
     True when the mechanism keeps the base ``logits`` and its ``prepare`` hands q and k back as the
     same objects; the scale may still depend on parameters or on the number of keys.  Only then may
-    the logits be gathered from a table of token-pair scores (anything else falls back to vectors).
+    the logits be gathered from the score table; the others go through :func:`_pair_logits`.
     """
     if type(mechanism).logits is not Mechanism.logits:
         return False
@@ -108,18 +110,20 @@ class BatchIndex:
     """A batch with a leading model axis, as rows of the per-model token tables (see
     :class:`StackedRecall`); built once per chunk of steps, sliced per step."""
     tokens: Tensor   # (M, ..., 2P) table rows of the pair halves: k_1..k_P, then n_keys + v_1..v_P
+    pairs: Tensor    # (M, ..., P) pair ids k_i * n_values + v_i, rows of the pair table
     query: Tensor    # (M, ...) table row of the query key
     target: Tensor   # (M, ...) the value to recall
 
     @staticmethod
-    def build(batch: RecallBatch, n_keys: int) -> BatchIndex:
+    def build(batch: RecallBatch, n_keys: int, n_values: int) -> BatchIndex:
         """Index a batch whose tensors have a leading model axis M (and any batch shape after)."""
-        return BatchIndex(torch.cat([batch.keys, n_keys + batch.values], -1), batch.query,
-                          batch.target)
+        return BatchIndex(torch.cat([batch.keys, n_keys + batch.values], -1),
+                          batch.keys * n_values + batch.values, batch.query, batch.target)
 
     def step(self, t: int) -> BatchIndex:
         """Step ``t`` of an index built over (M, steps, B): the (M, B) batch of that step."""
-        return BatchIndex(self.tokens[:, t], self.query[:, t], self.target[:, t])
+        return BatchIndex(self.tokens[:, t], self.pairs[:, t], self.query[:, t],
+                          self.target[:, t])
 
 
 class StackedRecall(nn.Module):
@@ -177,19 +181,14 @@ class StackedRecall(nn.Module):
         P = P2 // 2
         T_q, T_k, T_r = self._tables()
         z: list[Tensor | None] = [None] * M
-        table = [m for m in range(M) if self.bilinear[m]]
-        if table:
+        if any(self.bilinear):
             dots = _gather_dots(T_q, T_k, idx)                               # (M, B, P) = q.k_i
-            for m in table:
+        for m in range(M):
+            if self.bilinear[m]:
                 z[m] = _temper(self.mechanisms[m], T_q[m], T_k[m], dots[m], P)  # (B, P)
-        vector = [m for m in range(M) if not self.bilinear[m]]
-        if vector:  # mechanisms that transform q and k themselves need the vectors
-            sub = torch.tensor(vector)[:, None, None]
-            k = T_k[sub, idx.tokens[vector]].view(len(vector), B, 2, P, -1).sum(2) * PAIR_NORM
-            # k: (M', B, P, d_k) for the M' vector-path models
-            q = T_q[sub[..., 0], idx.query[vector]]                          # (M', B, d_k)
-            for j, m in enumerate(vector):                                   # k[j]: (B, P, d_k)
-                z[m] = self.mechanisms[m].logits(q[j, :, None, None], k[j, :, None])[:, 0, 0]
+                continue
+            z[m] = _pair_logits(self.mechanisms[m], T_q[m], T_k[m], idx.query[m],
+                                idx.pairs[m], self.config.n_keys, P)         # (B, P)
         z = torch.stack(z)                                                   # (M, B, P)
         p = z.softmax(-1)                                                    # (M, B, P)
         # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
@@ -255,3 +254,20 @@ def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys
     if mechanism.cap is not None:
         z = mechanism.cap * torch.tanh(z / mechanism.cap)
     return z
+
+
+def _pair_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor, pairs: Tensor,
+                 n_keys: int, n_attended: int) -> Tensor:
+    """Any mechanism's logits (B, P) via the table of every (query token, pair) combination.
+
+    A pair's key vector depends only on its two tokens, so there are n_keys x n_values distinct
+    k vectors (1024 at the defaults, fewer than the B P = 1536 of a batch).  The mechanism runs
+    once on all of them against the n_keys possible queries, and each sequence gathers its own
+    entries.  Exact because every mechanism's logit for (q, k_i) depends only on q, k_i and the
+    number of keys attended, passed as ``n_attended``.
+    """
+    d_k = T_k.shape[-1]
+    K = (T_k[:n_keys, None, :] + T_k[None, n_keys:, :]) * PAIR_NORM          # (n_keys, n_values, d_k)
+    Z = mechanism.logits(T_q[None, None], K.reshape(1, 1, -1, d_k), n_attended)[0, 0]
+    # Z: (n_keys, n_keys * n_values), the logit of every query token against every pair
+    return Z.flatten()[query[:, None] * Z.shape[1] + pairs]                  # (B, P)

@@ -113,7 +113,8 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
     for c in configs:
         if c.seed not in per_seed:
             per_seed[c.seed] = train_chunk(c, chunk)
-    return BatchIndex.build(stack_batches([per_seed[c.seed] for c in configs]), configs[0].n_keys)
+    return BatchIndex.build(stack_batches([per_seed[c.seed] for c in configs]),
+                            configs[0].n_keys, configs[0].n_values)
 
 
 _STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
@@ -149,7 +150,7 @@ def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
         count = len(data[0])
         for lo in range(0, count, EVAL_CHUNK):
             batch = stack_batches([d[lo:lo + EVAL_CHUNK] for d in data])       # (M, chunk)
-            idx = BatchIndex.build(batch, c.n_keys)
+            idx = BatchIndex.build(batch, c.n_keys, c.n_values)
             out = model(idx)
             stats = _attention_stats(out.z)
             rows = (out.logits.argmax(-1) == batch.target).double().sum(-1)    # (M,) correct
