@@ -1,8 +1,8 @@
-"""Attention whose temperature is a registry mechanism: one pipeline, a reference path and fast paths.
+"""Attention whose temperature is a registry mechanism: one pipeline, a reference and fast paths.
 
 The pre-softmax pipeline always runs in this order (:func:`attention_reference` spells it out)::
 
-    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise q, k; pick the temperature
+    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise q, k; the temperature
     z = scale * (q @ k.T)                           # logits
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
     z = z.masked_fill(~mask, -inf)                  # mask
@@ -14,10 +14,10 @@ a mechanism whose temperature is a scale on (normalised) q and k has the scale f
 runs on ``torch.nn.functional.scaled_dot_product_attention``; a capped mechanism runs on
 :class:`_CappedAttention`, a blockwise kernel whose extra memory is O(Nk · block), not O(Nq · Nk).
 
-Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets query
-i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to attend
-gives zero output and zero gradients, never NaN.  fp16 and bf16 inputs are computed with float32
-accumulation and returned in their own dtype.
+Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
+query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
+attend gives zero output and zero gradients, never NaN.  fp16 and bf16 inputs are computed with
+float32 accumulation and returned in their own dtype.
 """
 
 from __future__ import annotations

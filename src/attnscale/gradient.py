@@ -1,4 +1,4 @@
-"""The essay's gradient argument, measured ("The Gradient Argument", "Move it into the initialization").
+"""The essay's gradient argument, measured ("The Gradient Argument", "Move it into the init...").
 
 For one query with logits z (n keys), weights p = softmax(z), values v_i and upstream gradient
 g = dL/do, the output o = Σ_i p_i v_i gives two paths back:

@@ -1,8 +1,8 @@
 """Every attention-temperature mechanism, by name.
 
-:data:`MECHANISMS` maps each registry key to its :class:`Mechanism` class; each lives in its own file,
-imported below, and enters the registry with ``@register(name)``.  Adding a mechanism means adding
-one file and one import line; the test suite is parametrised over the registry and covers it.
+:data:`MECHANISMS` maps each registry key to its :class:`Mechanism` class; each lives in its own
+file, imported below, and enters the registry with ``@register(name)``.  Adding a mechanism means
+adding one file and one import line; the test suite is parametrised over the registry and covers it.
 """
 
 from __future__ import annotations

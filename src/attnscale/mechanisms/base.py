@@ -56,8 +56,8 @@ def inv_sqrt(d_head: int) -> float:
 class Mechanism(nn.Module):
     """Per-head attention logits, before the mask.
 
-    Subclasses set the class attributes below and implement :meth:`prepare`; options are keyword-only
-    arguments of ``__init__`` after ``d_head`` and ``n_heads`` (that signature is what
+    Subclasses set the class attributes below and implement :meth:`prepare`; options are
+    keyword-only arguments of ``__init__`` after ``d_head`` and ``n_heads`` (that signature is what
     :func:`attnscale.mechanisms.build_mechanism` validates options against).
     """
 

@@ -2,7 +2,8 @@
 
 z = qᵀk with no divisor, but W_Q and W_K start at d^(-1/4) times their standard init, so
 z = (d^(-1/4) W_Q x)ᵀ (d^(-1/4) W_K y) = (W_Q x)ᵀ (W_K y) / √d: identical to ``scaled`` at step 0
-(the essay, "Move it into the initialization").  As a bare module (no projections) it is ``unscaled``.
+(the essay, "Move it into the initialization").  As a bare module (no projections) it is
+``unscaled``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class InitReparam(Mechanism):
         return q, k, 1.0
 
     def init_projections(self, w_q: nn.Linear, w_k: nn.Linear) -> None:
-        # Scale the whole affine map (bias too) so q and k are exactly d^(-1/4) of the standard ones.
+        # Scale the whole affine map (bias too): q and k are exactly d^(-1/4) of the standard ones.
         with torch.no_grad():
             for p in (*w_q.parameters(), *w_k.parameters()):
                 p.mul_(init_gain(self.d_head))

@@ -27,7 +27,7 @@ def qknorm_g_init(max_len: int) -> float:
 
 @register("qknorm")
 class QKNorm(Mechanism):
-    """z = g cos(q, k), g init log2(L² − L).  Source: Henry et al. 2020, "Query-Key Normalization"."""
+    """z = g cos(q, k), g init log2(L² − L).  Source: Henry et al. 2020, "QKNorm"."""
 
     def __init__(self, d_head: int, n_heads: int, *, max_len: int = DEFAULT_MAX_LEN):
         super().__init__(d_head, n_heads)

@@ -2,8 +2,9 @@
 
 σ(W) is the spectral norm, estimated by power iteration: one step per training forward, with the
 singular-vector estimates u, v kept as buffers across steps (as in Miyato et al.'s spectral norm).
-γ is learned and starts at the estimate of σ(W_0), so the reparametrised weight is W_0 at init.  Bounding the
-spectral norm of W_Q and W_K bounds the logit scale, which prevents attention entropy collapse.
+γ is learned and starts at the estimate of σ(W_0), so the reparametrised weight is W_0 at init.
+Bounding the spectral norm of W_Q and W_K bounds the logit scale, which prevents attention entropy
+collapse.
 The logit rule itself is ``scaled``; as a bare module (no projections) it is exactly ``scaled``.
 """
 
@@ -22,7 +23,7 @@ INIT_POWER_ITERS = 50
 
 
 class SigmaReparam(nn.Module):
-    """Parametrisation W ↦ (γ / σ(W)) W for :func:`torch.nn.utils.parametrize.register_parametrization`."""
+    """W ↦ (γ / σ(W)) W, a parametrisation for ``torch.nn.utils.parametrize``."""
 
     def __init__(self, weight: Tensor):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Report section for the gradient argument and the init-reparam claims (:mod:`attnscale.gradient`)."""
+"""Report section: the gradient argument and the init-reparam claims (:mod:`attnscale.gradient`)."""
 
 from __future__ import annotations
 
