@@ -83,10 +83,12 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
     d_ks = check_int_list("d_ks", d_ks, minimum=1)
     n = check_int("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=1)
-    mechs = {name: build_mechanism(name, 1, 1) for name in mechanisms}  # unknown names fail here
+    for name in mechanisms:
+        build_mechanism(name, 1, 1)  # unknown names fail here, before any sampling
     rows = []
     for d_k in d_ks:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + d_k)
+        mechs = {name: build_mechanism(name, d_k, 1) for name in mechanisms}  # at init
         stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
         for start in range(0, trials, chunk):
             t = min(chunk, trials - start)
@@ -94,8 +96,9 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
             k = torch.randn(t, 1, n, d_k, generator=gen)                  # (T, 1, n, d)
             v = torch.randn(t, n, GRADIENT_DV, generator=gen)             # (T, n, d_v)
             g = torch.randn(t, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)  # (T, d_v)
-            for name in mechs:
-                z = build_mechanism(name, d_k, 1).logits(q, k)[:, 0, 0]  # (T, n)
+            for name, mech in mechs.items():
+                with torch.no_grad():
+                    z = mech.logits(q, k)[:, 0, 0]                        # (T, n)
                 for acc, x in zip(stats[name], _path_norms(gradient_paths(z, v, g))):
                     acc.append(x)
         for name, (mw, routing, value) in stats.items():
