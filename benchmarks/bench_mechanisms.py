@@ -10,7 +10,10 @@ so machine load hits all of them alike; a mechanism's ratio is the median over r
 divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechanism's parameters.
 ``softcap-materialised`` (the reference path with the whole logit tensor) is an extra reference row.
 
-Goals (issue 3): <= 1.15 for every mechanism except softcap, <= 1.5 for softcap.
+Goals (issue 3): <= 1.15 for every mechanism except softcap, <= 1.5 for softcap.  On a machine
+shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
+blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
+taken (SDPA is one op).
 
 Peak extra memory of one forward + backward is measured in a fresh subprocess per variant, as the
 growth of the peak resident set size (Linux /proc/self/status) over the inputs already allocated;
@@ -20,6 +23,7 @@ it includes the gradients of q, k and v (24 MiB at the default shape).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -134,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"B,H,N,d = {shape}, float32, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds, forward + backward")
+    # Other processes on the same cores distort everything, most of all kernels made of many torch
+    # ops: each op is an OpenMP team, and with the default spin-waiting (OMP_WAIT_POLICY unset) a
+    # team whose second thread is descheduled stalls for a scheduler slice.
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     times = time_rounds(names, shape, args.rounds)
     sdpa = times[SDPA]
     print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms, best "
