@@ -17,16 +17,6 @@ attention_module = importlib.import_module("attnscale.attention")
 B, H, D = 2, 3, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: an OpenMP team per op costs more than the op, and under pytest-xdist's
-    workers (2 x 2 threads on 2 cores) every team waits for a descheduled thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(nq, nk, dtype=torch.float64, scale=1.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) * s).to(dtype)
