@@ -1,10 +1,21 @@
-"""Shared test helpers: run the CLI in-process and capture its exit code and output."""
+"""Shared test helpers: one torch thread per test, and the CLI run in-process."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnscale.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread per test: the suite runs on pytest-xdist workers (one per core), and
+    small tensors pay more for an OpenMP team per op than the op costs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

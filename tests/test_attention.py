@@ -14,16 +14,6 @@ NAMES = list(MECHANISMS)
 B, H, NQ, NK, D = 2, 3, 6, 8, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: an OpenMP team per op costs more than the op, and under pytest-xdist's
-    workers (2 x 2 threads on 2 cores) every team waits for a descheduled thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(dtype=torch.float64, seed=0, nq=NQ, nk=NK, d_v=D, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     q = (torch.randn(B, H, nq, D, generator=gen, dtype=torch.float64) * scale).to(dtype)
