@@ -149,7 +149,7 @@ def test_scaled_equals_llama_native_and_none_restores_it():
 
 
 @pytest.mark.parametrize("name,param", [("qknorm", "g"), ("cosine", "tau"),
-                                        ("qk-rmsnorm", "q_norm.weight"), ("ssmax", "s")])
+                                        ("qk-rmsnorm", "q_gain"), ("ssmax", "s")])
 def test_swapped_parameters_train_and_save_with_the_model(name, param):
     model = make_model("gemma2")
     hf.set_mechanism(model, name)
