@@ -180,15 +180,18 @@ class StackedRecall(nn.Module):
         M, B, P2 = idx.tokens.shape
         P = P2 // 2
         T_q, T_k, T_r = self._tables()
-        z: list[Tensor | None] = [None] * M
+        # unbind, not T_q[m]: indexing model by model would make backward add M full-size zero
+        # gradients (one per select), O(M^2) work; unbind's backward stacks the M slices once.
+        T_qs, T_ks = T_q.unbind(0), T_k.unbind(0)                            # M x (n_keys|T, d_k)
         if any(self.bilinear):
-            dots = _gather_dots(T_q, T_k, idx)                               # (M, B, P) = q.k_i
-        for m in range(M):
+            dots = _gather_dots(T_q, T_k, idx).unbind(0)                     # M x (B, P) = q.k_i
+        z = []
+        for m, mech in enumerate(self.mechanisms):
             if self.bilinear[m]:
-                z[m] = _temper(self.mechanisms[m], T_q[m], T_k[m], dots[m], P)  # (B, P)
-                continue
-            z[m] = _pair_logits(self.mechanisms[m], T_q[m], T_k[m], idx.query[m],
-                                idx.pairs[m], self.config.n_keys, P)         # (B, P)
+                z.append(_temper(mech, T_qs[m], T_ks[m], dots[m], P))          # (B, P)
+            else:
+                z.append(_pair_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.pairs[m],
+                                      self.config.n_keys, P))                # (B, P)
         z = torch.stack(z)                                                   # (M, B, P)
         p = z.softmax(-1)                                                    # (M, B, P)
         # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
@@ -224,12 +227,13 @@ def _mapped(w_t: Tensor, maps: nn.ModuleList) -> Tensor:
     stacked W^T (M, d_model, d_k); ``w_t`` itself when no model has any."""
     if all(len(chain) == 0 for chain in maps):
         return w_t
-    out = []
+    out = list(w_t.unbind(0))  # one backward for all slices (see StackedRecall.forward)
     for m, chain in enumerate(maps):
-        w = w_t[m].mT
-        for f in chain:
-            w = f(w)
-        out.append(w.mT)
+        if len(chain):
+            w = out[m].mT
+            for f in chain:
+                w = f(w)
+            out[m] = w.mT
     return torch.stack(out)
 
 
