@@ -112,7 +112,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("recall.steps_to_loss_0_1.ratio", "A Training Demo", "steps to smoothed loss 0.1, "
           "unscaled / scaled (essay 822 / 436)", "1.89", Within(1.4, 4.0)),
     Claim("recall.plateau.unscaled.level", "A Training Demo", "level of the unscaled run's "
-          "mid-training plateau, detected automatically (essay: steps ~530-820)", "0.3",
+          "stall above loss 0.1, detected automatically (essay: steps ~530-820)", "0.3",
           Within(0.1, 1.0)),
     Claim("recall.final_loss.ratio", "A Training Demo", "final smoothed loss, unscaled / scaled "
           "(essay 0.01374 / 0.00562)", "2.4", Within(1.4, 4.0)),

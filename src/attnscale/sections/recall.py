@@ -48,6 +48,12 @@ def _mid_plateaus(run: RunResult) -> list[dict]:
     return [p for p in run.plateaus if p["start"] > 0]
 
 
+def _stalls(run: RunResult) -> list[dict]:
+    """The essay's kind of plateau: mid-training, above the last milestone (loss 0.1), i.e. a
+    stall on the way to solving the task rather than a bump in its convergence tail."""
+    return [p for p in _mid_plateaus(run) if p["level"] > metrics.MILESTONES[-1]]
+
+
 def _plateau_text(run: RunResult) -> str:
     ps = _mid_plateaus(run)
     return "; ".join(f"{p['level']:.3g} at {p['start']}-{p['end']}" for p in ps) or "none"
@@ -186,16 +192,18 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     scaling = logit_scaling(SCALING_D_KS, base, trained=[trained[d] for d in SCALING_D_KS])
 
     separations = [a["separation_step"] for a in adam]  # None: never apart within the run
-    levels = [p["level"] for r in demo["unscaled"] for p in _mid_plateaus(r)]
-    with_plateau = sum(bool(_mid_plateaus(r)) for r in demo["unscaled"])
+    stalls = {r.config.seed: _stalls(r) for r in demo["unscaled"]}
+    levels = [p["level"] for ps in stalls.values() for p in ps]
     m = {
         "recall.steps_to_loss_1.ratio": _over_seeds([r["steps_to_loss_1_ratio"] for r in ratios]),
         "recall.steps_to_loss_0_1.ratio": _over_seeds(
             [r["steps_to_loss_0_1_ratio"] for r in ratios]),
         "recall.plateau.unscaled.level": Measurement(
             float(np.mean(levels)) if levels else 0.0,
-            note=f"found in {with_plateau} of {len(seeds)} seeds" if levels
-            else "no mid-training plateau detected in any seed"),
+            note="; ".join(f"seed {s}: {p['level']:.3g} at steps {p['start']}-{p['end']}"
+                           for s, ps in stalls.items() for p in ps)
+            + f" ({sum(map(bool, stalls.values()))} of {len(seeds)} seeds)" if levels
+            else "no stall above loss 0.1 in any seed"),
         "recall.final_loss.ratio": _over_seeds([r["final_loss_ratio"] for r in ratios]),
         "recall.eval_accuracy.scaled": _over_seeds([r.eval_accuracy for r in demo["scaled"]],
                                                    "{:.4f}"),
