@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from attnscale.constants import Z95
 from attnscale.errors import ConfigError
 from attnscale.report.claims import CLAIMS
 from attnscale.report.model import Measurement, Section, judge
@@ -89,7 +90,7 @@ def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict) ->
         md = ["# attnscale reproduction report", "",
               "Every number the essay quotes, our measurement with its 95% confidence interval, "
               "and a verdict. Monte Carlo claims agree when the gap between the essay's estimate "
-              "and ours is within 1.96 standard deviations of the difference of two independent "
+              f"and ours is within {Z95:.2f} standard deviations of the difference of two independent "
               "estimates at the essay's sample size.", "",
               " · ".join(f"{k}: {v}" for k, v in meta.items()), "",
               f"**{n_ok} of {len(verdicts)} claims agree.**", "", table, ""]
