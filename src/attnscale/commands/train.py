@@ -32,7 +32,7 @@ COMPARE_EXAMPLES = """
 """
 
 STUDY_EXAMPLES = """
-  attnscale study recall --out study/               # all mechanisms, d_k=16..1024, 3 seeds
+  attnscale study recall --out study/               # all 13 x 4 x 3 = 156 runs: ~30 min, 2 cores
   attnscale study recall --out study/ --mechanisms scaled,unscaled,qknorm --d-k 16,64 --seed 0
   attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json
 """

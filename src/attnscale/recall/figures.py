@@ -68,8 +68,10 @@ def study_figure(rows: Sequence[dict]):
         image = ax.imshow(grid, aspect="auto", cmap=cmap)
         for i, m in enumerate(mechanisms):
             for j, d in enumerate(d_ks):
+                # Both colour maps run dark to light: white text on the darker half.
+                dark = not math.isnan(grid[i, j]) and image.norm(grid[i, j]) < 0.6
                 ax.text(j, i, _cell_text(cell.get((m, d)), key), ha="center", va="center",
-                        fontsize=7, color="w" if key.startswith("steps") else "k")
+                        fontsize=7, color="w" if dark else "k")
         ax.set_xticks(range(len(d_ks)), [str(d) for d in d_ks])
         ax.set_yticks(range(len(mechanisms)), mechanisms)
         ax.set_xlabel("$d_k$")
