@@ -206,14 +206,8 @@ def _saturation_one(d_k: int, n: int, trials: int, seed: int,
         group = {m: mod for m, mod in modules.items() if mod.rotation_invariant == frame}
         if not group:
             continue
-        rng = _rng(seed, d_k, 3 if frame else 4)
-        per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
-        for start in range(0, trials, per):
-            q, k = (_frame_qk if frame else _direct_qk)(d_k, n, min(per, trials - start), rng)
-            for name, mod in group.items():
-                with torch.no_grad():
-                    z = mod.logits(q, k)[:, 0, 0, :]                  # (T, n)
-                _accumulate(acc[name], _row_stats(z))
+        _module_stats(acc, group, _frame_qk if frame else _direct_qk, d_k, n, trials,
+                      _rng(seed, d_k, 3 if frame else 4))
         method.update({m: "rotation-frame" if frame else "direct" for m in group})
     return [{"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
              "method": method[name], **_summarise(acc[name], trials)} for name in mechanisms]
@@ -229,6 +223,18 @@ def _shortcut_stats(acc: dict, names: list[str], d_k: int, n: int, trials: int,
         raw = torch.from_numpy(norm_q * g)                             # (T, n) float64
         for name in names:
             _accumulate(acc[name], _row_stats(raw / math.sqrt(d_k) if name == "scaled" else raw))
+
+
+def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: int,
+                  rng: np.random.Generator) -> None:
+    """Accumulate statistics of each module's ``logits`` on q, k drawn by ``sample`` in chunks."""
+    per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
+    for start in range(0, trials, per):
+        q, k = sample(d_k, n, min(per, trials - start), rng)
+        for name, mod in modules.items():
+            with torch.no_grad():
+                z = mod.logits(q, k)[:, 0, 0, :]                      # (T, n)
+            _accumulate(acc[name], _row_stats(z))
 
 
 def _row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -273,16 +279,10 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     mechanism's own ``logits``; slow, and the yardstick for both shortcuts.
     """
     _check_saturation_args([d_k], n, trials, seed, (mechanism,))
-    mod = build_mechanism(mechanism, d_k, 1)
-    rng = _rng(seed, d_k, 2)
-    acc: dict[str, list[float]] = {}
-    per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
-    for start in range(0, trials, per):
-        q, k = _direct_qk(d_k, n, min(per, trials - start), rng)
-        with torch.no_grad():
-            z = mod.logits(q, k)                                     # (T, 1, 1, n)
-        _accumulate(acc, _row_stats(z[:, 0, 0, :]))
-    return _summarise(acc, trials)
+    acc: dict[str, dict[str, list[float]]] = {mechanism: {}}
+    _module_stats(acc, {mechanism: build_mechanism(mechanism, d_k, 1)}, _direct_qk, d_k, n,
+                  trials, _rng(seed, d_k, 2))
+    return _summarise(acc[mechanism], trials)
 
 
 # ---------------------------------------------------------------------------------------------
