@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale import rowstats
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import upcast
@@ -214,6 +215,12 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         else:  # the mask has a batch the logits broadcast over
             z = torch.where(keep, z, -math.inf)
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
+    if z.dtype == torch.float32 and z.device.type == "cpu" and rowstats.available():
+        # The compiled kernel reads causality as a per-row key count: no mask is written.
+        limit = None
+        if causal and first_hidden < hi - lo:
+            limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64)
+        return _totals(rowstats.row_stats(z, limit=limit))
     if causal and first_hidden < hi - lo:
         # Query i0 + r hides keys j > i0 + r + offset: only this corner of the block.
         corner = z[..., max(first_hidden, 0):]
@@ -224,25 +231,32 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     s = softmax_stats(z)                                     # each (B, H, Nb)
     std = logit_std(z)
     absmax = z.abs_().nan_to_num_(posinf=0.0).amax(dim=-1)   # masked |-inf| -> 0; z is done
-    masked = keep is not None or causal
     # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk).
-    row_ok = s["max_weight"] > 0 if masked else None
+    count = (s["max_weight"] > 0).to(s["max_weight"].dtype)
+    return _totals(torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], std,
+                                absmax], dim=-1))
+
+
+def _totals(rows: Tensor) -> HeadStats:
+    """Per-head sums of per-row statistics (B, H, Nb, len(ROW_STATS_COLUMNS)); rows whose
+    count is 0 (no key to attend) are left out."""
+    col = {name: rows[..., i] for i, name in enumerate(rowstats.ROW_STATS_COLUMNS)}
+    ok = col["count"] > 0
 
     def total(x: Tensor) -> Tensor:
-        if row_ok is not None:
-            x = torch.where(row_ok, x, 0.0)
-        return x.sum(dim=(0, 2), dtype=torch.float64)
+        return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
 
-    entropy = s["entropy"] if row_ok is None else torch.where(row_ok, s["entropy"], math.inf)
-    queries = torch.ones_like(entropy) if row_ok is None else row_ok.to(entropy.dtype)
+    def extreme(x: Tensor, fill: float, reduce) -> Tensor:
+        return reduce(torch.where(ok, x, fill), dim=(0, 2)).double()
+
     return HeadStats(
-        queries=queries.sum(dim=(0, 2), dtype=torch.float64),
-        entropy_sum=total(s["entropy"]),
-        entropy_min=entropy.amin(dim=(0, 2)).double(),
-        max_weight_sum=total(s["max_weight"]),
-        logit_std_sum=total(std),
-        logit_absmax=absmax.amax(dim=(0, 2)).double(),
-        jacobian_fro_sum=total(s["jacobian_fro"]),
+        queries=ok.sum(dim=(0, 2), dtype=torch.float64),
+        entropy_sum=total(col["entropy"]),
+        entropy_min=extreme(col["entropy"], math.inf, torch.amin),
+        max_weight_sum=total(col["max_weight"]),
+        logit_std_sum=total(col["logit_std"]),
+        logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
+        jacobian_fro_sum=total(col["jacobian_fro"]),
     )
 
 

@@ -1,0 +1,93 @@
+/* Fused per-row softmax statistics for attnscale.monitor.
+ *
+ * One call reduces a block of attention logits (rows x width, float32, row stride ld) to the
+ * per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
+ * twenty-odd whole-tensor passes of the PyTorch formulation.  The numerics are those of
+ * attnscale.stats: everything is centred on the top logit z_t, with
+ *     u_i = exp(z_i - z_2)  for every non-top key (z_2 = largest non-top logit, so u_i <= 1),
+ *     m   = exp(z_2 - z_t),  S = m U1,  p_t = 1 / (1 + S),
+ *     H   = log1p(S) - p_t m sum_i u_i (z_i - z_t),
+ *     |J| = p_t m sqrt(p_t^2 U1^2 + (1 + 2 p_t^2) U2 - 2 p_t m U3 + (p_t m U2)^2),
+ * where U_k = sum_{i != t} u_i^k >= 1, so nothing cancels and nothing underflows near one-hot.
+ * The logit std is the corrected two-pass formula around the row mean.
+ *
+ * Masked keys are -inf logits, and optionally every column at or beyond a per-row limit
+ * (causal attention).  A row with no key gets count 0 and statistics 0.
+ *
+ * Plain C with GCC/Clang vector extensions and no Python or PyTorch headers: the library is
+ * loaded with ctypes, and the caller splits rows across threads (ctypes releases the GIL).
+ * Float partial sums are folded into double every CHUNK keys.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 512    /* keys per float partial sum */
+
+/* Output columns, in this order (ROW_STATS_COLUMNS on the Python side). */
+enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, OUT_LOGIT_ABSMAX,
+       OUT_COLUMNS };
+
+/* Portable build: 128-bit vectors (SSE2 on x86-64, NEON on arm64). */
+#define W 4
+#define KERNEL(x) x##_v128
+#include "rowstats_kernel.h"
+#undef KERNEL
+#undef W
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* AVX2 + FMA build, chosen at run time when the CPU has both. */
+#define HAVE_AVX2_BUILD 1
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+#define W 8
+#define KERNEL(x) x##_avx2
+#include "rowstats_kernel.h"
+#undef KERNEL
+#undef W
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+typedef void (*row_fn)(const float *, int64_t, double *);
+
+static row_fn pick_row_fn(void) {
+#ifdef HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return one_row_avx2;
+#endif
+    return one_row_v128;
+}
+
+/* Name of the instruction set the kernel runs on: "avx2" or "v128". */
+const char *attnscale_row_stats_isa(void) {
+#ifdef HAVE_AVX2_BUILD
+    if (pick_row_fn() == one_row_avx2) return "avx2";
+#endif
+    return "v128";
+}
+
+/* Statistics of rows [row0, row1) of z.  Row r reads columns [0, n_r) with
+ * n_r = limit ? clamp(limit[r % period], 0, width) : width.  out: OUT_COLUMNS doubles per row.
+ * portable != 0 runs the 128-bit build even where AVX2 is available (for testing it). */
+void attnscale_row_stats(const float *z, int64_t width, int64_t ld, const int64_t *limit,
+                         int64_t period, int64_t row0, int64_t row1, double *out, int portable) {
+    row_fn one_row = portable ? one_row_v128 : pick_row_fn();
+    for (int64_t r = row0; r < row1; r++) {
+        int64_t n = width;
+        if (limit) {
+            int64_t l = limit[r % period];
+            n = l < 0 ? 0 : (l < width ? l : width);
+        }
+        one_row(z + r * ld, n, out + r * OUT_COLUMNS);
+    }
+}
+
+int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }

@@ -1,0 +1,142 @@
+/* The row-statistics kernel, included once per instruction set by rowstats.c with
+ *   W          floats per vector (8 for AVX2, 4 for the portable 128-bit build),
+ *   KERNEL(x)  x with the instruction set's suffix.
+ * See rowstats.c for what is computed.
+ */
+#define vf KERNEL(vf)
+#define vi KERNEL(vi)
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline vf KERNEL(splat)(float x) { vf v = {0}; return v + x; }
+static inline vf KERNEL(sel)(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* W keys from i on; keys at or beyond n read as -inf (masked). */
+static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
+    vf v;
+    if (i + W <= n) {
+        memcpy(&v, z + i, sizeof v);
+    } else {
+        for (int j = 0; j < W; j++) v[j] = i + j < n ? z[i + j] : -INFINITY;
+    }
+    return v;
+}
+
+static inline double KERNEL(hsum)(vf v) {
+    double s = 0.0;
+    for (int j = 0; j < W; j++) s += v[j];
+    return s;
+}
+
+/* exp(x) for x <= 0, x = -inf allowed, within ~2 ulp; 0 below -87, where exp(x) < 1.7e-38 and,
+ * added to a sum >= 1, changes nothing.  x = k ln2 + r with |r| <= ln2 / 2 and the degree-5
+ * minimax polynomial of Cephes' expf for exp(r). */
+static inline vf KERNEL(exp_nonpositive)(vf x) {
+    const vf lo = KERNEL(splat)(-87.0f);
+    vi tiny = x < lo;
+    vf xc = KERNEL(sel)(tiny, lo, x);
+    vf kf = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi), vf);
+    vf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
+    vf p = KERNEL(splat)(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    vi bits = (__builtin_convertvector(kf, vi) + 127) << 23;  /* 2^k, k in [-126, 0] */
+    return KERNEL(sel)(tiny, KERNEL(splat)(0.0f), p * (vf)bits);
+}
+
+static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
+    const vf ninf = KERNEL(splat)(-INFINITY), pinf = KERNEL(splat)(INFINITY);
+    const vf zero = KERNEL(splat)(0.0f), one = KERNEL(splat)(1.0f);
+    int64_t i, c0;
+    int j;
+    for (j = 0; j < OUT_COLUMNS; j++) out[j] = 0.0;
+
+    /* Pass 1, per lane: the top logit, how often it occurs, the largest logit below it, the
+     * smallest valid logit, the number of valid keys and their sum. */
+    vf top = ninf, ntop = zero, below = ninf, vmin = pinf, vcnt = zero;
+    double sum = 0.0, count = 0.0;
+    for (c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
+        vf vsum = zero;
+        for (i = c0; i < c1; i += W) {
+            vf v = KERNEL(load)(z, i, c1);
+            vi ok = v > ninf, up = v > top;
+            vi tie = ok & (v == top), second = (v < top) & (v > below);
+            below = KERNEL(sel)(up, top, KERNEL(sel)(second, v, below));
+            ntop = KERNEL(sel)(up, one, ntop + KERNEL(sel)(tie, one, zero));
+            top = KERNEL(sel)(up, v, top);
+            vmin = KERNEL(sel)(ok & (v < vmin), v, vmin);
+            vcnt += KERNEL(sel)(ok, one, zero);
+            vsum += KERNEL(sel)(ok, v, zero);
+        }
+        sum += KERNEL(hsum)(vsum);
+        count += KERNEL(hsum)(vcnt);
+        vcnt = zero;
+    }
+    if (count == 0.0) return;
+    float zmax = -INFINITY, zmin = INFINITY, zsec = -INFINITY;
+    double ties = 0.0;
+    for (j = 0; j < W; j++) zmax = top[j] > zmax ? top[j] : zmax;
+    for (j = 0; j < W; j++) {
+        float lane_below = top[j] < zmax ? top[j] : below[j];
+        zsec = lane_below > zsec ? lane_below : zsec;
+        ties += top[j] == zmax ? ntop[j] : 0.0f;
+        zmin = vmin[j] < zmin ? vmin[j] : zmin;
+    }
+    double amax = fabs((double)zmax), amin = fabs((double)zmin);
+    out[OUT_COUNT] = count;
+    out[OUT_LOGIT_ABSMAX] = amax > amin ? amax : amin;
+    out[OUT_MAX_WEIGHT] = 1.0;
+    if (count == 1.0) return;  /* one key: weight 1, entropy 0, Jacobian 0, std 0 */
+
+    /* Pass 2: u_i = exp(z_i - z_2) over the keys below the top (masked keys give u = 0; every
+     * other tie at the top adds u = 1 and z - z_t = 0), and the sums of (z - mean) and its
+     * square over the valid keys for the corrected two-pass variance. */
+    const float zref = ties >= 2.0 ? zmax : zsec;
+    const vf vtop = KERNEL(splat)(zmax), vref = KERNEL(splat)(zref);
+    const vf vmean = KERNEL(splat)((float)(sum / count));
+    double U1 = ties - 1.0, U2 = ties - 1.0, U3 = ties - 1.0, Ud = 0.0, s1 = 0.0, s2 = 0.0;
+    for (c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
+        vf vu1 = zero, vu2 = zero, vu3 = zero, vud = zero, vs1 = zero, vs2 = zero;
+        for (i = c0; i < c1; i += W) {
+            vf v = KERNEL(load)(z, i, c1);
+            vi ok = v > ninf, low = v < vtop;
+            vf u = KERNEL(exp_nonpositive)(KERNEL(sel)(low, v - vref, ninf));
+            vf d = KERNEL(sel)(low & ok, v - vtop, zero);
+            vf c = KERNEL(sel)(ok, v - vmean, zero);
+            vf u2 = u * u;
+            vu1 += u;
+            vu2 += u2;
+            vu3 += u2 * u;
+            vud += u * d;
+            vs1 += c;
+            vs2 += c * c;
+        }
+        U1 += KERNEL(hsum)(vu1);
+        U2 += KERNEL(hsum)(vu2);
+        U3 += KERNEL(hsum)(vu3);
+        Ud += KERNEL(hsum)(vud);
+        s1 += KERNEL(hsum)(vs1);
+        s2 += KERNEL(hsum)(vs2);
+    }
+    double var = (s2 - s1 * s1 / count) / (count - 1.0);
+    out[OUT_LOGIT_STD] = var > 0.0 ? sqrt(var) : 0.0;
+
+    double m = exp((double)zref - (double)zmax);
+    double S = m * U1;
+    double pt = 1.0 / (1.0 + S);
+    double pm = pt * m;
+    double inner = (pt * U1) * (pt * U1) + (1.0 + 2.0 * pt * pt) * U2 - 2.0 * pm * U3
+                   + (pm * U2) * (pm * U2);
+    out[OUT_MAX_WEIGHT] = pt;
+    out[OUT_ENTROPY] = log1p(S) - pm * Ud;
+    out[OUT_JACOBIAN_FRO] = pm * sqrt(inner > 0.0 ? inner : 0.0);
+}
+
+#undef vf
+#undef vi

@@ -1,0 +1,122 @@
+"""Fused per-row softmax statistics: the compiled kernel behind :mod:`attnscale.monitor`.
+
+:func:`row_stats` reduces float32 logits of shape (..., n) to the statistics of
+:mod:`attnscale.stats` for every row -- number of unmasked keys, max weight, entropy,
+``||J||_F``, logit std and ``max |z|`` -- reading each logit twice in one C kernel instead
+of the ~20 tensor passes of the PyTorch formulation.  The numerics are those of
+:mod:`attnscale.stats` (centred on the top key, nothing cancels or underflows near one-hot);
+sums are taken in float32 over runs of 512 keys and in float64 across them.
+
+The kernel ships as the extension ``attnscale._rowstats``, built when attnscale is installed
+(AVX2+FMA where the CPU has it, 128-bit vectors otherwise).  Where no C compiler was available, or
+with the environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and callers use
+:mod:`attnscale.stats` instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+Tensor = torch.Tensor
+
+# The kernel's output columns, in its order (enum OUT_* in _native/rowstats.c).
+ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
+# Below this many logits a call runs on the calling thread only (thread hand-off costs ~50 us).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+# Environment switch: "0" disables the compiled kernel (the PyTorch formulation is used).
+NATIVE_ENV = "ATTNSCALE_NATIVE"
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    spec = importlib.util.find_spec("attnscale._rowstats")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.attnscale_row_stats.restype = None
+    lib.attnscale_row_stats_isa.restype = ctypes.c_char_p
+    lib.attnscale_row_stats_columns.restype = ctypes.c_int
+    if lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
+        return None  # a stale build from another version: do not trust its layout
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel is installed and enabled."""
+    return _library() is not None
+
+
+def isa() -> str | None:
+    """Instruction set the kernel runs on (``"avx2"`` or ``"v128"``), or None if unavailable."""
+    lib = _library()
+    return None if lib is None else lib.attnscale_row_stats_isa().decode()
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale-rowstats")
+
+
+def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
+              threads: int | None = None) -> Tensor:
+    """Per-row statistics of ``softmax(z)`` over the last dimension, columns :data:`ROW_STATS_COLUMNS`.
+
+    Args:
+        z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  Must not hold NaN or +inf.
+        limit: optional int64 tensor (P,): row ``r`` of the flattened (R, n) view sees only its
+            first ``limit[r % P]`` keys (clamped to [0, n]) -- causal attention without writing
+            a mask, with P the number of query rows per (batch, head).
+        portable: run the 128-bit kernel even where AVX2 is available (to test it).
+        threads: worker threads (default ``torch.get_num_threads()``).
+    Returns:
+        float64 tensor (..., 6).  A row with no key has count 0 and every statistic 0.
+    Raises:
+        RuntimeError: the kernel is not available (see :func:`available`).
+        ValueError: ``z`` is not float32 on the CPU, or ``limit`` is not int64.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("attnscale's compiled row-statistics kernel is not available "
+                           f"(built without a C compiler, or {NATIVE_ENV}=0)")
+    if z.dtype != torch.float32 or z.device.type != "cpu":
+        raise ValueError(f"z must be float32 on the CPU, got {z.dtype} on {z.device}")
+    n = z.shape[-1]
+    flat = z.detach().reshape(-1, n)
+    if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) < n):
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty(rows, len(ROW_STATS_COLUMNS), dtype=torch.float64)
+    period = 1
+    if limit is not None:
+        if limit.dtype != torch.int64:
+            raise ValueError(f"limit must be int64, got {limit.dtype}")
+        limit = limit.detach().cpu().contiguous()
+        period = limit.numel()
+        if period < 1:
+            raise ValueError("limit must have at least one entry")
+    args = (flat.data_ptr(), n, flat.stride(0) if rows > 1 else n,
+            None if limit is None else limit.data_ptr(), period)
+    workers = max(1, min(threads or torch.get_num_threads(), rows))
+    if workers == 1 or rows * n < PARALLEL_MIN_ELEMENTS:
+        lib.attnscale_row_stats(*args, 0, rows, out.data_ptr(), int(portable))
+    else:
+        bounds = [rows * w // workers for w in range(workers + 1)]
+        jobs = [_pool(workers).submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(),
+                                      int(portable))
+                for r0, r1 in zip(bounds[:-1], bounds[1:])]
+        for job in jobs:
+            job.result()
+    return out.reshape(*z.shape[:-1], len(ROW_STATS_COLUMNS))
