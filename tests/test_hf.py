@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from attnscale import hf
+from attnscale import hf, rowstats
 from attnscale.errors import ConfigError
 from attnscale.monitor import monitor
 
@@ -243,10 +243,27 @@ def test_cli_without_tokenizer_uses_random_ids(cli, model_dirs, tmp_path):
     result = json.loads((out / "records.json").read_text())
     assert result["meta"]["input"] == "random" and result["meta"]["seq_len"] == 24
     assert result["meta"]["mechanism"] == "native"
+    assert result["meta"]["statistics_kernel"] == rowstats.isa()
+    assert "kernel is not installed" not in stderr
     assert len(result["records"]) == 2 * 4
     assert all(r["queries"] == 24 for r in result["records"])
     assert (out / "entropy_heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.iterdir()) == ["entropy_heatmap.png", "records.json"]
+
+
+def test_cli_says_when_the_statistics_kernel_is_missing(cli, model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv(rowstats.NATIVE_ENV, "0")
+    rowstats._library.cache_clear()
+    try:
+        code, _, stderr = cli("monitor", str(model_dirs / "bare"), "--seq-len", "8",
+                              "--out", str(tmp_path / "out"))
+    finally:
+        monkeypatch.undo()
+        rowstats._library.cache_clear()
+    assert code == 0, stderr
+    assert "kernel is not installed" in stderr and "PyTorch" in stderr
+    meta = json.loads((tmp_path / "out" / "records.json").read_text())["meta"]
+    assert meta["statistics_kernel"] == "pytorch"
 
 
 def test_cli_with_tokenizer_and_text(cli, model_dirs, tmp_path):

@@ -25,8 +25,9 @@ when the body raises):
   that is not a mechanism, by its qualified name (``model.layers.3.self_attn``).  ``layer`` numbers modules in the order of
   their first observation.
 
-Statistics (the functions of :mod:`attnscale.stats`) are taken row by row over the keys each query
-may attend to; masked keys are excluded and a query with no key at all is not counted.  The logits
+Statistics (those of :mod:`attnscale.stats`, reduced per row by the compiled kernel of
+:mod:`attnscale.rowstats`, or by :mod:`attnscale.stats` itself where the kernel is not installed or
+the logits are not float32 on the CPU) are taken row by row over the keys each query may attend to; masked keys are excluded and a query with no key at all is not counted.  The logits
 are the ones after the mechanism (scale, normalisation, soft-cap) and before the mask; an additive
 float mask's finite entries (ALiBi, relative position biases) are part of the logits, entries at or
 below :data:`MASKED_BIAS` mark masked keys.  Dropout is not applied: the statistics describe the
