@@ -172,18 +172,20 @@ def head_stats(q: Tensor, k: Tensor, *, scale: float | Tensor | None = None,
             if not bool(bias.any()):
                 bias = None
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
-        total = HeadStats.zeros(n_heads)
+        rows = []  # per-row statistics of each block, (B, H, Nb, 6): O(B H Nq) in all
         for i0 in range(0, q.shape[-2], block):
             i1 = min(i0 + block, q.shape[-2])
-            total = total.merge(_block_stats(
-                q[..., i0:i1, :], kt, cap, _rows(mask, i0, i1), _rows(bias, i0, i1),
-                causal, causal_offset, i0))
-        return total
+            part = _block_stats(q[..., i0:i1, :], kt, cap, _rows(mask, i0, i1),
+                                _rows(bias, i0, i1), causal, causal_offset, i0)
+            if part is not None:
+                rows.append(part)
+        return _totals(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
-                 bias: Tensor | None, causal: bool, causal_offset: int, i0: int) -> HeadStats:
-    """Statistics of query rows ``i0 : i0 + Nb``.
+                 bias: Tensor | None, causal: bool, causal_offset: int, i0: int) -> Tensor | None:
+    """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
+    of :data:`attnscale.rowstats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
     keep (bool) and bias broadcastable to (B, H, Nb, Nk).
@@ -199,7 +201,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         cols = keep[..., :hi].reshape(-1, hi).any(dim=0).nonzero()  # (n_cols, 1)
         lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
     if hi <= lo:  # no query of the block has a key
-        return HeadStats.zeros(q.shape[-3])
+        return None
 
     def cols_of(t: Tensor) -> Tensor:
         return t[..., lo:hi] if t.shape[-1] == n_k else t
@@ -221,7 +223,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         limit = None
         if causal and first_hidden < hi - lo:
             limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64)
-        return _totals(rowstats.row_stats(z, limit=limit))
+        return rowstats.row_stats(z, limit=limit)
     if causal and first_hidden < hi - lo:
         # Query i0 + r hides keys j > i0 + r + offset: only this corner of the block.
         corner = z[..., max(first_hidden, 0):]
@@ -234,8 +236,8 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     absmax = z.abs_().nan_to_num_(posinf=0.0).amax(dim=-1)   # masked |-inf| -> 0; z is done
     # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk).
     count = (s["max_weight"] > 0).to(s["max_weight"].dtype)
-    return _totals(torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], std,
-                                absmax], dim=-1))
+    return torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], std, absmax],
+                       dim=-1).double()
 
 
 def _totals(rows: Tensor) -> HeadStats:
