@@ -171,6 +171,16 @@ def test_near_one_hot_statistics_keep_their_relative_accuracy(backend):
                                    msg=f"entropy_min, scale {scale}")
 
 
+def test_nan_logits_reach_the_record_of_their_head(backend):
+    q = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(0))
+    k = q.clone()
+    q[0, 1, 2, 0] = math.nan
+    means = head_stats(q, k, causal=True, block=4).means()
+    assert means["queries"] == [6, 6]
+    for key in ("entropy_mean", "max_weight_mean", "logit_std", "jacobian_fro_mean"):
+        assert math.isfinite(means[key][0]) and math.isnan(means[key][1]), key
+
+
 def test_compiled_and_torch_backends_give_the_same_records(monkeypatch):
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4, "softcap", cap=2.0).eval()

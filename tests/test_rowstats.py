@@ -349,6 +349,44 @@ def test_single_row_and_grad_input():
     assert_rows_close(got, reference(z.detach()))
 
 
+@pytest.mark.parametrize("row", [[1e20, -1e20, 0.0], [-1e30, 0.0], [3e38, 3e38, 1.0],
+                                 [1e-40, 2e-40, 0.0], [1e-30, 1e-30, 3e-30]],
+                         ids=["1e20", "1e30", "near-FLT_MAX", "denormal", "tiny"])
+@ISA
+def test_extreme_magnitudes_keep_std_and_absmax(row, portable):
+    # Squares of deviations are taken in units of a power of two near max |z|: no overflow at
+    # 1e20 (where z^2 leaves float32) and no loss at denormal scale.
+    z = torch.tensor([row], dtype=torch.float32)
+    got = rowstats.row_stats(z, portable=portable)
+    want = reference(z)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:, 4:], want[:, 4:], rtol=1e-5, atol=0)
+
+
+@ISA
+def test_opposite_logits_near_float_max_give_a_finite_entropy(portable):
+    # z_i - z_t = -6e38 overflows float32; the weight of that key is 0 either way.
+    got = rowstats.row_stats(torch.tensor([[3e38, -3e38]]), portable=portable)
+    assert got[0, :4].tolist() == [2.0, 1.0, 0.0, 0.0]
+
+
+@ISA
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_plus_inf_logits_give_nan_statistics(bad, portable):
+    z = torch.tensor([[1.0, bad, 2.0, -math.inf], [1.0, 2.0, 3.0, 4.0]])
+    got = rowstats.row_stats(z, portable=portable)
+    assert got[0, 0].item() == 3.0                  # the bad logit counts as a key
+    assert torch.isnan(got[0, 1:]).all()
+    assert_rows_close(got[1:], reference(z[1:]))
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (2, 0, 4)])
+def test_empty_inputs(shape):
+    got = rowstats.row_stats(torch.zeros(shape))
+    assert got.shape == (*shape[:-1], 6)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Errors and the disabled kernel
 

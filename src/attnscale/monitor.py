@@ -233,9 +233,10 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
 
     s = softmax_stats(z)                                     # each (B, H, Nb)
     std = logit_std(z)
-    absmax = z.abs_().nan_to_num_(posinf=0.0).amax(dim=-1)   # masked |-inf| -> 0; z is done
-    # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk).
-    count = (s["max_weight"] > 0).to(s["max_weight"].dtype)
+    absmax = z.masked_fill_(torch.isneginf(z), 0.0).abs_().amax(dim=-1)  # masked -> 0; z is done
+    # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk); a row with
+    # a NaN logit has NaN statistics and is counted, so the NaN reaches its head's record.
+    count = (s["max_weight"] != 0).to(s["max_weight"].dtype)
     return torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], std, absmax],
                        dim=-1).double()
 

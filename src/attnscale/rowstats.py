@@ -75,14 +75,16 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
     """Per-row statistics of ``softmax(z)`` over the last dimension, columns :data:`ROW_STATS_COLUMNS`.
 
     Args:
-        z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  Must not hold NaN or +inf.
+        z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  A row holding NaN or
+            ``+inf`` counts it as a key and gets NaN statistics.
         limit: optional int64 tensor (P,): row ``r`` of the flattened (R, n) view sees only its
             first ``limit[r % P]`` keys (clamped to [0, n]) -- causal attention without writing
             a mask, with P the number of query rows per (batch, head).
         portable: run the 128-bit kernel even where AVX2 is available (to test it).
         threads: worker threads (default ``torch.get_num_threads()``).
     Returns:
-        float64 tensor (..., 6).  A row with no key has count 0 and every statistic 0.
+        float64 tensor (..., 6).  A row with no key (also n = 0) has count 0 and every
+        statistic 0.
     Raises:
         RuntimeError: the kernel is not available (see :func:`available`).
         ValueError: ``z`` is not float32 on the CPU, or ``limit`` is not int64.
@@ -94,6 +96,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
     if z.dtype != torch.float32 or z.device.type != "cpu":
         raise ValueError(f"z must be float32 on the CPU, got {z.dtype} on {z.device}")
     n = z.shape[-1]
+    if n == 0 or z.numel() == 0:  # rows without keys, or no rows
+        return torch.zeros(*z.shape[:-1], len(ROW_STATS_COLUMNS), dtype=torch.float64)
     flat = z.detach().reshape(-1, n)
     if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) < n):
         flat = flat.contiguous()

@@ -117,7 +117,7 @@ def logit_std(z: Tensor) -> Tensor:
     z = _work_dtype(z)
     if z.shape[-1] >= 2 and not bool(torch.isneginf(z).any()):
         return z.std(dim=-1)
-    valid = torch.isfinite(z)
+    valid = ~torch.isneginf(z)  # NaN and +inf stay in, and make the row's std NaN
     count = valid.sum(dim=-1)
     zv = torch.where(valid, z, torch.zeros_like(z))
     mean = zv.sum(dim=-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)

@@ -12,17 +12,20 @@
  * The logit std is the corrected two-pass formula around the row mean.
  *
  * Masked keys are -inf logits, and optionally every column at or beyond a per-row limit
- * (causal attention).  A row with no key gets count 0 and statistics 0.
+ * (causal attention).  A row with no key gets count 0 and statistics 0; a row with a NaN or +inf
+ * logit counts it as a key and gets NaN statistics.
  *
  * Plain C with GCC/Clang vector extensions and no Python or PyTorch headers: the library is
  * loaded with ctypes, and the caller splits rows across threads (ctypes releases the GIL).
  * Float partial sums are folded into double every CHUNK keys.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define CHUNK 512    /* keys per float partial sum */
+#define SUM_SCALE 0x1p-32f  /* exact scale of pass 1's float sums: 512 * FLT_MAX * 2^-32 is finite */
 
 /* Output columns, in this order (ROW_STATS_COLUMNS on the Python side). */
 enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, OUT_LOGIT_ABSMAX,
