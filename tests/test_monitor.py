@@ -201,6 +201,24 @@ def test_compiled_and_torch_backends_give_the_same_records(monkeypatch):
                                    rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("name", ["causal", "bool-mask-row-scale-cap", "additive-bias"])
+def test_blocks_in_parallel_give_the_serial_result(name, backend):
+    # With several torch threads, head_stats spreads its blocks over worker threads; the
+    # statistics must not depend on it (rows are reassembled in block order).
+    q, k, kw, _, _ = _case(name)
+    serial = head_stats(q, k, block=4, **kw)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        parallel = head_stats(q, k, block=4, **kw)
+    finally:
+        torch.set_num_threads(before)
+    for field in ("queries", "entropy_sum", "entropy_min", "max_weight_sum", "logit_std_sum",
+                  "logit_absmax", "jacobian_fro_sum"):
+        torch.testing.assert_close(getattr(parallel, field), getattr(serial, field),
+                                   rtol=1e-6, atol=1e-6, msg=field)
+
+
 def test_masked_bias_threshold_is_what_softmax_ignores():
     # An additive entry at MASKED_BIAS gives weight exactly 0 next to any logit below 1e3.
     z = torch.tensor([1e3, 1e3 + MASKED_BIAS])

@@ -145,7 +145,8 @@ def head_stats(q: Tensor, k: Tensor, *, scale: float | Tensor | None = None,
         mask: bool (True = attend) or additive float, broadcastable to (B, H, Nq, Nk).
         causal: query i attends key j only when ``j <= i + causal_offset`` (0 = SDPA's top-left
             alignment, ``Nk - Nq`` = bottom-right).
-        block: queries per block; memory is O(B · H · block · Nk) instead of O(B · H · Nq · Nk).
+        block: queries per block; memory is O(T · B · H · block · Nk) instead of
+            O(B · H · Nq · Nk), with T = ``torch.get_num_threads()`` blocks in flight on the CPU.
     Returns:
         :class:`HeadStats` with one entry per query head.
     """
@@ -172,23 +173,39 @@ def head_stats(q: Tensor, k: Tensor, *, scale: float | Tensor | None = None,
             if not bool(bias.any()):
                 bias = None
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
-        rows = []  # per-row statistics of each block, (B, H, Nb, 6): O(B H Nq) in all
-        for i0 in range(0, q.shape[-2], block):
-            i1 = min(i0 + block, q.shape[-2])
-            part = _block_stats(q[..., i0:i1, :], kt, cap, _rows(mask, i0, i1),
-                                _rows(bias, i0, i1), causal, causal_offset, i0)
-            if part is not None:
-                rows.append(part)
+        starts = range(0, q.shape[-2], block)
+        workers = min(torch.get_num_threads(), len(starts)) if q.device.type == "cpu" else 1
+
+        def run(i0s: range) -> list[Tensor | None]:
+            """Per-row statistics (B, H, Nb, 6) of the blocks starting at ``i0s``."""
+            with torch.no_grad():  # grad mode is per thread
+                return [_block_stats(q[..., i0:i0 + block, :], kt, cap,
+                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
+                                     causal, causal_offset, i0, threads=1 if workers > 1 else None)
+                        for i0 in i0s]
+
+        if workers > 1:
+            # Blocks are independent: each worker computes the logits and statistics of every
+            # workers-th block (interleaved, so causal blocks of growing width balance), which
+            # parallelises the small matmuls and the row kernel together; torch and the kernel
+            # release the GIL.  Results go back in block order, so they do not depend on threads.
+            pool = rowstats.worker_pool(workers)
+            parts = list(pool.map(run, [starts[w::workers] for w in range(workers)]))
+            blocks = [parts[j % workers][j // workers] for j in range(len(starts))]
+        else:
+            blocks = run(starts)
+        rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
         return _totals(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
-                 bias: Tensor | None, causal: bool, causal_offset: int, i0: int) -> Tensor | None:
+                 bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
+                 threads: int | None = None) -> Tensor | None:
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
     of :data:`attnscale.rowstats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
-    keep (bool) and bias broadcastable to (B, H, Nb, Nk).
+    keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel.
     """
     n_b, n_k = q.shape[-2], kt.shape[-1]
     # Only the keys some row of this block may attend are scored: under a causal or sliding-window
@@ -223,7 +240,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         limit = None
         if causal and first_hidden < hi - lo:
             limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64)
-        return rowstats.row_stats(z, limit=limit)
+        return rowstats.row_stats(z, limit=limit, threads=threads)
     if causal and first_hidden < hi - lo:
         # Query i0 + r hides keys j > i0 + r + offset: only this corner of the block.
         corner = z[..., max(first_hidden, 0):]

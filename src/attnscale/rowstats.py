@@ -66,8 +66,9 @@ def isa() -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale-rowstats")
+def worker_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads (one per size), for work that releases the GIL."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale")
 
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
@@ -118,7 +119,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         lib.attnscale_row_stats(*args, 0, rows, out.data_ptr(), int(portable))
     else:
         bounds = [rows * w // workers for w in range(workers + 1)]
-        jobs = [_pool(workers).submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(),
+        jobs = [worker_pool(workers).submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(),
                                       int(portable))
                 for r0, r1 in zip(bounds[:-1], bounds[1:])]
         for job in jobs:
