@@ -420,3 +420,15 @@ def test_disabled_kernel(monkeypatch):
     finally:
         rowstats._library.cache_clear()  # the environment is restored: load the kernel again
     assert rowstats.available()
+
+
+def test_worker_pool_in_a_forked_child():
+    # A child forked after the parent used the pool must get working threads of its own.
+    import multiprocessing as mp
+
+    z = randn(64, 2048, seed=5)
+    want = rowstats.row_stats(z, threads=2)          # the parent's pool now has threads
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as child:
+        got = child.apply_async(rowstats.row_stats, (z,), {"threads": 2}).get(timeout=20)
+    assert torch.equal(got, want)

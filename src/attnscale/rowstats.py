@@ -65,9 +65,16 @@ def isa() -> str | None:
     return None if lib is None else lib.attnscale_row_stats_isa().decode()
 
 
-@functools.lru_cache(maxsize=4)
 def worker_pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads (one per size), for work that releases the GIL."""
+    """A process-wide pool of ``workers`` threads (one per size), for work that releases the GIL.
+
+    Keyed by process id too: a forked child (a DataLoader worker) inherits the parent's pool
+    object but not its threads, and gets a pool of its own."""
+    return _pool(workers, os.getpid())
+
+
+@functools.lru_cache(maxsize=8)
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale")
 
 
