@@ -318,3 +318,77 @@ def test_help_works_without_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "MODEL_DIR" in done.stdout and "examples:" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and reloading a swapped model
+
+def _swapped_causal_lm(name: str = "qk-rmsnorm", **options):
+    """A tiny Llama LM with ``name`` swapped in and its parameters moved off their init."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(make_config("llama")).eval()
+    hf.set_mechanism(model, name, **options)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if hf.MECHANISM_ATTR in key:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+@pytest.mark.parametrize("shards", ["one file", "sharded"])
+def test_save_and_reload_a_swapped_model(tmp_path, shards):
+    model = _swapped_causal_lm()
+    kwargs = {"max_shard_size": "20KB"} if shards == "sharded" else {}
+    model.save_pretrained(tmp_path, **kwargs)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shards == "sharded")
+    assert hf.saved_mechanism(tmp_path) == {"name": "qk-rmsnorm", "options": {}}
+    ids = token_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+        again = hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path).eval()
+        torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+        # The base model loads from the LM's checkpoint (keys carry the "model." prefix there).
+        base = hf.from_pretrained(transformers.AutoModel, tmp_path).eval()
+        torch.testing.assert_close(base(ids).last_hidden_state, model.model(ids).last_hidden_state,
+                                   rtol=0, atol=0)
+
+
+def test_reload_keeps_mechanism_options_and_native_models_stay_native(tmp_path):
+    model = _swapped_causal_lm("softcap", cap=0.5)
+    model.save_pretrained(tmp_path / "capped")
+    again = hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "capped")
+    assert again.model.layers[1].self_attn.attnscale_mechanism.cap == 0.5
+    hf.set_mechanism(model, None)                    # removed: the config forgets it too
+    model.save_pretrained(tmp_path / "native")
+    assert hf.saved_mechanism(tmp_path / "native") is None
+    native = hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "native")
+    assert not hasattr(native.model.layers[0].self_attn, hf.MECHANISM_ATTR)
+    assert native.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+
+
+def test_reload_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="path"):
+        hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "nowhere")
+    # A config that records a mechanism whose tensors the weights do not hold.
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(make_config("llama")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[hf.MECHANISM_ATTR] = {"name": "qk-rmsnorm", "options": {}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="lack .* tensor"):
+        hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    config[hf.MECHANISM_ATTR] = {"name": "qk-rmsnrom"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="qk-rmsnorm"):    # did-you-mean
+        hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, attn_implementation="sdpa")
+
+
+def test_cli_monitors_a_saved_swapped_model_with_its_mechanism(cli, tmp_path):
+    _swapped_causal_lm().save_pretrained(tmp_path / "model")
+    code, _, stderr = cli("monitor", str(tmp_path / "model"), "--seq-len", "12",
+                          "--out", str(tmp_path / "out"))
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "out" / "records.json").read_text())["meta"]["mechanism"] \
+        == "qk-rmsnorm"

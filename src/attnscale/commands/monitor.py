@@ -61,9 +61,10 @@ def _load(model_dir: Path, mechanism: str | None):
     # Our table is the output: no load reports or progress bars from transformers.
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    try:
-        model = transformers.AutoModel.from_pretrained(
-            model_dir, local_files_only=True, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    try:  # with the mechanism it was saved with, if hf.set_mechanism swapped one in
+        model = hf.from_pretrained(transformers.AutoModel, model_dir, local_files_only=True)
+    except ConfigError:
+        raise
     except (ValueError, KeyError, OSError) as err:  # unknown model_type, bad or missing weights
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load MODEL_DIR {str(model_dir)!r}: {first}") from None
@@ -127,7 +128,7 @@ def _run(args) -> int:
 
     import torch
 
-    from attnscale import rowstats
+    from attnscale import hf, rowstats
 
     if not rowstats.available():
         print("attnscale monitor: the compiled statistics kernel is not installed (no C compiler "
@@ -139,8 +140,9 @@ def _run(args) -> int:
     if not records:
         raise ConfigError(f"no attention call of {type(model).__name__} was observed; its "
                           "family does not go through transformers' attention interface.")
+    swapped = getattr(model.config, hf.MECHANISM_ATTR, None)
     meta = {"model_dir": str(model_dir), "model_type": model.config.model_type,
-            "mechanism": args.mechanism or "native", "seq_len": int(ids.shape[1]),
+            "mechanism": swapped["name"] if swapped else "native", "seq_len": int(ids.shape[1]),
             "input": source, "seed": args.seed,
             "statistics_kernel": rowstats.isa() or "pytorch"}
     print(format_table(layer_summary(records), TABLE_COLUMNS))
@@ -162,7 +164,8 @@ def register(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--mechanism", metavar="NAME", default=None,
                    help="swap every layer's temperature for this registered mechanism, freshly "
-                        "initialised (default: the model's own)")
+                        "initialised (default: the model's own, or the mechanism it was saved "
+                        "with after attnscale.hf.set_mechanism)")
     p.add_argument("--out", metavar="DIR", default="attnscale-monitor",
                    help="output directory for records.json and entropy_heatmap.png "
                         "(default: %(default)s)")
