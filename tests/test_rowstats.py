@@ -431,3 +431,9 @@ def test_worker_pool_in_a_forked_child():
     with ctx.Pool(1) as child:
         got = child.apply_async(rowstats.row_stats, (z,), {"threads": 2}).get(timeout=20)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [0, -2])
+def test_threads_below_one_raise(threads):
+    with pytest.raises(ValueError, match="threads"):
+        rowstats.row_stats(torch.zeros(2, 5), threads=threads)

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from attnscale.errors import check_int
+
 Tensor = torch.Tensor
 
 # The kernel's output columns, in its order (enum OUT_* in _native/rowstats.c).
@@ -95,7 +97,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         statistic 0.
     Raises:
         RuntimeError: the kernel is not available (see :func:`available`).
-        ValueError: ``z`` is not float32 on the CPU, or ``limit`` is not int64.
+        ValueError: ``z`` is not float32 on the CPU, ``limit`` is not int64, or ``threads``
+            is below 1.
     """
     lib = _library()
     if lib is None:
@@ -121,13 +124,15 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
             raise ValueError("limit must have at least one entry")
     args = (flat.data_ptr(), n, flat.stride(0) if rows > 1 else n,
             None if limit is None else limit.data_ptr(), period)
+    if threads is not None:
+        threads = check_int("threads", threads, minimum=1)
     workers = max(1, min(threads or torch.get_num_threads(), rows))
     if workers == 1 or rows * n < PARALLEL_MIN_ELEMENTS:
         lib.attnscale_row_stats(*args, 0, rows, out.data_ptr(), int(portable))
     else:
         bounds = [rows * w // workers for w in range(workers + 1)]
-        jobs = [worker_pool(workers).submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(),
-                                      int(portable))
+        pool = worker_pool(workers)
+        jobs = [pool.submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(), int(portable))
                 for r0, r1 in zip(bounds[:-1], bounds[1:])]
         for job in jobs:
             job.result()
