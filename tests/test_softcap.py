@@ -61,6 +61,23 @@ def test_blockwise_matches_reference(monkeypatch, block_elements, mask_shape):
         _check(q, k, v, cap=2.0, mask=mask, causal=causal)
 
 
+@pytest.mark.parametrize("mask_shape", ["none", "(B, 1, Nq, Nk)", "(1, H, 1, Nk)"])
+def test_head_groups_in_parallel_match_reference(monkeypatch, mask_shape):
+    # With several torch threads the head groups run side by side (one head per group here, so
+    # B * H = 6 groups over 3 workers); forward and all gradients must still match.
+    monkeypatch.setattr(attention_module, "CAPPED_BLOCK_ELEMENTS", 24)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for nq, nk, causal in ((7, 9, True), (8, 8, False)):
+            q, k, v = _inputs(nq, nk, scale=4.0)
+            shape = MASK_SHAPES[mask_shape]
+            mask = None if shape is None else _mask(shape(nq, nk))
+            _check(q, k, v, cap=2.0, mask=mask, causal=causal)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("cap", [GEMMA2_CAP, GROK1_CAP, 0.5])
 def test_float32_matches_reference(monkeypatch, cap):
     monkeypatch.setattr(attention_module, "CAPPED_BLOCK_ELEMENTS", 40)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import Scale, upcast
+from attnscale.workers import parallel_map, workers_for
 
 # Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at
 # Nk = 1024; the backward pass keeps three blocks alive.  Between 2^17 and 2^19 the speed is flat
@@ -182,7 +183,9 @@ class _CappedAttention(torch.autograd.Function):
         q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
         tiles = _Tiles(q, k, mask, causal, block_elements)
-        for b, heads in tiles.groups():
+
+        def group(where: tuple[int, slice]) -> None:
+            b, heads = where
             k_g, v_g = k[b, heads], v[b, heads]        # (h, Nk, d), (h, Nk, d_v)
             rows = zip(*tiles.split(b, heads, q_x, out))
             for i, (q_blk, out_blk) in enumerate(rows):
@@ -190,6 +193,10 @@ class _CappedAttention(torch.autograd.Function):
                 u = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)).sigmoid_()  # (h, r, n_k)
                 z = tiles.hide(u.mul_(2.0 * cap), b, heads, i)                  # c tanh(x) + c
                 torch.bmm(torch.softmax(z, dim=-1), v_g[:, :n_k], out=out_blk)
+
+        # Head groups write disjoint slices of out: several run side by side on the CPU.
+        groups = list(tiles.groups())
+        parallel_map(group, groups, workers_for(q.device, len(groups)))
         ctx.save_for_backward(q, k, v, out, mask)
         ctx.args = (scale, cap, causal, block_elements)
         return out
@@ -208,7 +215,9 @@ class _CappedAttention(torch.autograd.Function):
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
-        for b, heads in tiles.groups():
+
+        def group(where: tuple[int, slice]) -> None:
+            b, heads = where
             k_g, v_g, dk_g, dv_g = k[b, heads], v[b, heads], dk_t[b, heads], dv_t[b, heads]
             rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
             for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
@@ -221,6 +230,10 @@ class _CappedAttention(torch.autograd.Function):
                 ds = torch.ops.aten.sigmoid_backward(dz, u)                # dZ ∘ u (1 - u)
                 torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
+
+        # Head groups write disjoint slices of dq, dK and dV: several run side by side.
+        groups = list(tiles.groups())
+        parallel_map(group, groups, workers_for(q.device, len(groups)))
         # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
         dq.mul_(4.0 * scale)
         dk_t.mul_(4.0 * scale)

@@ -57,6 +57,7 @@ from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import upcast
 from attnscale.stats import logit_std, softmax_stats
+from attnscale.workers import parallel_map, workers_for
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
 # float32 tensors, e.g. 4 MiB each at B=1, H=4, N=2048.
@@ -174,26 +175,15 @@ def head_stats(q: Tensor, k: Tensor, *, scale: float | Tensor | None = None,
                 bias = None
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
-        workers = min(torch.get_num_threads(), len(starts)) if q.device.type == "cpu" else 1
-
-        def run(i0s: range) -> list[Tensor | None]:
-            """Per-row statistics (B, H, Nb, 6) of the blocks starting at ``i0s``."""
-            with torch.no_grad():  # grad mode is per thread
-                return [_block_stats(q[..., i0:i0 + block, :], kt, cap,
-                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
-                                     causal, causal_offset, i0, threads=1 if workers > 1 else None)
-                        for i0 in i0s]
-
-        if workers > 1:
-            # Blocks are independent: each worker computes the logits and statistics of every
-            # workers-th block (interleaved, so causal blocks of growing width balance), which
-            # parallelises the small matmuls and the row kernel together; torch and the kernel
-            # release the GIL.  Results go back in block order, so they do not depend on threads.
-            pool = rowstats.worker_pool(workers)
-            parts = list(pool.map(run, [starts[w::workers] for w in range(workers)]))
-            blocks = [parts[j % workers][j // workers] for j in range(len(starts))]
-        else:
-            blocks = run(starts)
+        workers = workers_for(q.device, len(starts))
+        # Blocks are independent: with several threads, each computes the logits and statistics
+        # of whole blocks side by side (the small matmuls and the row kernel parallelise poorly
+        # on their own); results come back in block order, so they do not depend on threads.
+        blocks = parallel_map(
+            lambda i0: _block_stats(q[..., i0:i0 + block, :], kt, cap,
+                                    _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
+                                    causal, causal_offset, i0, threads=1 if workers > 1 else None),
+            starts, workers)
         rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
         return _totals(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
 

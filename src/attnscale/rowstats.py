@@ -19,11 +19,11 @@ import ctypes
 import functools
 import importlib.util
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from attnscale.errors import check_int
+from attnscale.workers import worker_pool
 
 Tensor = torch.Tensor
 
@@ -65,19 +65,6 @@ def isa() -> str | None:
     """Instruction set the kernel runs on (``"avx2"`` or ``"v128"``), or None if unavailable."""
     lib = _library()
     return None if lib is None else lib.attnscale_row_stats_isa().decode()
-
-
-def worker_pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads (one per size), for work that releases the GIL.
-
-    Keyed by process id too: a forked child (a DataLoader worker) inherits the parent's pool
-    object but not its threads, and gets a pool of its own."""
-    return _pool(workers, os.getpid())
-
-
-@functools.lru_cache(maxsize=8)
-def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale")
 
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
