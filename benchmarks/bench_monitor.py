@@ -56,10 +56,10 @@ def build(seq_len: int, attn: str, seed: int = 0):
 
 def use_compiled_kernel(on: bool) -> None:
     """Switch the monitor between the compiled kernel and the PyTorch formulation."""
-    from attnscale import rowstats
+    from attnscale import native
 
-    os.environ[rowstats.NATIVE_ENV] = "1" if on else "0"
-    rowstats._library.cache_clear()
+    os.environ[native.NATIVE_ENV] = "1" if on else "0"
+    native.library.cache_clear()
 
 
 def forward(model, ids, mode: str, block: int) -> None:
@@ -118,7 +118,7 @@ def peak_extra_mib(mode: str, seq_len: int, block: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnscale import rowstats
+    from attnscale import native
     from attnscale.monitor import DEFAULT_BLOCK
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -135,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"tiny Llama: hidden 256, 4 layers, 4 heads, B=1, N={args.seq_len}, float32, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {args.block}")
-    if not rowstats.available():
-        print(f"the compiled row-statistics kernel is not available ({rowstats.NATIVE_ENV}=0 or "
+    if not native.available():
+        print(f"the compiled row-statistics kernel is not available ({native.NATIVE_ENV}=0 or "
               "built without a C compiler): reinstall attnscale with a C compiler")
         return 1
-    print(f"row-statistics kernel: {rowstats.isa()}")
+    print(f"row-statistics kernel: {native.isa()}")
     times = time_rounds(args.seq_len, args.rounds, args.block)
     plain = times["attnscale"]
     print(f"\n{'forward':<34}{'ms':>8}{'ratio':>8}{'goal':>7}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from attnscale import hf, rowstats
+from attnscale import hf, native
 from attnscale.errors import ConfigError
 from attnscale.monitor import monitor
 
@@ -243,7 +243,7 @@ def test_cli_without_tokenizer_uses_random_ids(cli, model_dirs, tmp_path):
     result = json.loads((out / "records.json").read_text())
     assert result["meta"]["input"] == "random" and result["meta"]["seq_len"] == 24
     assert result["meta"]["mechanism"] == "native"
-    assert result["meta"]["statistics_kernel"] == rowstats.isa()
+    assert result["meta"]["statistics_kernel"] == native.isa()
     assert "kernel is not installed" not in stderr
     assert len(result["records"]) == 2 * 4
     assert all(r["queries"] == 24 for r in result["records"])
@@ -252,14 +252,14 @@ def test_cli_without_tokenizer_uses_random_ids(cli, model_dirs, tmp_path):
 
 
 def test_cli_says_when_the_statistics_kernel_is_missing(cli, model_dirs, tmp_path, monkeypatch):
-    monkeypatch.setenv(rowstats.NATIVE_ENV, "0")
-    rowstats._library.cache_clear()
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native.library.cache_clear()
     try:
         code, _, stderr = cli("monitor", str(model_dirs / "bare"), "--seq-len", "8",
                               "--out", str(tmp_path / "out"))
     finally:
         monkeypatch.undo()
-        rowstats._library.cache_clear()
+        native.library.cache_clear()
     assert code == 0, stderr
     assert "kernel is not installed" in stderr and "PyTorch" in stderr
     meta = json.loads((tmp_path / "out" / "records.json").read_text())["meta"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnscale
-from attnscale import rowstats
+from attnscale import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
 from attnscale.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
@@ -63,12 +63,12 @@ def assert_clean() -> None:
 def backend(request, monkeypatch):
     """Run a test on the compiled row-statistics kernel and on the PyTorch formulation."""
     if request.param == "torch":
-        monkeypatch.setenv(rowstats.NATIVE_ENV, "0")
-    rowstats._library.cache_clear()
-    assert rowstats.available() == (request.param == "compiled")
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native.library.cache_clear()
+    assert native.available() == (request.param == "compiled")
     yield request.param
     monkeypatch.undo()
-    rowstats._library.cache_clear()
+    native.library.cache_clear()
 
 
 def hook_count(model: nn.Module) -> int:
@@ -187,13 +187,13 @@ def test_compiled_and_torch_backends_give_the_same_records(monkeypatch):
     x = torch.randn(2, 70, 32)
     runs = {}
     for name in ("compiled", "torch"):
-        monkeypatch.setenv(rowstats.NATIVE_ENV, "1" if name == "compiled" else "0")
-        rowstats._library.cache_clear()
+        monkeypatch.setenv(native.NATIVE_ENV, "1" if name == "compiled" else "0")
+        native.library.cache_clear()
         with monitor(mha, block=16) as mon:
             mha(x, causal=True)
         runs[name] = mon.records
     monkeypatch.undo()
-    rowstats._library.cache_clear()
+    native.library.cache_clear()
     assert [r["queries"] for r in runs["compiled"]] == [r["queries"] for r in runs["torch"]]
     for key in RECORD_KEYS[4:]:
         torch.testing.assert_close(torch.tensor([r[key] for r in runs["compiled"]]),

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale import rowstats, stats
+from attnscale import native, rowstats, stats
 
 COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
 EXACT = ("count", "logit_absmax")
@@ -82,9 +82,9 @@ def randn(*shape: int, seed: int, std: float = 1.0, mean: float = 0.0) -> torch.
 
 def test_kernel_is_built():
     """CI builds the extension; this fails if it silently was not."""
-    assert rowstats.available()
-    assert rowstats.isa() in ("avx2", "v128")
-    assert rowstats.ROW_STATS_COLUMNS == COLUMNS
+    assert native.available()
+    assert native.isa() in ("avx2", "v128")
+    assert native.ROW_STATS_COLUMNS == COLUMNS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,10 +108,10 @@ def test_portable_runs_the_other_build():
     taken in another order, so on wide random rows the last bits differ somewhere.  (Guards the
     portable half of every parametrised test against silently testing the AVX2 build twice.)"""
     z = randn(16, 2051, seed=17, std=3.0)
-    native, portable = rowstats.row_stats(z), rowstats.row_stats(z, portable=True)
+    best, portable = rowstats.row_stats(z), rowstats.row_stats(z, portable=True)
     # Without AVX2 both calls run the one 128-bit build and must agree bit for bit.
-    assert torch.equal(native, portable) == (rowstats.isa() != "avx2")
-    assert_rows_close(portable, native)
+    assert torch.equal(best, portable) == (native.isa() != "avx2")
+    assert_rows_close(portable, best)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,15 +410,15 @@ def test_empty_limit_raises():
 def test_disabled_kernel(monkeypatch):
     try:
         with monkeypatch.context() as m:
-            m.setenv(rowstats.NATIVE_ENV, "0")
-            rowstats._library.cache_clear()
-            assert not rowstats.available()
-            assert rowstats.isa() is None
-            with pytest.raises(RuntimeError, match=rowstats.NATIVE_ENV):
+            m.setenv(native.NATIVE_ENV, "0")
+            native.library.cache_clear()
+            assert not native.available()
+            assert native.isa() is None
+            with pytest.raises(RuntimeError, match=native.NATIVE_ENV):
                 rowstats.row_stats(torch.zeros(2, 5))
     finally:
-        rowstats._library.cache_clear()  # the environment is restored: load the kernel again
-    assert rowstats.available()
+        native.library.cache_clear()  # the environment is restored: load the kernel again
+    assert native.available()
 
 
 def test_worker_pool_in_a_forked_child():

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnscale import rowstats
+from attnscale import native, rowstats
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import upcast
@@ -192,7 +192,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None) -> Tensor | None:
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
-    of :data:`attnscale.rowstats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
+    of :data:`attnscale.native.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
     keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel.
@@ -225,7 +225,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         else:  # the mask has a batch the logits broadcast over
             z = torch.where(keep, z, -math.inf)
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
-    if z.dtype == torch.float32 and z.device.type == "cpu" and rowstats.available():
+    if z.dtype == torch.float32 and z.device.type == "cpu" and native.available():
         # The compiled kernel reads causality as a per-row key count: no mask is written.
         limit = None
         if causal and first_hidden < hi - lo:
@@ -251,7 +251,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
 def _totals(rows: Tensor) -> HeadStats:
     """Per-head sums of per-row statistics (B, H, Nb, len(ROW_STATS_COLUMNS)); rows whose
     count is 0 (no key to attend) are left out."""
-    col = {name: rows[..., i] for i, name in enumerate(rowstats.ROW_STATS_COLUMNS)}
+    col = {name: rows[..., i] for i, name in enumerate(native.ROW_STATS_COLUMNS)}
     ok = col["count"] > 0
 
     def total(x: Tensor) -> Tensor:

@@ -7,69 +7,28 @@ of the ~20 tensor passes of the PyTorch formulation.  The numerics are those of
 :mod:`attnscale.stats` (centred on the top key, nothing cancels or underflows near one-hot);
 sums are taken in float32 over runs of 512 keys and in float64 across them.
 
-The kernel ships as the extension ``attnscale._rowstats``, built when attnscale is installed
-(AVX2+FMA where the CPU has it, 128-bit vectors otherwise).  Where no C compiler was available, or
-with the environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and callers use
-:mod:`attnscale.stats` instead.
+The kernel is part of attnscale's compiled kernels (:mod:`attnscale.native`); where they are not
+available (:func:`attnscale.native.available`), callers use :mod:`attnscale.stats` instead.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.util
-import os
-
 import torch
 
+from attnscale import native
 from attnscale.errors import check_int
+from attnscale.native import ROW_STATS_COLUMNS
 from attnscale.workers import worker_pool
 
 Tensor = torch.Tensor
 
-# The kernel's output columns, in its order (enum OUT_* in _native/rowstats.c).
-ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
 # Below this many logits a call runs on the calling thread only (thread hand-off costs ~50 us).
 PARALLEL_MIN_ELEMENTS = 1 << 16
-# Environment switch: "0" disables the compiled kernel (the PyTorch formulation is used).
-NATIVE_ENV = "ATTNSCALE_NATIVE"
-
-
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        return None
-    spec = importlib.util.find_spec("attnscale._rowstats")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.attnscale_row_stats.restype = None
-    lib.attnscale_row_stats_isa.restype = ctypes.c_char_p
-    lib.attnscale_row_stats_columns.restype = ctypes.c_int
-    if lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
-        return None  # a stale build from another version: do not trust its layout
-    return lib
-
-
-def available() -> bool:
-    """Whether the compiled kernel is installed and enabled."""
-    return _library() is not None
-
-
-def isa() -> str | None:
-    """Instruction set the kernel runs on (``"avx2"`` or ``"v128"``), or None if unavailable."""
-    lib = _library()
-    return None if lib is None else lib.attnscale_row_stats_isa().decode()
 
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
               threads: int | None = None) -> Tensor:
-    """Per-row statistics of ``softmax(z)`` over the last dimension, columns :data:`ROW_STATS_COLUMNS`.
+    """Per-row statistics of ``softmax(z)`` over the last dimension, columns :data:`attnscale.native.ROW_STATS_COLUMNS`.
 
     Args:
         z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  A row holding NaN or
@@ -83,14 +42,11 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         float64 tensor (..., 6).  A row with no key (also n = 0) has count 0 and every
         statistic 0.
     Raises:
-        RuntimeError: the kernel is not available (see :func:`available`).
+        RuntimeError: the kernel is not available (see :func:`attnscale.native.available`).
         ValueError: ``z`` is not float32 on the CPU, ``limit`` is not int64, or ``threads``
             is below 1.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("attnscale's compiled row-statistics kernel is not available "
-                           f"(built without a C compiler, or {NATIVE_ENV}=0)")
+    lib = native.require()
     if z.dtype != torch.float32 or z.device.type != "cpu":
         raise ValueError(f"z must be float32 on the CPU, got {z.dtype} on {z.device}")
     n = z.shape[-1]

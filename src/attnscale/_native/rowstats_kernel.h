@@ -1,53 +1,4 @@
-/* The row-statistics kernel, included once per instruction set by rowstats.c with
- *   W          floats per vector (8 for AVX2, 4 for the portable 128-bit build),
- *   KERNEL(x)  x with the instruction set's suffix.
- * See rowstats.c for what is computed.
- */
-#define vf KERNEL(vf)
-#define vi KERNEL(vi)
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-static inline vf KERNEL(splat)(float x) { vf v = {0}; return v + x; }
-static inline vf KERNEL(sel)(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-/* W keys from i on; keys at or beyond n read as -inf (masked). */
-static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
-    vf v;
-    if (i + W <= n) {
-        memcpy(&v, z + i, sizeof v);
-    } else {
-        for (int j = 0; j < W; j++) v[j] = i + j < n ? z[i + j] : -INFINITY;
-    }
-    return v;
-}
-
-static inline double KERNEL(hsum)(vf v) {
-    double s = 0.0;
-    for (int j = 0; j < W; j++) s += v[j];
-    return s;
-}
-
-/* exp(x) for x <= 0, x = -inf allowed, within ~2 ulp; 0 below -87, where exp(x) < 1.7e-38 and,
- * added to a sum >= 1, changes nothing.  x = k ln2 + r with |r| <= ln2 / 2 and the degree-5
- * minimax polynomial of Cephes' expf for exp(r). */
-static inline vf KERNEL(exp_nonpositive)(vf x) {
-    const vf lo = KERNEL(splat)(-87.0f);
-    vi tiny = x < lo;
-    vf xc = KERNEL(sel)(tiny, lo, x);
-    vf kf = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi), vf);
-    vf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
-    vf p = KERNEL(splat)(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    vi bits = (__builtin_convertvector(kf, vi) + 127) << 23;  /* 2^k, k in [-126, 0] */
-    return KERNEL(sel)(tiny, KERNEL(splat)(0.0f), p * (vf)bits);
-}
-
+/* The row-statistics kernel (see kernels.c), included after simd.h once per instruction set. */
 static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
     const vf ninf = KERNEL(splat)(-INFINITY), pinf = KERNEL(splat)(INFINITY);
     const vf zero = KERNEL(splat)(0.0f), one = KERNEL(splat)(1.0f);
@@ -156,5 +107,3 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
     out[OUT_JACOBIAN_FRO] = pm * sqrt(inner > 0.0 ? inner : 0.0);
 }
 
-#undef vf
-#undef vi

@@ -128,11 +128,11 @@ def _run(args) -> int:
 
     import torch
 
-    from attnscale import hf, rowstats
+    from attnscale import hf, native
 
-    if not rowstats.available():
+    if not native.available():
         print("attnscale monitor: the compiled statistics kernel is not installed (no C compiler "
-              f"at install time, or {rowstats.NATIVE_ENV}=0): using PyTorch operations, about "
+              f"at install time, or {native.NATIVE_ENV}=0): using PyTorch operations, about "
               "2.5x slower.", file=sys.stderr)
     with torch.no_grad(), monitor(model, block=args.block) as mon:
         model(input_ids=ids)
@@ -144,7 +144,7 @@ def _run(args) -> int:
     meta = {"model_dir": str(model_dir), "model_type": model.config.model_type,
             "mechanism": swapped["name"] if swapped else "native", "seq_len": int(ids.shape[1]),
             "input": source, "seed": args.seed,
-            "statistics_kernel": rowstats.isa() or "pytorch"}
+            "statistics_kernel": native.isa() or "pytorch"}
     print(format_table(layer_summary(records), TABLE_COLUMNS))
     _write_outputs(Path(args.out), records, meta)
     print(f"Wrote {args.out}/records.json and {args.out}/entropy_heatmap.png", file=sys.stderr)

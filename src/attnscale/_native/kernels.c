@@ -1,6 +1,8 @@
-/* Fused per-row softmax statistics for attnscale.monitor.
+/* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
+ * (rowstats_kernel.h) and the elementwise part of the soft-cap attention kernel
+ * (softcap_kernel.h).
  *
- * One call reduces a block of attention logits (rows x width, float32, row stride ld) to the
+ * Row statistics: one call reduces a block of attention logits (rows x width, float32, row stride ld) to the
  * per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
  * twenty-odd whole-tensor passes of the PyTorch formulation.  The numerics are those of
  * attnscale.stats: everything is centred on the top logit z_t, with
@@ -34,7 +36,11 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 /* Portable build: 128-bit vectors (SSE2 on x86-64, NEON on arm64). */
 #define W 4
 #define KERNEL(x) x##_v128
+#include "simd.h"
 #include "rowstats_kernel.h"
+#include "softcap_kernel.h"
+#undef vf
+#undef vi
 #undef KERNEL
 #undef W
 
@@ -49,7 +55,11 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #endif
 #define W 8
 #define KERNEL(x) x##_avx2
+#include "simd.h"
 #include "rowstats_kernel.h"
+#include "softcap_kernel.h"
+#undef vf
+#undef vi
 #undef KERNEL
 #undef W
 #if defined(__clang__)
@@ -60,21 +70,33 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #endif
 
 typedef void (*row_fn)(const float *, int64_t, double *);
+typedef void (*probs_fn)(const float *, int64_t, int64_t, float, float *);
+typedef void (*grad_fn)(const float *, const float *, float *, float, int64_t);
 
-static row_fn pick_row_fn(void) {
+static int use_avx2(int portable) {
 #ifdef HAVE_AVX2_BUILD
+    if (portable) return 0;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return one_row_avx2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    (void)portable;
+    return 0;
 #endif
-    return one_row_v128;
 }
 
-/* Name of the instruction set the kernel runs on: "avx2" or "v128". */
-const char *attnscale_row_stats_isa(void) {
 #ifdef HAVE_AVX2_BUILD
-    if (pick_row_fn() == one_row_avx2) return "avx2";
+#define PICK(name, portable) (use_avx2(portable) ? name##_avx2 : name##_v128)
+#else
+#define PICK(name, portable) name##_v128
 #endif
-    return "v128";
+
+/* Name of the instruction set the kernels run on: "avx2" or "v128". */
+const char *attnscale_kernels_isa(void) { return use_avx2(0) ? "avx2" : "v128"; }
+
+static int64_t row_limit(const int64_t *limit, int64_t period, int64_t r, int64_t width) {
+    if (!limit) return width;
+    int64_t l = limit[r % period];
+    return l < 0 ? 0 : (l < width ? l : width);
 }
 
 /* Statistics of rows [row0, row1) of z.  Row r reads columns [0, n_r) with
@@ -82,15 +104,29 @@ const char *attnscale_row_stats_isa(void) {
  * portable != 0 runs the 128-bit build even where AVX2 is available (for testing it). */
 void attnscale_row_stats(const float *z, int64_t width, int64_t ld, const int64_t *limit,
                          int64_t period, int64_t row0, int64_t row1, double *out, int portable) {
-    row_fn one_row = portable ? one_row_v128 : pick_row_fn();
-    for (int64_t r = row0; r < row1; r++) {
-        int64_t n = width;
-        if (limit) {
-            int64_t l = limit[r % period];
-            n = l < 0 ? 0 : (l < width ? l : width);
-        }
-        one_row(z + r * ld, n, out + r * OUT_COLUMNS);
-    }
+    row_fn one_row = PICK(one_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        one_row(z + r * ld, row_limit(limit, period, r, width), out + r * OUT_COLUMNS);
 }
 
 int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
+
+/* Soft-cap weights of rows [row0, row1): p = softmax(twoc sigmoid(s)) over the first n_r keys
+ * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere.  s and p: rows of stride ld;
+ * p may be s. */
+void attnscale_softcap_probs(const float *s, float *p, int64_t width, int64_t ld,
+                             const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                             float twoc, int portable) {
+    probs_fn row = PICK(softcap_probs_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, row_limit(limit, period, r, width), width, twoc, p + r * ld);
+}
+
+/* Soft-cap backward of rows [row0, row1), in place on dp:
+ * dp <- p (dp - delta[r]) sigmoid(s) (1 - sigmoid(s)).  s, p, dp: rows of stride ld. */
+void attnscale_softcap_grad(const float *s, const float *p, float *dp, const float *delta,
+                            int64_t width, int64_t ld, int64_t row0, int64_t row1, int portable) {
+    grad_fn row = PICK(softcap_grad_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, p + r * ld, dp + r * ld, delta[r], width);
+}
