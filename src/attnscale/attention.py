@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale import native
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import Scale, upcast
@@ -183,6 +184,7 @@ class _CappedAttention(torch.autograd.Function):
         q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        fused = _fused_softcap(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -190,9 +192,14 @@ class _CappedAttention(torch.autograd.Function):
             rows = zip(*tiles.split(b, heads, q_x, out))
             for i, (q_blk, out_blk) in enumerate(rows):
                 n_k = tiles.n_keys(i)
-                u = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)).sigmoid_()  # (h, r, n_k)
-                z = tiles.hide(u.mul_(2.0 * cap), b, heads, i)                  # c tanh(x) + c
-                torch.bmm(torch.softmax(z, dim=-1), v_g[:, :n_k], out=out_blk)
+                s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # 2x, (h, r, n_k)
+                if fused:  # the compiled kernel: softmax(2c σ(s)) in place, causality as counts
+                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), s, cap,
+                                       tiles.causal_counts(i, s.shape[1]))
+                else:
+                    z = tiles.hide(s.sigmoid_().mul_(2.0 * cap), b, heads, i)  # c tanh(x) + c
+                    p = torch.softmax(z, dim=-1)
+                torch.bmm(p, v_g[:, :n_k], out=out_blk)
 
         # Head groups write disjoint slices of out: several run side by side on the CPU.
         groups = list(tiles.groups())
@@ -215,6 +222,7 @@ class _CappedAttention(torch.autograd.Function):
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        fused = _fused_softcap(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -222,12 +230,20 @@ class _CappedAttention(torch.autograd.Function):
             rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
             for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
                 n_k = tiles.n_keys(i)
-                u = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2)).sigmoid_()  # (h, r, n_k)
-                p = torch.softmax(tiles.hide(u * (2.0 * cap), b, heads, i), dim=-1)
+                s = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2))  # 2x, (h, r, n_k)
+                if fused:
+                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), torch.empty_like(s),
+                                       cap, tiles.causal_counts(i, s.shape[1]))
+                else:
+                    u = s.sigmoid_()
+                    p = torch.softmax(tiles.hide(u * (2.0 * cap), b, heads, i), dim=-1)
                 dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)         # dVᵀ += dOᵀ P
                 dz = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))       # dP = dO Vᵀ
-                dz.sub_(delta_blk).mul_(p)                                 # dZ = P ∘ (dP - δ)
-                ds = torch.ops.aten.sigmoid_backward(dz, u)                # dZ ∘ u (1 - u)
+                if fused:  # dS = P ∘ (dP - δ) ∘ u (1 - u), in place, one pass
+                    ds = _softcap_grad(s, p, dz, delta_blk)
+                else:
+                    dz.sub_(delta_blk).mul_(p)                             # dZ = P ∘ (dP - δ)
+                    ds = torch.ops.aten.sigmoid_backward(dz, u)            # dZ ∘ u (1 - u)
                 torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
 
@@ -238,6 +254,31 @@ class _CappedAttention(torch.autograd.Function):
         dq.mul_(4.0 * scale)
         dk_t.mul_(4.0 * scale)
         return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None, None
+
+
+def _fused_softcap(q: Tensor) -> bool:
+    """Whether the soft-cap kernel's elementwise steps run in attnscale's compiled kernels."""
+    return q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
+
+
+def _softcap_probs(s: Tensor, p: Tensor, cap: float, counts: Tensor | None) -> Tensor:
+    """p = softmax(2 cap σ(s)) over each row's first ``counts`` keys with s > -inf, 0 elsewhere;
+    s, p contiguous (h, r, n) float32 (p may be s); counts (r,) int64 or None.  Returns p."""
+    n = s.shape[-1]
+    native.require().attnscale_softcap_probs(
+        s.data_ptr(), p.data_ptr(), n, n, None if counts is None else counts.data_ptr(),
+        1 if counts is None else counts.numel(), 0, s.numel() // n, 2.0 * cap, 0)
+    return p
+
+
+def _softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
+    """dS = P ∘ (dP - δ) ∘ σ(s)(1 - σ(s)) in place on dp; s, p, dp contiguous (h, r, n) float32,
+    δ (h, r, 1).  Returns dp."""
+    n = s.shape[-1]
+    delta = delta.contiguous()
+    native.require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(),
+                                            delta.data_ptr(), n, n, 0, s.numel() // n, 0)
+    return dp
 
 
 class _Tiles:
@@ -271,14 +312,27 @@ class _Tiles:
         """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
         return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
 
-    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
-        i0, n_k = i * self.rows, z.shape[-1]
+    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
+        """Set the logits of block i that the mask hides to -inf, in place."""
         if self.hidden is not None:
+            i0, n_k = i * self.rows, z.shape[-1]
             m = self.hidden[b if self.hidden.shape[0] > 1 else 0]
             m = m[heads] if m.shape[0] > 1 else m
             m = m[:, i0:i0 + z.shape[1]] if m.shape[1] > 1 else m
             z.masked_fill_(m[..., :n_k] if m.shape[2] > 1 else m, float("-inf"))
+        return z
+
+    def causal_counts(self, i: int, rows: int) -> Tensor | None:
+        """Keys each of the ``rows`` queries of block i sees under causality (None: all)."""
+        if not self.causal:
+            return None
+        i0 = i * self.rows
+        return torch.arange(i0 + 1, i0 + rows + 1, dtype=torch.int64)
+
+    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
+        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
+        i0, n_k = i * self.rows, z.shape[-1]
+        self.hide_masked(z, b, heads, i)
         if self.causal and i0 + 1 < n_k:  # only the block's diagonal square can hide keys
             j = torch.arange(i0 + 1, n_k, device=z.device)                    # (c,)
             rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
