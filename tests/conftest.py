@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnscale import native
 from attnscale.cli import main
 
 
@@ -16,6 +17,18 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def backend(request, monkeypatch):
+    """Run a test on attnscale's compiled kernels and again on the PyTorch formulations."""
+    if request.param == "torch":
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native.library.cache_clear()
+    assert native.available() == (request.param == "compiled")
+    yield request.param
+    monkeypatch.undo()
+    native.library.cache_clear()
 
 
 @pytest.fixture

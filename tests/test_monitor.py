@@ -59,18 +59,6 @@ def assert_clean() -> None:
     assert attnscale.attention is ORIGINAL_ATTENTION
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def backend(request, monkeypatch):
-    """Run a test on the compiled row-statistics kernel and on the PyTorch formulation."""
-    if request.param == "torch":
-        monkeypatch.setenv(native.NATIVE_ENV, "0")
-    native.library.cache_clear()
-    assert native.available() == (request.param == "compiled")
-    yield request.param
-    monkeypatch.undo()
-    native.library.cache_clear()
-
-
 def hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 

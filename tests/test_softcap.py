@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale import native
 from attnscale.attention import _CappedAttention, _Tiles, attention_reference, key_mask
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
@@ -79,21 +78,9 @@ def test_head_groups_in_parallel_match_reference(monkeypatch, mask_shape):
         torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def elementwise(request, monkeypatch):
-    """float32 runs the elementwise steps in attnscale's compiled kernels, or in torch ops."""
-    if request.param == "torch":
-        monkeypatch.setenv(native.NATIVE_ENV, "0")
-    native.library.cache_clear()
-    assert native.available() == (request.param == "compiled")
-    yield request.param
-    monkeypatch.undo()
-    native.library.cache_clear()
-
-
 @pytest.mark.parametrize("block_elements", [1, 24, 150, 2**22])
 @pytest.mark.parametrize("mask_shape", ["none", "(Nq, Nk)", "(1, H, 1, Nk)", "(B, H, Nq, Nk)"])
-def test_float32_blockwise_matches_reference(monkeypatch, elementwise, block_elements,
+def test_float32_blockwise_matches_reference(monkeypatch, backend, block_elements,
                                              mask_shape):
     # float32 against the float64 reference: forward and every gradient, with and without the
     # compiled elementwise kernels, over block shapes, masks, causality and widths that are not
@@ -106,7 +93,7 @@ def test_float32_blockwise_matches_reference(monkeypatch, elementwise, block_ele
         _check(q, k, v, cap=2.0, mask=mask, causal=causal, rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_elementwise_is_finite_where_sigmoid_saturates(elementwise):
+def test_finite_where_sigmoid_saturates(backend):
     # |s| in the hundreds: σ(s) is 0 or 1 to float32 precision; weights and gradients stay finite
     # and match the float64 reference.
     q, k, v = _inputs(12, 12, dtype=torch.float32, scale=40.0)
