@@ -27,8 +27,9 @@ when the body raises):
 
 Statistics (those of :mod:`attnscale.stats`, reduced per row by the compiled kernel of
 :mod:`attnscale.rowstats`, or by :mod:`attnscale.stats` itself where the kernel is not installed or
-the logits are not float32 on the CPU) are taken row by row over the keys each query may attend to; masked keys are excluded and a query with no key at all is not counted.  The logits
-are the ones after the mechanism (scale, normalisation, soft-cap) and before the mask; an additive
+the logits are not float32 on the CPU) are taken row by row over the keys each query may attend
+to; masked keys are excluded and a query with no key at all is not counted.  The logits are the
+ones after the mechanism (scale, normalisation, soft-cap) and before the mask; an additive
 float mask's finite entries (ALiBi, relative position biases) are part of the logits, entries at or
 below :data:`MASKED_BIAS` mark masked keys.  Dropout is not applied: the statistics describe the
 distribution dropout samples from.  Everything is computed in float32 or better under
@@ -416,7 +417,7 @@ class Monitor:
         """Observer with :func:`attnscale.attention.attention`'s signature (q, k (B, H, N, d))."""
         if not self._watching():
             return
-        from attnscale.attention import key_mask
+        from attnscale.attention import _causal_counts, key_mask
 
         with torch.no_grad():
             if isinstance(mechanism, str):
@@ -427,7 +428,7 @@ class Monitor:
             if mask is not None:
                 n_keys = key_mask(mask, causal, q, k).sum(-1, keepdim=True)    # (..., Nq, 1)
             elif causal:
-                n_keys = torch.arange(1, n_q + 1, device=q.device).clamp(max=n_k).unsqueeze(-1)
+                n_keys = _causal_counts(n_q, n_k, q.device)
             else:
                 n_keys = n_k
             qs, ks, scale = mechanism.prepare(upcast(q.detach()), upcast(k.detach()), n_keys)
@@ -513,7 +514,8 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: 
     Args:
         model: any ``nn.Module``; attnscale's MultiHeadAttention, an HF model running
             ``attn_implementation="attnscale"`` (or ``"sdpa"``), or anything calling SDPA.
-        block: queries per statistics block (extra memory O(B · H · block · N)).
+        block: queries per statistics block (extra memory O(T · B · H · block · N) with T the
+            number of torch threads).
         writer: optional TensorBoard ``SummaryWriter`` (anything with ``add_scalar``); receives
             the per-(layer, head) and per-layer statistics after every forward pass.
         step: index of the first forward pass, the TensorBoard step its scalars are logged at;

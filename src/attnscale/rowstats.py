@@ -18,7 +18,7 @@ import torch
 from attnscale import native
 from attnscale.errors import check_int
 from attnscale.native import ROW_STATS_COLUMNS
-from attnscale.workers import worker_pool
+from attnscale.workers import parallel_map
 
 Tensor = torch.Tensor
 
@@ -28,7 +28,9 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
               threads: int | None = None) -> Tensor:
-    """Per-row statistics of ``softmax(z)`` over the last dimension, columns :data:`attnscale.native.ROW_STATS_COLUMNS`.
+    """Per-row statistics of ``softmax(z)`` over the last dimension.
+
+    The columns are :data:`attnscale.native.ROW_STATS_COLUMNS`.
 
     Args:
         z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  A row holding NaN or
@@ -69,14 +71,10 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
             None if limit is None else limit.data_ptr(), period)
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
-    workers = max(1, min(threads or torch.get_num_threads(), rows))
-    if workers == 1 or rows * n < PARALLEL_MIN_ELEMENTS:
-        lib.attnscale_row_stats(*args, 0, rows, out.data_ptr(), int(portable))
-    else:
-        bounds = [rows * w // workers for w in range(workers + 1)]
-        pool = worker_pool(workers)
-        jobs = [pool.submit(lib.attnscale_row_stats, *args, r0, r1, out.data_ptr(), int(portable))
-                for r0, r1 in zip(bounds[:-1], bounds[1:])]
-        for job in jobs:
-            job.result()
+    workers = 1
+    if rows * n >= PARALLEL_MIN_ELEMENTS:
+        workers = max(1, min(threads or torch.get_num_threads(), rows))
+    bounds = [rows * w // workers for w in range(workers + 1)]
+    parallel_map(lambda span: lib.attnscale_row_stats(*args, *span, out.data_ptr(), int(portable)),
+                 zip(bounds[:-1], bounds[1:]), workers)
     return out.reshape(*z.shape[:-1], len(ROW_STATS_COLUMNS))

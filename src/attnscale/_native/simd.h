@@ -22,6 +22,15 @@ static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
     return v;
 }
 
+/* Store v's first min(W, n - i) lanes at z + i. */
+static inline void KERNEL(store)(float *z, int64_t i, int64_t n, vf v) {
+    if (i + W <= n) {
+        memcpy(z + i, &v, sizeof v);
+    } else {
+        for (int j = 0; i + j < n; j++) z[i + j] = v[j];
+    }
+}
+
 static inline double KERNEL(hsum)(vf v) {
     double s = 0.0;
     for (int j = 0; j < W; j++) s += v[j];

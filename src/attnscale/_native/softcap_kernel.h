@@ -27,8 +27,7 @@ static void KERNEL(softcap_probs_row)(const float *s, int64_t n, int64_t width, 
         vf v = KERNEL(load)(s, i, n);
         vf z = KERNEL(sel)(v > ninf, c2 * KERNEL(sigmoid)(v), ninf);
         vmax = KERNEL(sel)(z > vmax, z, vmax);
-        if (i + W <= n) memcpy(p + i, &z, sizeof z);
-        else for (j = 0; i + j < n; j++) p[i + j] = z[j];
+        KERNEL(store)(p, i, n, z);
     }
     float m = -INFINITY;
     for (j = 0; j < W; j++) m = vmax[j] > m ? vmax[j] : m;
@@ -43,8 +42,7 @@ static void KERNEL(softcap_probs_row)(const float *s, int64_t n, int64_t width, 
     for (i = 0; i < n; i += W) {                 /* e = exp(z - max); masked: exp(-inf) = 0 */
         vf e = KERNEL(exp_nonpositive)(KERNEL(load)(p, i, n) - vm);
         vsum += e;
-        if (i + W <= n) memcpy(p + i, &e, sizeof e);
-        else for (j = 0; i + j < n; j++) p[i + j] = e[j];
+        KERNEL(store)(p, i, n, e);
         if ((i / W) % (CHUNK / W) == CHUNK / W - 1) { sum += KERNEL(hsum)(vsum); vsum = zero; }
     }
     sum += KERNEL(hsum)(vsum);
