@@ -6,7 +6,7 @@
 Time: each round runs one forward of the same ``attn_implementation="attnscale"`` model without
 and with the monitor, interleaved so machine load hits both alike; the ratio is the median over
 rounds of monitored ÷ unmonitored.  Goal (issue 5): <= 1.5.  The monitor computes its statistics
-in attnscale's compiled row-statistics kernel (:mod:`attnscale.rowstats`); the same rounds also
+in attnscale's compiled row-statistics kernel (:mod:`attnscale.kernels.rowstats`); the same rounds also
 time it on the PyTorch formulation (what runs where the kernel could not be built), for context.
 
 Memory: the peak extra memory of one forward, for the model on ``"attnscale"`` (plain and
@@ -56,14 +56,14 @@ def build(seq_len: int, attn: str, seed: int = 0):
 
 def use_compiled_kernel(on: bool) -> None:
     """Switch the monitor between the compiled kernel and the PyTorch formulation."""
-    from attnscale import native
+    from attnscale.kernels import native
 
     os.environ[native.NATIVE_ENV] = "1" if on else "0"
     native.library.cache_clear()
 
 
 def forward(model, ids, mode: str, block: int) -> None:
-    from attnscale.monitor import monitor
+    from attnscale.measure.monitor import monitor
 
     use_compiled_kernel(mode != TORCH_STATS)
     with torch.no_grad():
@@ -118,8 +118,8 @@ def peak_extra_mib(mode: str, seq_len: int, block: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnscale import native
-    from attnscale.monitor import DEFAULT_BLOCK
+    from attnscale.kernels import native
+    from attnscale.measure.monitor import DEFAULT_BLOCK
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2048, help="N (default 2048)")

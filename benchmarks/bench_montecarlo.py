@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from attnscale.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
+from attnscale.measure.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
 
 
 def direct_numpy(d_ks, n, trials, pairs, seed=0, chunk=1 << 23):

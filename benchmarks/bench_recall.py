@@ -6,9 +6,9 @@ settings in <= 15 s on a 2-core CPU.
 
 The reference is the plain loop anyone would write: per step, embed every token, project it with
 W_Q, W_K, W_V, attend, read out, backward, ``torch.optim.Adam`` with its defaults; one model at a
-time (:meth:`attnscale.recall.model.RecallNet.forward` is exactly that forward).  attnscale trains
+time (:meth:`attnscale.experiments.recall.model.RecallNet.forward` is exactly that forward).  attnscale trains
 both models at once on projected embedding tables with a fused Adam; see
-:mod:`attnscale.recall.model`.
+:mod:`attnscale.experiments.recall.model`.
 
     python benchmarks/bench_recall.py               # 200 steps per model, then the default demo
     python benchmarks/bench_recall.py --steps 100 --skip-default
@@ -22,10 +22,10 @@ from dataclasses import replace
 
 import torch
 
-from attnscale.recall import RecallConfig, compare, train_runs
-from attnscale.recall.model import RecallNet
-from attnscale.recall.task import CHUNK_STEPS, train_chunk
-from attnscale.recall.trainer import TRAIN_THREADS, num_threads
+from attnscale.experiments.recall import RecallConfig, compare, train_runs
+from attnscale.experiments.recall.model import RecallNet
+from attnscale.experiments.recall.task import CHUNK_STEPS, train_chunk
+from attnscale.experiments.recall.trainer import TRAIN_THREADS, num_threads
 
 MECHANISMS = ("scaled", "unscaled")
 TARGET_RATIO = 5.0

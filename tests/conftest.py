@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnscale import native
+from attnscale.kernels import native
 from attnscale.cli import main
 
 

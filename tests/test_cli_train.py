@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-import attnscale.recall.outputs as outputs
-import attnscale.recall.trainer as trainer
-from attnscale.recall.outputs import STUDY_FILES
+import attnscale.experiments.recall.outputs as outputs
+import attnscale.experiments.recall.trainer as trainer
+from attnscale.experiments.recall.outputs import STUDY_FILES
 
 # A tiny model and run length: the CLI plumbing, not the science.
 TINY = ("--d-k", "8", "--pairs", "4", "--steps", "5", "--batch-size", "4")

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch.testing import assert_close
 
-from attnscale.gradient import (
+from attnscale.measure.gradient import (
     gradient_path_sweep, gradient_paths, init_reparam_checks, one_hot_limit,
 )
 from attnscale.report.claims import CLAIMS_BY_ID
@@ -70,7 +70,7 @@ def test_init_reparam_claims():
 
 
 def test_report_section_agrees_with_its_claims(tmp_path, monkeypatch):
-    import attnscale.sections.mechanisms as section
+    import attnscale.report.sections.mechanisms as section
 
     monkeypatch.setattr(section, "gradient_path_sweep",
                         partial(gradient_path_sweep, n=64, trials=40, chunk=40))

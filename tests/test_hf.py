@@ -13,9 +13,10 @@ import pytest
 import torch
 import transformers
 
-from attnscale import hf, native
+from attnscale import hf
+from attnscale.kernels import native
 from attnscale.errors import ConfigError
-from attnscale.monitor import monitor
+from attnscale.measure.monitor import monitor
 
 hf.register()
 
@@ -279,7 +280,7 @@ def test_cli_with_tokenizer_and_text(cli, model_dirs, tmp_path):
 
 
 def test_cli_writes_nothing_when_the_figure_fails(cli, model_dirs, tmp_path, monkeypatch):
-    import attnscale.commands.monitor as command
+    import attnscale.cli.monitor as command
 
     def broken(records, ax):
         raise RuntimeError("figure failed")

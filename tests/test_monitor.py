@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnscale
-from attnscale import native
+from attnscale.kernels import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
-from attnscale.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
+from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
                                monitor)
 from attnscale.stats import logit_std, softmax_stats
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnscale.errors import ConfigError
-from attnscale.montecarlo import (
+from attnscale.measure.montecarlo import (
     jacobian_crossing, sample_logits_direct, saturation, saturation_direct, small_head_thresholds,
     variance,
 )

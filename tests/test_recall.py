@@ -16,12 +16,12 @@ from torch.testing import assert_close
 
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS
-from attnscale.recall import RecallConfig, compare, train, train_runs
-from attnscale.recall import metrics
-from attnscale.recall.experiments import grad_decomposition, init_reparam_sgd
-from attnscale.recall.model import BatchIndex, RecallNet, StackedRecall
-from attnscale.recall.task import CHUNK_STEPS, eval_set, sample, train_chunk
-from attnscale.recall.trainer import stack_batches
+from attnscale.experiments.recall import RecallConfig, compare, train, train_runs
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.experiments import grad_decomposition, init_reparam_sgd
+from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
+from attnscale.experiments.recall.task import CHUNK_STEPS, eval_set, sample, train_chunk
+from attnscale.experiments.recall.trainer import stack_batches
 
 # A small model that still exercises every shape (distinct sizes catch transposed axes).
 TINY = RecallConfig(d_k=8, d_model=12, pairs=5, n_keys=7, n_values=6, steps=6, batch_size=4,
@@ -143,7 +143,7 @@ def test_same_seed_same_curve_and_prefix_property():
 
 
 def test_same_curve_across_processes():
-    code = ("import sys, numpy as np; from attnscale.recall import train, RecallConfig;"
+    code = ("import sys, numpy as np; from attnscale.experiments.recall import train, RecallConfig;"
             "r = train(RecallConfig(d_k=8, d_model=12, pairs=5, n_keys=7, n_values=6, steps=6,"
             " batch_size=4, eval_size=20, log_every=2), mechanism='unscaled');"
             "sys.stdout.write(np.asarray(r.loss, dtype=np.float32).tobytes().hex())")

@@ -1,4 +1,4 @@
-"""The compiled row-statistics kernel (attnscale.rowstats) against the float64 formulation of
+"""The compiled row-statistics kernel (attnscale.kernels.rowstats) against the float64 formulation of
 attnscale.stats, on both of its builds (AVX2 and the portable 128-bit one).
 
 The reference evaluates attnscale.stats on the float32 logits upcast to float64 (exactly), so the
@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale import native, rowstats, stats
+from attnscale import stats
+from attnscale.kernels import native, rowstats
 
 COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
 EXACT = ("count", "logit_absmax")

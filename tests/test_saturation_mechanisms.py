@@ -8,7 +8,7 @@ import pytest
 
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS
-from attnscale.montecarlo import saturation, saturation_direct
+from attnscale.measure.montecarlo import saturation, saturation_direct
 
 AT_INIT = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
 IN_WEIGHTS = [name for name, cls in MECHANISMS.items() if not cls.defined_at_init]

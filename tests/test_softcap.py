@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale.attention import _CappedAttention, _Tiles, attention_reference, key_mask
+from attnscale.attention import attention_reference, key_mask
+from attnscale.kernels.softcap import _CappedAttention, _Tiles
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 
 # By module name: the package re-exports the function ``attnscale.attention`` under that name.
-attention_module = importlib.import_module("attnscale.attention")
+attention_module = importlib.import_module("attnscale.kernels.softcap")
 B, H, D = 2, 3, 8
 
 

@@ -6,15 +6,15 @@ __version__ = "0.1.0"
 
 from attnscale.errors import ConfigError  # noqa: E402
 from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softmax_stats  # noqa: E402
-from attnscale.montecarlo import saturation, variance  # noqa: E402
-from attnscale.reproduce import reproduce  # noqa: E402
-from attnscale.monitor import monitor  # noqa: E402
+from attnscale.measure.montecarlo import saturation, variance  # noqa: E402
+from attnscale.report.reproduce import reproduce  # noqa: E402
+from attnscale.measure.monitor import monitor  # noqa: E402
 from attnscale.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
 from attnscale.attention import MultiHeadAttention, attention  # noqa: E402
-from attnscale.gradient import (  # noqa: E402
+from attnscale.measure.gradient import (  # noqa: E402
     gradient_path_sweep, gradient_paths, init_reparam_checks,
 )
-from attnscale.recall import RecallConfig, compare, study, train  # noqa: E402
+from attnscale.experiments.recall import RecallConfig, compare, study, train  # noqa: E402
 
 __all__ = [
     "__version__", "ConfigError",

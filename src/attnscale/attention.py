@@ -12,7 +12,7 @@ The pre-softmax pipeline always runs in this order (:func:`attention_reference` 
 :func:`attention` computes the same thing without materialising the (Nq, Nk) logits of every head:
 a mechanism whose temperature is a scale on (normalised) q and k has the scale folded into q and
 runs on ``torch.nn.functional.scaled_dot_product_attention``; a capped mechanism runs on
-:class:`_CappedAttention`, a blockwise kernel whose extra memory is O(Nk · block), not O(Nq · Nk).
+:func:`attnscale.kernels.softcap.capped_attention`, a blockwise kernel whose extra memory is O(Nk · block), not O(Nq · Nk).
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
@@ -28,16 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnscale import native
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import Scale, upcast
-from attnscale.workers import parallel_map, workers_for
+from attnscale.kernels.softcap import capped_attention
 
-# Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at
-# Nk = 1024; the backward pass keeps three blocks alive.  Between 2^17 and 2^19 the speed is flat
-# on CPU; the larger end halves the number of torch ops (less dispatch and threading overhead).
-CAPPED_BLOCK_ELEMENTS = 2**19
 
 
 @dataclass(frozen=True)
@@ -130,10 +125,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float | None,
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)
-    q, k = q.contiguous(), k.contiguous()
-    out = _CappedAttention.apply(q, k, upcast(v).contiguous(), mask, scale, cap, causal,
-                                 CAPPED_BLOCK_ELEMENTS)
-    return out.to(v.dtype)
+    return capped_attention(q, k, v, scale, cap, mask, causal)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",
@@ -160,184 +152,6 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | 
         p = p.masked_fill(empty, 0.0)
     out = p @ v_acc                                            # (B, H, Nq, d_v)
     return AttentionTrace(logits=z, weights=p, out=out.to(v.dtype))
-
-
-class _CappedAttention(torch.autograd.Function):
-    """softmax(c · tanh(scale · q kᵀ / c) masked) v, blockwise, with recomputation in backward.
-
-    A block is a few heads of one batch element times ``rows`` queries, against all their keys, so
-    it holds whole softmax rows: the row max and sum are exact within the block and nothing is
-    rescaled online.  Extra memory is three (heads, rows, Nk) blocks, O(Nk · rows), instead of the
-    (B, H, Nq, Nk) logits.  Blocks are sized to stay in cache while each torch op still amortises
-    its dispatch, and the per-block views come from one ``split`` per head group.
-
-    Two identities keep the elementwise work to one transcendental per logit and pass:
-    c · tanh(x) = 2c · σ(2x) - c, where softmax ignores the constant -c (and torch's sigmoid is ~3x
-    faster than its tanh), so with u = σ(2x), x = scale · q·k / c, the logits are z = 2c · u; and
-    d(c tanh x)/d(q·k) = scale · (1 - tanh² x) = 4 · scale · u (1 - u).
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                cap: float, causal: bool, block_elements: int) -> Tensor:
-        # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
-        q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
-        fused = _fused_softcap(q)
-
-        def group(where: tuple[int, slice]) -> None:
-            b, heads = where
-            k_g, v_g = k[b, heads], v[b, heads]        # (h, Nk, d), (h, Nk, d_v)
-            rows = zip(*tiles.split(b, heads, q_x, out))
-            for i, (q_blk, out_blk) in enumerate(rows):
-                n_k = tiles.n_keys(i)
-                s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # 2x, (h, r, n_k)
-                if fused:  # the compiled kernel: softmax(2c σ(s)) in place, causality as counts
-                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), s, cap,
-                                       tiles.causal_counts(i, s.shape[1]))
-                else:
-                    z = tiles.hide(s.sigmoid_().mul_(2.0 * cap), b, heads, i)  # c tanh(x) + c
-                    p = torch.softmax(z, dim=-1)
-                torch.bmm(p, v_g[:, :n_k], out=out_blk)
-
-        # Head groups write disjoint slices of out: several run side by side on the CPU.
-        groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
-        ctx.save_for_backward(q, k, v, out, mask)
-        ctx.args = (scale, cap, causal, block_elements)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out: Tensor):
-        q, k, v, out, mask = ctx.saved_tensors
-        scale, cap, causal, block_elements = ctx.args
-        q_x = q * (2.0 * scale / cap)
-        d_out = d_out.contiguous()
-        delta = (d_out * out).sum(-1, keepdim=True)  # δ = rowsum(dO ∘ O) = Σ_j p_j dP_j, (B,H,Nq,1)
-        dq = torch.empty_like(q)
-        # dK and dV are accumulated transposed: dKᵀ += Qᵀ dS reads dS untransposed, a gemm that
-        # runs ~1.4x faster on CPU than dK += dSᵀ Q.
-        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
-        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
-        fused = _fused_softcap(q)
-
-        def group(where: tuple[int, slice]) -> None:
-            b, heads = where
-            k_g, v_g, dk_g, dv_g = k[b, heads], v[b, heads], dk_t[b, heads], dv_t[b, heads]
-            rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
-            for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
-                n_k = tiles.n_keys(i)
-                s = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2))  # 2x, (h, r, n_k)
-                if fused:
-                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), torch.empty_like(s),
-                                       cap, tiles.causal_counts(i, s.shape[1]))
-                else:
-                    u = s.sigmoid_()
-                    p = torch.softmax(tiles.hide(u * (2.0 * cap), b, heads, i), dim=-1)
-                dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)         # dVᵀ += dOᵀ P
-                dz = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))       # dP = dO Vᵀ
-                if fused:  # dS = P ∘ (dP - δ) ∘ u (1 - u), in place, one pass
-                    ds = _softcap_grad(s, p, dz, delta_blk)
-                else:
-                    dz.sub_(delta_blk).mul_(p)                             # dZ = P ∘ (dP - δ)
-                    ds = torch.ops.aten.sigmoid_backward(dz, u)            # dZ ∘ u (1 - u)
-                torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
-                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
-
-        # Head groups write disjoint slices of dq, dK and dV: several run side by side.
-        groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
-        # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
-        dq.mul_(4.0 * scale)
-        dk_t.mul_(4.0 * scale)
-        return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None, None
-
-
-def _fused_softcap(q: Tensor) -> bool:
-    """Whether the soft-cap kernel's elementwise steps run in attnscale's compiled kernels."""
-    return q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
-
-
-def _softcap_probs(s: Tensor, p: Tensor, cap: float, counts: Tensor | None) -> Tensor:
-    """p = softmax(2 cap σ(s)) over each row's first ``counts`` keys with s > -inf, 0 elsewhere;
-    s, p contiguous (h, r, n) float32 (p may be s); counts (r,) int64 or None.  Returns p."""
-    n = s.shape[-1]
-    native.require().attnscale_softcap_probs(
-        s.data_ptr(), p.data_ptr(), n, n, None if counts is None else counts.data_ptr(),
-        1 if counts is None else counts.numel(), 0, s.numel() // n, 2.0 * cap, 0)
-    return p
-
-
-def _softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
-    """dS = P ∘ (dP - δ) ∘ σ(s)(1 - σ(s)) in place on dp; s, p, dp contiguous (h, r, n) float32,
-    δ (h, r, 1).  Returns dp."""
-    n = s.shape[-1]
-    delta = delta.contiguous()
-    native.require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(),
-                                            delta.data_ptr(), n, n, 0, s.numel() // n, 0)
-    return dp
-
-
-class _Tiles:
-    """How the capped kernel cuts (B, H, Nq) into blocks of about ``block_elements`` logits.
-
-    A block is ``heads`` heads of one batch element by ``rows`` queries, by all the keys those
-    queries can see: every key, or under causality the prefix up to the block's last query.
-    """
-
-    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-                 block_elements: int):
-        self.n_b, self.n_h, self.n_q, _ = q.shape
-        self.n_k, self.causal = k.shape[-2], causal
-        self.rows = max(1, min(self.n_q, block_elements // max(self.n_k, 1)))
-        self.heads = max(1, min(self.n_h, block_elements // max(self.rows * self.n_k, 1)))
-        self.hidden = None
-        if mask is not None:  # invert once; view as (B|1, H|1, Nq|1, Nk|1)
-            self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-
-    def groups(self):
-        """(b, heads) of each head group, ``heads`` a slice."""
-        for b in range(self.n_b):
-            for h0 in range(0, self.n_h, self.heads):
-                yield b, slice(h0, h0 + self.heads)
-
-    def split(self, b: int, heads: slice, *tensors: Tensor) -> list[tuple[Tensor, ...]]:
-        """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
-        return [t[b, heads].split(self.rows, dim=1) for t in tensors]
-
-    def n_keys(self, i: int) -> int:
-        """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
-        return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
-
-    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set the logits of block i that the mask hides to -inf, in place."""
-        if self.hidden is not None:
-            i0, n_k = i * self.rows, z.shape[-1]
-            m = self.hidden[b if self.hidden.shape[0] > 1 else 0]
-            m = m[heads] if m.shape[0] > 1 else m
-            m = m[:, i0:i0 + z.shape[1]] if m.shape[1] > 1 else m
-            z.masked_fill_(m[..., :n_k] if m.shape[2] > 1 else m, float("-inf"))
-        return z
-
-    def causal_counts(self, i: int, rows: int) -> Tensor | None:
-        """Keys each of the ``rows`` queries of block i sees under causality (None: all)."""
-        if not self.causal:
-            return None
-        i0 = i * self.rows
-        return torch.arange(i0 + 1, i0 + rows + 1, dtype=torch.int64)
-
-    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
-        i0, n_k = i * self.rows, z.shape[-1]
-        self.hide_masked(z, b, heads, i)
-        if self.causal and i0 + 1 < n_k:  # only the block's diagonal square can hide keys
-            j = torch.arange(i0 + 1, n_k, device=z.device)                    # (c,)
-            rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
-            z[..., i0 + 1:].masked_fill_(j > rows, float("-inf"))
-        return z
 
 
 class MultiHeadAttention(nn.Module):

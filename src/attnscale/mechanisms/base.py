@@ -67,7 +67,7 @@ class Mechanism(nn.Module):
     defined_at_init: ClassVar[bool] = True
     scale_only: ClassVar[bool] = True       # logits = scale * q'k'^T: runs on the fused SDPA kernel
     # The rule is invariant under a joint rotation of q and k (dot products and norms only), so
-    # Monte Carlo may sample q and k in a rotated frame (attnscale.montecarlo); False for rules
+    # Monte Carlo may sample q and k in a rotated frame (attnscale.measure.montecarlo); False for rules
     # that single out coordinates, such as LayerNorm's mean subtraction.
     rotation_invariant: ClassVar[bool] = True
     cap: float | None = None                # soft-cap c in c * tanh(z / c), applied after the scale

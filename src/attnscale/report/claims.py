@@ -103,7 +103,7 @@ CLAIMS: tuple[Claim, ...] = (
           "2 ln n at n=256", "11", Exact(rel=0.05)),
     Claim("small_head.n_threshold.dk4", _SMALL, "keys needed to saturate at d_k=4, exp(d_k/2)",
           "7", Exact(rel=0.08)),
-    # --- Associative-recall training (attnscale.sections.recall) ---------------------------------
+    # --- Associative-recall training (attnscale.report.sections.recall) ---------------------------------
     # The essay's model is not fully specified (batch, d_model, smoothing), so step counts are
     # judged as ratios unscaled / scaled within [1.4, 4] (means over 3 seeds); the absolute numbers
     # stand side by side with the essay's in the section's table.
@@ -138,7 +138,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("recall.logit_std.exponent_trained", "Use 1/d instead (muP)", "a in std(q.k) ~ d_k^a "
           "once trained (scaled runs, d_k 16-256)", "1", Within(0.75, 1.25)),
 
-    # --- Gradient paths and init-reparam, measured by attnscale.sections.mechanisms -------------
+    # --- Gradient paths and init-reparam, measured by attnscale.report.sections.mechanisms -------------
     Claim("gradient.routing.one_hot", _GRAD, "routing path ||J a|| at one-hot p (unscaled row, "
           "d_k=1024, logits x1e4)", "0", AtMost(1e-12)),
     Claim("gradient.value.one_hot", _GRAD, "value path ||(p_i g)_i|| / ||g|| at one-hot p: stays "

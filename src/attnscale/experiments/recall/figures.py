@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnscale.recall import metrics
-from attnscale.recall.trainer import RunResult
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.trainer import RunResult
 from attnscale.report.figures import color_for, new_figure
 
 

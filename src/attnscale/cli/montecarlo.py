@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from attnscale.commands._common import add_command, format_table, print_json
+from attnscale.cli._common import add_command, format_table, print_json
 from attnscale.errors import parse_int_list, parse_name_list
-from attnscale.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
+from attnscale.measure.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
 
 _DK_DEFAULT = ",".join(map(str, ESSAY_D_KS))
 

@@ -10,10 +10,10 @@ import math
 import sys
 from pathlib import Path
 
-from attnscale.commands._common import add_command, format_table
+from attnscale.cli._common import add_command, format_table
 from attnscale.errors import ConfigError, check_choice, check_int
 from attnscale.mechanisms import MECHANISMS
-from attnscale.monitor import DEFAULT_BLOCK, layer_summary, monitor, plot_entropy
+from attnscale.measure.monitor import DEFAULT_BLOCK, layer_summary, monitor, plot_entropy
 
 EXAMPLES = """
   attnscale monitor ./tiny-llama                         # random token ids if it has no tokenizer
@@ -103,7 +103,7 @@ def _finite(x):
 
 def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
     """records.json and entropy_heatmap.png, moved into ``out_dir`` only once both are written."""
-    from attnscale.recall.outputs import staged
+    from attnscale.experiments.recall.outputs import staged
     from attnscale.report.figures import new_figure, save
     from attnscale.report.writer import check_writable_dir
 
@@ -128,7 +128,8 @@ def _run(args) -> int:
 
     import torch
 
-    from attnscale import hf, native
+    from attnscale import hf
+    from attnscale.kernels import native
 
     if not native.available():
         print("attnscale monitor: the compiled statistics kernel is not installed (no C compiler "

@@ -1,10 +1,10 @@
-"""Report section: the gradient argument and the init-reparam claims (:mod:`attnscale.gradient`)."""
+"""Report section: the gradient argument and the init-reparam claims (:mod:`attnscale.measure.gradient`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from attnscale.gradient import gradient_path_sweep, init_reparam_checks, one_hot_limit
+from attnscale.measure.gradient import gradient_path_sweep, init_reparam_checks, one_hot_limit
 from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, plot_vs_dk, save
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from attnscale.recall import RecallConfig, compare, run_all
-from attnscale.recall import metrics
-from attnscale.recall.experiments import (
+from attnscale.experiments.recall import RecallConfig, compare, run_all
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.experiments import (
     adam_separation, grad_decomposition, init_reparam_sgd, logit_scaling, milestone_ratios,
 )
-from attnscale.recall.figures import mechanism_color, plot_loss_curves
-from attnscale.recall.trainer import RunResult, config_dict
+from attnscale.experiments.recall.figures import mechanism_color, plot_loss_curves
+from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, save
 

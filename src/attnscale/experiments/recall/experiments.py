@@ -1,7 +1,7 @@
 """The essay's training numbers, measured, and what the essay did not run.
 
 Each function returns plain dicts (tidy rows or a flat summary); plotting lives in
-:mod:`attnscale.recall.figures`.
+:mod:`attnscale.experiments.recall.figures`.
 
 * :func:`grad_decomposition`: the step-0 W_Q gradient ratio, unscaled / scaled, split into the
   sqrt(d_k) the divisor removes and the saturation factor that claws part of it back.
@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from attnscale.recall import metrics
-from attnscale.recall.config import RecallConfig, sqrt_dk, sweep
-from attnscale.recall.model import RecallNet, StackedRecall
-from attnscale.recall.task import eval_set
-from attnscale.recall.trainer import (
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.config import RecallConfig, sqrt_dk, sweep
+from attnscale.experiments.recall.model import RecallNet, StackedRecall
+from attnscale.experiments.recall.task import eval_set
+from attnscale.experiments.recall.trainer import (
     TRAIN_THREADS, RunResult, evaluate, num_threads, run_all, train_runs,
 )
 
@@ -69,7 +69,7 @@ def milestone_ratios(scaled: RunResult, unscaled: RunResult) -> dict:
 
 @torch.no_grad()
 def init_stats(configs: Sequence[RecallConfig]) -> list[dict]:
-    """:func:`~attnscale.recall.trainer.evaluate` on untrained models (step 0)."""
+    """:func:`~attnscale.experiments.recall.trainer.evaluate` on untrained models (step 0)."""
     with num_threads(TRAIN_THREADS):
         model = StackedRecall([RecallNet(c) for c in configs])
         return evaluate(model, [eval_set(c) for c in configs])
@@ -105,7 +105,7 @@ def adam_separation(scaled: RunResult, reparam: RunResult) -> dict:
     update is invariant to the gradient's scale, so it moves W_Q and W_K by about lr per step in
     both runs, which is d^1/4 times larger *relative to* init-reparam's smaller weights: the runs
     part at once.  Separation is the first step where the per-step losses (on identical batches)
-    differ by more than :data:`~attnscale.recall.metrics.SEPARATION_REL`.
+    differ by more than :data:`~attnscale.experiments.recall.metrics.SEPARATION_REL`.
     """
     return {"seed": scaled.config.seed, "optimizer": scaled.config.optimizer,
             "step0_rel_gap": abs(reparam.loss[0] - scaled.loss[0]) / scaled.loss[0],

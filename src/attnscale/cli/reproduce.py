@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.commands._common import add_command
-from attnscale.reproduce import reproduce
+from attnscale.cli._common import add_command
+from attnscale.report.reproduce import reproduce
 
 EXAMPLES = """
   attnscale reproduce                          # writes ./attnscale-report/report.md and figures

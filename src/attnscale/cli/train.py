@@ -7,13 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnscale.commands._common import add_command, format_table, print_json
+from attnscale.cli._common import add_command, format_table, print_json
 from attnscale.errors import ConfigError, parse_int_list, parse_name_list
-from attnscale.recall import RecallConfig, compare, train
-from attnscale.recall.config import OPTIMIZERS
-from attnscale.recall.experiments import STUDY_D_KS, STUDY_SEEDS, grad_decomposition, \
+from attnscale.experiments.recall import RecallConfig, compare, train
+from attnscale.experiments.recall.config import OPTIMIZERS
+from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS, grad_decomposition, \
     milestone_ratios, study
-from attnscale.recall.trainer import RunResult
+from attnscale.experiments.recall.trainer import RunResult
 
 _DEFAULT = RecallConfig()
 
@@ -91,11 +91,11 @@ def _times(ratio: float | None) -> str:
 
 def _save(runs: list[RunResult], args) -> None:
     """Write ``--output`` (JSON) and ``--plot`` (PNG) atomically, if asked for."""
-    from attnscale.recall.outputs import staged, write_json_atomic
+    from attnscale.experiments.recall.outputs import staged, write_json_atomic
     if args.output:
         write_json_atomic(Path(args.output), {"runs": [r.to_json() for r in runs]})
     if getattr(args, "plot", None):
-        from attnscale.recall.figures import plot_loss_curves
+        from attnscale.experiments.recall.figures import plot_loss_curves
         from attnscale.report.figures import new_figure, save
         fig, (ax,) = new_figure(width=6.0, height=4.0)
         plot_loss_curves(ax, runs)
@@ -123,7 +123,7 @@ def _compare(args) -> int:
 
 def _study(args) -> int:
     from attnscale.mechanisms import MECHANISMS
-    from attnscale.recall.outputs import write_study
+    from attnscale.experiments.recall.outputs import write_study
     from attnscale.report.writer import check_writable_dir
     check_writable_dir("--out", args.out)  # fail before hours of training, not after
     mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \

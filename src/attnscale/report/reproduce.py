@@ -18,10 +18,10 @@ from attnscale.errors import check_int
 from attnscale.report.writer import check_writable_dir, write_report
 
 REPORT_SECTIONS = (
-    "attnscale.sections.montecarlo:report_section",
-    "attnscale.sections.montecarlo:report_section_mechanisms",
-    "attnscale.sections.mechanisms:report_section",
-    "attnscale.sections.recall:report_section",
+    "attnscale.report.sections.montecarlo:report_section",
+    "attnscale.report.sections.montecarlo:report_section_mechanisms",
+    "attnscale.report.sections.mechanisms:report_section",
+    "attnscale.report.sections.recall:report_section",
 )
 
 

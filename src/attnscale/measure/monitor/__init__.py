@@ -26,7 +26,7 @@ when the body raises):
   their first observation.
 
 Statistics (those of :mod:`attnscale.stats`, reduced per row by the compiled kernel of
-:mod:`attnscale.rowstats`, or by :mod:`attnscale.stats` itself where the kernel is not installed or
+:mod:`attnscale.kernels.rowstats`, or by :mod:`attnscale.stats` itself where the kernel is not installed or
 the logits are not float32 on the CPU) are taken row by row over the keys each query may attend
 to; masked keys are excluded and a query with no key at all is not counted.  The logits are the
 ones after the mechanism (scale, normalisation, soft-cap) and before the mask; an additive
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnscale import native, rowstats
+from attnscale.kernels import native, rowstats
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.mechanisms.base import upcast
@@ -193,7 +193,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None) -> Tensor | None:
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
-    of :data:`attnscale.native.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
+    of :data:`attnscale.kernels.native.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
     keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel.

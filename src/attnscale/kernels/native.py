@@ -6,7 +6,7 @@ the GIL during every call).  Where no C compiler was available at install time, 
 environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and every caller uses its
 PyTorch formulation instead:
 
-* :func:`attnscale.rowstats.row_stats`, the monitor's per-row softmax statistics;
+* :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.attention`.
 """
 

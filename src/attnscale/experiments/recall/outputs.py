@@ -15,10 +15,10 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from attnscale.recall import metrics
-from attnscale.recall.experiments import study_summary
-from attnscale.recall.figures import study_figure
-from attnscale.recall.trainer import RunResult, config_dict
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.experiments import study_summary
+from attnscale.experiments.recall.figures import study_figure
+from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.report.figures import save
 
 # File names written by :func:`write_study` into its output directory.

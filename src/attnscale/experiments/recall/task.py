@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnscale.recall.config import RecallConfig
+from attnscale.experiments.recall.config import RecallConfig
 
 # Stream ids of the two uses of a seed.
 TRAIN_STREAM = 0

@@ -1,4 +1,4 @@
-"""Fused per-row softmax statistics: the compiled kernel behind :mod:`attnscale.monitor`.
+"""Fused per-row softmax statistics: the compiled kernel behind :mod:`attnscale.measure.monitor`.
 
 :func:`row_stats` reduces float32 logits of shape (..., n) to the statistics of
 :mod:`attnscale.stats` for every row -- number of unmasked keys, max weight, entropy,
@@ -7,17 +7,17 @@ of the ~20 tensor passes of the PyTorch formulation.  The numerics are those of
 :mod:`attnscale.stats` (centred on the top key, nothing cancels or underflows near one-hot);
 sums are taken in float32 over runs of 512 keys and in float64 across them.
 
-The kernel is part of attnscale's compiled kernels (:mod:`attnscale.native`); where they are not
-available (:func:`attnscale.native.available`), callers use :mod:`attnscale.stats` instead.
+The kernel is part of attnscale's compiled kernels (:mod:`attnscale.kernels.native`); where they are not
+available (:func:`attnscale.kernels.native.available`), callers use :mod:`attnscale.stats` instead.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnscale import native
+from attnscale.kernels import native
 from attnscale.errors import check_int
-from attnscale.native import ROW_STATS_COLUMNS
+from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.workers import parallel_map
 
 Tensor = torch.Tensor
@@ -30,7 +30,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
               threads: int | None = None) -> Tensor:
     """Per-row statistics of ``softmax(z)`` over the last dimension.
 
-    The columns are :data:`attnscale.native.ROW_STATS_COLUMNS`.
+    The columns are :data:`attnscale.kernels.native.ROW_STATS_COLUMNS`.
 
     Args:
         z: float32 CPU logits (..., n); ``-inf`` marks a masked key.  A row holding NaN or
@@ -44,7 +44,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         float64 tensor (..., 6).  A row with no key (also n = 0) has count 0 and every
         statistic 0.
     Raises:
-        RuntimeError: the kernel is not available (see :func:`attnscale.native.available`).
+        RuntimeError: the kernel is not available (see :func:`attnscale.kernels.native.available`).
         ValueError: ``z`` is not float32 on the CPU, ``limit`` is not int64, or ``threads``
             is below 1.
     """

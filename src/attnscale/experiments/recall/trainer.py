@@ -1,7 +1,7 @@
 """Train recall models and measure each run: loss curve, milestones, plateaus, accuracy, statistics.
 
 :func:`train_runs` trains several runs that share every shape and optimiser setting (differing in
-mechanism, seed or options) as one batched model, see :class:`attnscale.recall.model.StackedRecall`;
+mechanism, seed or options) as one batched model, see :class:`attnscale.experiments.recall.model.StackedRecall`;
 :func:`train`, :func:`compare` and :func:`run_all` are the entry points built on it.
 
 Speed and determinism
@@ -24,10 +24,10 @@ import torch
 
 from attnscale.errors import ConfigError
 from attnscale.progress import progress
-from attnscale.recall import metrics
-from attnscale.recall.config import RecallConfig, shared_key
-from attnscale.recall.model import BatchIndex, RecallNet, StackedRecall
-from attnscale.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.config import RecallConfig, shared_key
+from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
+from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
 from attnscale.stats import logit_std, softmax_stats
 
 TRAIN_THREADS = 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from attnscale.mechanisms import MECHANISMS
-from attnscale.montecarlo import (
+from attnscale.measure.montecarlo import (
     ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, jacobian_crossing, saturation,
     small_head_thresholds, variance,
 )

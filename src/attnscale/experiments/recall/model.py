@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.mechanisms import Mechanism, build_mechanism
-from attnscale.recall.config import RecallConfig
-from attnscale.recall.task import RecallBatch
+from attnscale.experiments.recall.config import RecallConfig
+from attnscale.experiments.recall.task import RecallBatch
 
 # x_i = (E[k_i] + E[v_i]) / sqrt(2) keeps unit-variance coordinates for independent embeddings.
 PAIR_NORM = 1.0 / math.sqrt(2.0)

@@ -1,6 +1,6 @@
 """The ``attnscale`` command line: a thin argparse layer over the Python API.
 
-Each subcommand lives in ``attnscale.commands.<name>`` and exposes ``register(subparsers)``, which
+Each subcommand lives in ``attnscale.cli.<name>`` and exposes ``register(subparsers)``, which
 adds its parser and sets ``func(args) -> int``.  Bad input raises :class:`~attnscale.errors.ConfigError`
 anywhere below; it is printed here as one line and the exit code is 2.
 """
@@ -15,10 +15,10 @@ from attnscale.errors import ConfigError
 
 # Explicit list, in the order ``attnscale --help`` shows them.
 COMMAND_MODULES = (
-    "attnscale.commands.montecarlo",
-    "attnscale.commands.reproduce",
-    "attnscale.commands.train",
-    "attnscale.commands.monitor",
+    "attnscale.cli.montecarlo",
+    "attnscale.cli.reproduce",
+    "attnscale.cli.train",
+    "attnscale.cli.monitor",
 )
 
 
