@@ -48,7 +48,9 @@ def check_int(param: str, value: object, minimum: int | None = None) -> int:
 
 
 def check_float(param: str, value: object, *, positive: bool = False) -> float:
-    """Require a finite float, optionally > 0."""
+    """Require a finite float (bools excluded), optionally > 0."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{param} must be a number, got {value!r}.")
     try:
         out = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -67,7 +69,31 @@ def check_int_list(param: str, values: object, minimum: int | None = None) -> li
     out = [check_int(param, v, minimum) for v in values]
     if not out:
         raise ConfigError(f"{param} must not be empty.")
-    return out
+    return check_unique(param, out)
+
+
+def check_unique(param: str, values: Sequence) -> list:
+    """Require every entry of a list to be distinct: a repeated entry would merge two requests
+    into one statistic (or count one run twice), so it is an error, never deduplicated."""
+    seen: set = set()
+    for v in values:
+        if v in seen:
+            raise ConfigError(f"{param} lists {v!r} more than once; each entry must be distinct.")
+        seen.add(v)
+    return list(values)
+
+
+def check_name_list(param: str, values: object) -> list[str]:
+    """Require a non-empty list of distinct, non-empty strings (a single string is refused)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ConfigError(f"{param} must be a list of names, got {values!r}.")
+    out = list(values)
+    if not out:
+        raise ConfigError(f"{param} must not be empty.")
+    for v in out:
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{param} must hold non-empty names, got {v!r}.")
+    return check_unique(param, out)
 
 
 def parse_int_list(param: str, text: str, minimum: int | None = None) -> list[int]:
@@ -89,4 +115,4 @@ def parse_name_list(param: str, text: str) -> list[str]:
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"{param} must be a comma-separated list of names, got {text!r}.")
-    return parts
+    return check_unique(param, parts)
