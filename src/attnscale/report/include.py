@@ -6,8 +6,9 @@ folder.  The contract a study writes into ``DIR``:
 ``fragment.md`` (required)
     UTF-8 markdown, inserted under a level-3 heading (the study's title) in the report's "Beyond
     the essay" section, so its own headings should be level 4 or deeper.  Every image it shows,
-    ``![caption](name.png)``, is a PNG file directly in ``DIR``: it is copied into the report
-    folder as ``<study>-name.png`` and the link rewritten; ``<study>`` is DIR's name.
+    ``![caption](name.png)`` (a file name without spaces), is a PNG file directly in ``DIR``: it
+    is copied into the report folder as ``<study>-name.png`` and the link rewritten; ``<study>``
+    is DIR's name.  Other PNGs in ``DIR`` are not copied.
 ``fragment.json`` (optional)
     ``{"title": str, "claims": [row, ...]}``, both keys optional.  ``title`` defaults to DIR's
     name.  Each claim row is the study's own verdict on one claim, shown as a table above the
@@ -164,7 +165,9 @@ def load_study(path: str | os.PathLike) -> Study:
 def load_studies(paths) -> list[Study]:
     """Validate every ``--include`` folder; a folder given twice, or two folders with the same
     name (their figures would collide in the report), is an error."""
-    if isinstance(paths, (str, bytes, os.PathLike)):
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
     studies = [load_study(p) for p in paths]
     check_unique(PARAM, [str(s.path) for s in studies])

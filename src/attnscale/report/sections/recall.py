@@ -81,32 +81,25 @@ def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: 
         """One table row; ``key`` names the essay's number in the claims table (None: none)."""
         return f"| {what} | {'—' if key is None else essay(key)} | {_spread(values, fmt)} |"
 
+    def pair(what: str, field: str, fmt: str) -> list[str]:
+        """Rows for scaled and unscaled of run field ``field`` (essay keys recall.<field>.<m>)."""
+        return [row(f"{what}, {m}", f"recall.{field}.{m}", [getattr(r, field) for r in demo[m]],
+                    fmt) for m in ("scaled", "unscaled")]
+
     lines = [f"Seeds {', '.join(map(str, seeds))}; identical init and data for every mechanism "
              f"of a seed. Smoothed loss = EMA with decay {metrics.EMA_DECAY}. Step counts, losses "
              "and gradient norms depend on choices the essay does not state (batch size, d_model, "
              "smoothing), so the verdicts above judge ratios; the absolute values are here.", "",
              "| quantity | essay | ours, per seed (mean ± std) |", "|---|---|---|",
-             row("steps to smoothed loss 1.0, scaled", "recall.steps_to_loss_1.scaled",
-                 [r.steps_to_loss_1 for r in sc], i),
-             row("steps to smoothed loss 1.0, unscaled", "recall.steps_to_loss_1.unscaled",
-                 [r.steps_to_loss_1 for r in un], i),
-             row("steps to smoothed loss 0.1, scaled", "recall.steps_to_loss_0_1.scaled",
-                 [r.steps_to_loss_0_1 for r in sc], i),
-             row("steps to smoothed loss 0.1, unscaled", "recall.steps_to_loss_0_1.unscaled",
-                 [r.steps_to_loss_0_1 for r in un], i),
+             *pair("steps to smoothed loss 1.0", "steps_to_loss_1", i),
+             *pair("steps to smoothed loss 0.1", "steps_to_loss_0_1", i),
              f"| unscaled plateaus (level at steps) | ~{essay('recall.plateau.unscaled.level')} at "
              f"{essay('recall.plateau.unscaled.steps')} | "
              f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in un)} |",
              f"| scaled plateaus | none | "
              f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in sc)} |",
-             row("final smoothed loss, scaled", "recall.final_loss.scaled",
-                 [r.final_loss for r in sc], f5),
-             row("final smoothed loss, unscaled", "recall.final_loss.unscaled",
-                 [r.final_loss for r in un], f5),
-             row("held-out accuracy, scaled", "recall.eval_accuracy.scaled",
-                 [r.eval_accuracy for r in sc], pct),
-             row("held-out accuracy, unscaled", "recall.eval_accuracy.unscaled",
-                 [r.eval_accuracy for r in un], pct),
+             *pair("final smoothed loss", "final_loss", f5),
+             *pair("held-out accuracy", "eval_accuracy", pct),
              row("‖∇W_Q‖_F at step 0, scaled", "recall.grad_wq.scaled",
                  [g["grad_wq_scaled"] for g in grads], f4),
              row("‖∇W_Q‖_F at step 0, unscaled", "recall.grad_wq.unscaled",
