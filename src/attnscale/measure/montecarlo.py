@@ -26,7 +26,7 @@ from attnscale.constants import Z95
 from attnscale.errors import ConfigError, check_choice, check_int, check_int_list
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
-from attnscale.stats import logit_std, softmax_stats
+from attnscale.stats import columns, row_stats
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
 # (fresh multi-MB buffers cost a page fault per 4 KB), large enough to amortise Python overhead.
@@ -41,6 +41,8 @@ ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
 ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
+# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order.
+SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
 
 
 def _rng(seed: int, d_k: int, stream: int) -> np.random.Generator:
@@ -238,10 +240,9 @@ def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: in
 
 
 def _row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-row statistics accumulated by the saturation experiments."""
-    stats = softmax_stats(z)
-    stats["logit_std"] = logit_std(z)
-    return stats
+    """Per-row statistics accumulated by the saturation experiments (:data:`SATURATION_STATS`)."""
+    rows = columns(row_stats(z, threads=1))
+    return {name: rows[name] for name in SATURATION_STATS}
 
 
 def _frame_qk(d_k: int, n: int, trials: int,
