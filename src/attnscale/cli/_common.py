@@ -18,6 +18,12 @@ def add_command(sub, name: str, *, help: str, examples: str) -> argparse.Argumen
     )
 
 
+def add_force(p: argparse.ArgumentParser) -> None:
+    """``--force``: overwrite output files attnscale did not write (see :mod:`attnscale.io`)."""
+    p.add_argument("--force", action="store_true",
+                   help="overwrite existing files in the way that attnscale did not write")
+
+
 def print_json(obj: object) -> None:
     """Print exactly one JSON object on stdout."""
     json.dump(obj, sys.stdout, allow_nan=False)

@@ -10,8 +10,9 @@ import math
 import sys
 from pathlib import Path
 
-from attnscale.cli._common import add_command, format_table
+from attnscale.cli._common import add_command, add_force, format_table
 from attnscale.errors import ConfigError, check_choice, check_int
+from attnscale.io import check_output_path, staged_dir
 from attnscale.mechanisms import MECHANISMS
 from attnscale.measure.monitor import DEFAULT_BLOCK, layer_summary, monitor, plot_entropy
 
@@ -24,6 +25,7 @@ EXAMPLES = """
 # Files whose presence means MODEL_DIR ships a tokenizer (any one is enough for AutoTokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
+OUT_FILES = ("records.json", "entropy_heatmap.png")
 TABLE_COLUMNS = ("layer", "module", "heads", "queries", "entropy_mean", "entropy_min",
                  "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
 
@@ -43,6 +45,7 @@ def _check_inputs(args) -> Path:
         raise ConfigError(f"--text {args.text!r} is not a file.")
     if args.mechanism is not None:
         check_choice("--mechanism", args.mechanism, list(MECHANISMS), "mechanism")
+    check_output_path("--out", args.out, kind="dir", files=OUT_FILES, force=args.force)
     return model_dir
 
 
@@ -101,13 +104,11 @@ def _finite(x):
     return None if isinstance(x, float) and math.isnan(x) else x
 
 
-def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
+def _write_outputs(out_dir: Path, records: list[dict], meta: dict, force: bool) -> None:
     """records.json and entropy_heatmap.png, moved into ``out_dir`` only once both are written."""
-    from attnscale.experiments.recall.outputs import staged
     from attnscale.report.figures import new_figure, save
-    from attnscale.report.writer import check_writable_dir
 
-    with staged(check_writable_dir("--out", out_dir)) as staging:
+    with staged_dir(out_dir, force=force) as staging:
         payload = {"meta": meta,
                    "records": [{k: _finite(v) for k, v in r.items()} for r in records]}
         (staging / "records.json").write_text(json.dumps(payload, indent=1, allow_nan=False),
@@ -147,7 +148,7 @@ def _run(args) -> int:
             "input": source, "seed": args.seed,
             "statistics_kernel": native.isa() or "pytorch"}
     print(format_table(layer_summary(records), TABLE_COLUMNS))
-    _write_outputs(Path(args.out), records, meta)
+    _write_outputs(Path(args.out), records, meta, args.force)
     print(f"Wrote {args.out}/records.json and {args.out}/entropy_heatmap.png", file=sys.stderr)
     return 0
 
@@ -174,4 +175,5 @@ def register(sub) -> None:
                    help="queries per statistics block (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random token ids (default: %(default)s)")
+    add_force(p)
     p.set_defaults(func=_run)

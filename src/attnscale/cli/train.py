@@ -4,11 +4,12 @@ training demo (the essay's "A Training Demo") and every mechanism trained side b
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from pathlib import Path
 
-from attnscale.cli._common import add_command, format_table, print_json
+from attnscale.cli._common import add_command, add_force, format_table, print_json
 from attnscale.errors import ConfigError, parse_int_list, parse_name_list
+from attnscale.io import atomic_write
 from attnscale.experiments.recall import RecallConfig, compare, train
 from attnscale.experiments.recall.config import OPTIMIZERS
 from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS, grad_decomposition, \
@@ -91,17 +92,15 @@ def _times(ratio: float | None) -> str:
 
 def _save(runs: list[RunResult], args) -> None:
     """Write ``--output`` (JSON) and ``--plot`` (PNG) atomically, if asked for."""
-    from attnscale.experiments.recall.outputs import staged, write_json_atomic
     if args.output:
-        write_json_atomic(Path(args.output), {"runs": [r.to_json() for r in runs]})
+        atomic_write(args.output, json.dumps({"runs": [r.to_json() for r in runs]},
+                                             allow_nan=False), param="--output", force=args.force)
     if getattr(args, "plot", None):
         from attnscale.experiments.recall.figures import plot_loss_curves
         from attnscale.report.figures import new_figure, save
         fig, (ax,) = new_figure(width=6.0, height=4.0)
         plot_loss_curves(ax, runs)
-        path = Path(args.plot)
-        with staged(path.parent) as staging:
-            save(fig, staging / path.name)
+        atomic_write(args.plot, lambda tmp: save(fig, tmp), param="--plot", force=args.force)
 
 
 def _train(args) -> int:
@@ -124,15 +123,15 @@ def _compare(args) -> int:
 def _study(args) -> int:
     from attnscale.mechanisms import MECHANISMS
     from attnscale.experiments.recall.outputs import write_study
-    from attnscale.report.writer import check_writable_dir
-    check_writable_dir("--out", args.out)  # fail before hours of training, not after
+    from attnscale.experiments.recall.outputs import check_study_out
+    check_study_out(args.out, force=args.force)  # fail before hours of training, not after
     mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
         parse_name_list("--mechanisms", args.mechanisms)
     runs = study(mechanisms, parse_int_list("--d-k", args.d_k, minimum=1),
                  parse_int_list("--seed", args.seed, minimum=0),
                  RecallConfig(pairs=args.pairs, steps=args.steps, lr=args.lr,
                               batch_size=args.batch_size, optimizer=args.optimizer))
-    result = write_study(args.out, runs)
+    result = write_study(args.out, runs, force=args.force)
     if args.json:
         print_json({"rows": result["summary"]})
     else:
@@ -163,6 +162,7 @@ def _add_training_options(p: argparse.ArgumentParser, *, d_k_list: bool = False)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=_DEFAULT.optimizer,
                    help="optimizer (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_force(p)
 
 
 def register(sub) -> None:
