@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attnscale.cli._common import add_command, add_force
-from attnscale.report.reproduce import reproduce
+from attnscale.cli._common import add_command, add_output
+from attnscale.report.reproduce import REPORT_FILES, reproduce
 
 EXAMPLES = """
   attnscale reproduce                          # writes ./attnscale-report/report.md and figures
@@ -29,8 +29,7 @@ def _run(args) -> int:
 def register(sub) -> None:
     p = add_command(sub, "reproduce", examples=EXAMPLES,
                     help="Run every essay experiment; write report.md, results.json and figures.")
-    p.add_argument("--out", default="attnscale-report",
-                   help="output directory (default: %(default)s)")
+    add_output(p, "--out", kind="dir", files=REPORT_FILES, default="attnscale-report",
+               help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    add_force(p)
     p.set_defaults(func=_run)
