@@ -14,7 +14,7 @@ from attnscale.io import MANIFEST
 # A tiny model and run length: the CLI plumbing, not the science.
 TINY = ("--d-k", "8", "--pairs", "4", "--steps", "5", "--batch-size", "4")
 RUN_KEYS = ["mechanism", "seed", "steps_to_loss_1", "steps_to_loss_0_1", "final_loss",
-            "eval_accuracy", "grad_wq_norm_step0", "plateaus", "wall_seconds", "loss_curve"]
+            "eval_accuracy", "grad_wq_norm_step0", "plateaus", "wall_seconds", "loss_curve", "config"]
 
 
 def test_compare_json_schema(cli):

@@ -67,7 +67,8 @@ def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult], *,
     shared = {k: v for k, v in config_dict(runs[0].config).items()
               if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies
     result = metrics.json_safe({"config": shared, "summary": summary,
-                                "runs": [r.row() for r in runs]})
+                                "runs": [{**r.row(), "config": config_dict(r.config)}
+                                         for r in runs]})
     with staged_dir(out_dir, force=force) as staging:
         (staging / STUDY_FILES["json"]).write_text(json.dumps(result, indent=1, allow_nan=False),
                                                    encoding="utf-8")
