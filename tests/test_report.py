@@ -16,6 +16,7 @@ import pytest
 import attnscale.report.sections
 from attnscale.constants import Z95
 from attnscale.errors import ConfigError
+from attnscale.io import MANIFEST
 from attnscale.report import Measurement, Section, judge
 from attnscale.report.claims import (
     CLAIMS, CLAIMS_BY_ID, QUOTES, AtMost, Claim, Estimate, Exact, Within, essay,
@@ -186,7 +187,8 @@ def _good_section(fig_dir):
 def test_write_report_writes_everything(tmp_path):
     out = tmp_path / "out"
     results = write_report(out, [_good_section], {"seed": 0})
-    assert sorted(p.name for p in out.iterdir()) == ["fig.png", "report.md", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".attnscale-manifest.json", "fig.png",
+                                                    "report.md", "results.json"]
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "![A figure](fig.png)" in md and "## Good" in md and "Some prose." in md
     assert "**1 of 1 claims agree.**" in md
@@ -225,6 +227,7 @@ def test_write_report_failure_keeps_an_earlier_report(tmp_path):
 
 def test_write_report_refuses_a_claim_measured_by_two_sections(tmp_path):
     out = tmp_path / "out"
+    out.mkdir()
 
     def twin(fig_dir):
         return Section(name="Twin", rows=[],
@@ -338,8 +341,8 @@ def test_include_adds_a_beyond_the_essay_section(tmp_path):
     study = _study(tmp_path / "lm-study")
     out = tmp_path / "out"
     results = reproduce(out, 0, sections=(_cheap_section,), include=[study])
-    assert sorted(p.name for p in out.iterdir()) == ["fig.png", "lm-study-loss.png", "report.md",
-                                                     "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "fig.png", "lm-study-loss.png",
+                                                     "report.md", "results.json"]
     assert (out / "lm-study-loss.png").read_bytes() == PNG_BYTES
     md = (out / "report.md").read_text(encoding="utf-8")
     beyond = md.split("## Beyond the essay", 1)[1]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from attnscale.cli._common import add_command
+from attnscale.cli._common import add_command, add_output
 from attnscale.report.include import SECTION_NAME
-from attnscale.report.reproduce import reproduce
+from attnscale.report.reproduce import REPORT_FILES, reproduce
 
 EXAMPLES = """
   attnscale reproduce                          # writes ./attnscale-report/report.md and figures
@@ -17,7 +18,7 @@ EXAMPLES = """
 
 
 def _run(args) -> int:
-    results = reproduce(args.out, args.seed, include=args.include)
+    results = reproduce(args.out, args.seed, include=args.include, force=args.force)
     claims = results["claims"]
     n_ok = sum(c["agrees"] for c in claims)
     for c in claims:
@@ -33,15 +34,15 @@ def _run(args) -> int:
     if studied:
         summary += (f" Included studies: {sum(c['agrees'] for c in studied)}/{len(studied)} "
                     "of their claims agree.")
-    print(f"{summary} Report: {args.out}/report.md", file=sys.stderr)
+    print(f"{summary} Report: {Path(args.out) / 'report.md'}", file=sys.stderr)
     return 0
 
 
 def register(sub) -> None:
     p = add_command(sub, "reproduce", examples=EXAMPLES,
                     help="Run every essay experiment; write report.md, results.json and figures.")
-    p.add_argument("--out", default="attnscale-report",
-                   help="output directory (default: %(default)s)")
+    add_output(p, "--out", kind="dir", files=REPORT_FILES, default="attnscale-report",
+               help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--include", metavar="DIR", action="append", default=[],
                    help="a finished study folder (fragment.md, optional fragment.json, its PNGs) "

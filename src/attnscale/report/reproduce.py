@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from attnscale.errors import ConfigError, check_int, check_unique
+from attnscale.io import check_output_path
 from attnscale.report.include import beyond_the_essay, load_studies
 from attnscale.report.model import Section
 from attnscale.report.sections import gradient, montecarlo, recall
-from attnscale.report.writer import check_writable_dir, write_report
+from attnscale.report.writer import write_report
 
 SECTIONS: tuple[Callable[..., Section], ...] = (
     montecarlo.report_section,
@@ -28,6 +29,9 @@ SECTIONS: tuple[Callable[..., Section], ...] = (
     gradient.report_section,
     recall.report_section,
 )
+
+# The files every report has (the sections add their figures).
+REPORT_FILES = ("report.md", "results.json")
 
 
 def _check_sections(sections: Sequence[Callable[..., Section]]) -> list[Callable[..., Section]]:
@@ -44,8 +48,9 @@ def _check_sections(sections: Sequence[Callable[..., Section]]) -> list[Callable
 
 def reproduce(out: str | os.PathLike = "attnscale-report", seed: int = 0,
               sections: Sequence[Callable[..., Section]] = SECTIONS,
-              include: Sequence[str | os.PathLike] = ()) -> dict:
-    """Run the report ``sections`` and write ``report.md``, ``results.json`` and PNGs into ``out``.
+              include: Sequence[str | os.PathLike] = (), *, force: bool = False) -> dict:
+    """Run the report ``sections`` and write ``report.md``, ``results.json`` and PNGs into ``out``
+    (the output-folder policy of :mod:`attnscale.io`; ``force`` overwrites files it did not write).
 
     ``include`` lists finished study folders (or is one folder) to add as "Beyond the essay".
     Every argument is checked before any experiment runs.  Returns the ``results.json`` object.
@@ -53,10 +58,10 @@ def reproduce(out: str | os.PathLike = "attnscale-report", seed: int = 0,
     seed = check_int("seed", seed, minimum=0)
     fns = [functools.partial(fn, seed=seed) for fn in _check_sections(sections)]
     studies = load_studies(include)
-    out_dir = check_writable_dir("--out", out)
+    out_dir = check_output_path("--out", out, kind="dir", files=REPORT_FILES, force=force)
     if studies:
         fns.append(functools.partial(beyond_the_essay, studies))
     from attnscale import __version__
     meta = {"attnscale": __version__, "torch": torch.__version__,
             "python": platform.python_version(), "seed": seed}
-    return write_report(out_dir, fns, meta)
+    return write_report(out_dir, fns, meta, force=force)
