@@ -28,7 +28,7 @@ from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
-from attnscale.stats import logit_std, softmax_stats
+from attnscale.stats import columns, logit_std, row_stats
 
 TRAIN_THREADS = 1
 # Held-out sequences per evaluation forward (bounds the (M, chunk, P, d_k) key tensor).
@@ -123,10 +123,9 @@ _STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
 
 def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
     """Row means of entropy (nats), max weight, softmax-Jacobian norm and logit std of the
-    attention logits z (M, B, P): each (M,)."""
-    s = softmax_stats(z)
-    return {"entropy": s["entropy"].mean(-1), "max_weight": s["max_weight"].mean(-1),
-            "jacobian_fro": s["jacobian_fro"].mean(-1), "logit_std": logit_std(z).mean(-1)}
+    attention logits z (M, B, P): each (M,), float64."""
+    rows = columns(row_stats(z))
+    return {name: rows[name].mean(-1) for name in _STAT_NAMES}
 
 
 def stack_batches(batches: Sequence[RecallBatch]) -> RecallBatch:
