@@ -66,6 +66,12 @@ def _base_argv(parser: argparse.ArgumentParser, tmp: Path, skip: str | None = No
     return argv
 
 
+@pytest.mark.parametrize("words", [pytest.param(w, id=" ".join(w)) for w, _ in LEAVES])
+def test_every_command_has_worked_examples(cli, words):
+    code, out, _ = cli(*words, "--help")
+    assert code == 0 and f"attnscale {' '.join(words)}" in out.split("examples:", 1)[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # Repeated list entries: every comma-separated option of every command
 

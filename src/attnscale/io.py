@@ -262,6 +262,8 @@ def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
     write is refused unless ``force``; SIGTERM and Ctrl-C leave no temporary file.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{param} {str(path)!r} is a directory; give a file name.")
     with sigterm_as_exit():
         if path.exists() and not force:
             _refuse_foreign(param, path.parent, [path.name])
