@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from attnscale.errors import ConfigError
+from attnscale.mechanisms import qk_clip
+from attnscale.mechanisms.qk_clip import QKClip
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key
@@ -107,6 +109,25 @@ def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=c.lr)
 
 
+def _install_qk_clip(opt: torch.optim.Optimizer, model: StackedRecall) -> None:
+    """QK-Clip for real in the qk-clip runs: each run's S_max comes from its logits z in every
+    training forward, and after every optimiser step (:func:`qk_clip.install`'s hook) the run's
+    slices of the stacked W_Q^T and W_K^T are clipped.  No-op without qk-clip runs."""
+    runs = [(m, mech) for m, mech in enumerate(model.mechanisms) if isinstance(mech, QKClip)]
+    if not runs:
+        return
+    with torch.no_grad():  # views of run m's weights; the optimiser updates them in place
+        for m, mech in runs:
+            mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1)  # W^T: a head's features are columns
+
+    def observe(module: StackedRecall, args, out) -> None:
+        if module.training:
+            for m, mech in runs:
+                mech.observe(out.z[m][:, None, None, :])  # (B, P) as (B, 1 head, 1 query, P)
+    model.register_forward_hook(observe)
+    qk_clip.install(opt, model)
+
+
 def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
     """The chunk's batches for every run, (M, CHUNK_STEPS, B), sampled once per seed."""
     per_seed: dict[int, RecallBatch] = {}
@@ -189,6 +210,7 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
         start = time.perf_counter()
         model = StackedRecall([RecallNet(cfg) for cfg in configs]).train()
         opt = _optimizer(model)
+        _install_qk_clip(opt, model)
         losses = torch.empty(c.steps, M)
         trace_steps, trace = [], []
         label = desc or ",".join(dict.fromkeys(cfg.mechanism for cfg in configs))
