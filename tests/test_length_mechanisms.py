@@ -133,14 +133,14 @@ def test_llama4_equals_hf_llama4_attention_on_a_nope_layer():
 
 
 def _max_logit(mha, x, causal=False):
-    """Per-head max pre-softmax logit of ``mha`` on ``x`` (B, N, d_model), from the reference."""
-    q = mha.w_q(x).view(*x.shape[:2], mha.n_heads, mha.d_head).transpose(1, 2)
-    k = mha.w_k(x).view(*x.shape[:2], mha.n_heads, mha.d_head).transpose(1, 2)
-    z = attention_reference(q, k, k, mha.mechanism, causal=causal).logits
-    keep = key_mask(None, causal, q, k)
-    if keep is not None:
-        z = z.masked_fill(~keep, -math.inf)
-    return z.detach().amax(dim=(0, 2, 3)).double()
+    """Per-head max pre-softmax logit qᵀk / √d of ``mha`` on ``x`` (B, N, d_model), by hand."""
+    with torch.no_grad():
+        q, k = (w(x).view(*x.shape[:2], mha.n_heads, mha.d_head).transpose(1, 2).double()
+                for w in (mha.w_q, mha.w_k))
+        z = _dot(q, k) / math.sqrt(mha.d_head)
+        if causal:
+            z = z.masked_fill(~torch.ones(z.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        return z.amax(dim=(0, 2, 3))
 
 
 def test_qk_clip_defaults_are_k2s_and_its_logits_are_scaled():
@@ -152,11 +152,16 @@ def test_qk_clip_defaults_are_k2s_and_its_logits_are_scaled():
     assert QKClip.defined_at_init is False and QKClip.scale_only
 
 
-@pytest.mark.parametrize("masking", ["none", "causal", "mask", "mask+causal"])
+def _padding(lengths):
+    """(B, 1, 1, NK) right-padding mask: sequence b has its first lengths[b] keys."""
+    return (torch.arange(NK) < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, NK)
+
+
+@pytest.mark.parametrize("masking", ["none", "causal", "padding", "padding+causal"])
 def test_qk_clip_tracks_the_max_logit_of_the_attended_keys(masking, monkeypatch):
     q, k, v = _qkv()
     q2, k2, v2 = _qkv(seed=1)
-    mask = _mask() if "mask" in masking else None
+    mask = _padding([NK - 3, NK]) if "padding" in masking else None
     causal = "causal" in masking
     # Several blocks of queries, so the blockwise tracking is exercised.
     monkeypatch.setattr("attnscale.mechanisms.qk_clip.TRACK_BLOCK_ELEMENTS", B * H * NK * 2)
@@ -164,17 +169,26 @@ def test_qk_clip_tracks_the_max_logit_of_the_attended_keys(masking, monkeypatch)
     assert torch.isneginf(m.s_max).all()
     expected = torch.full((H,), -math.inf, dtype=torch.float64)
     for a, b, c in ((q, k, v), (q2, k2, v2)):  # two forwards before one clip: the max of both
-        out = m(a, b, c, mask=mask, causal=causal)
-        trace = attention_reference(a, b, c, m, mask=mask, causal=causal)
-        assert_close(out, trace.out, rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            ref = MultiHeadAttention(H * D, H, dtype=torch.float64).mechanism(a, b, c, mask=mask,
+                                                                              causal=causal)
+        assert_close(m(a, b, c, mask=mask, causal=causal), ref, rtol=1e-12, atol=1e-12)
         keep = key_mask(mask, causal, a, b)
-        z = trace.logits if keep is None else trace.logits.masked_fill(~keep, -math.inf)
+        z = _dot(a, b) / math.sqrt(D)
+        z = z if keep is None else z.masked_fill(~keep, -math.inf)
         expected = torch.maximum(expected, z.amax(dim=(0, 2, 3)))
         assert_close(m.s_max, expected, rtol=1e-14, atol=0)  # blockwise q kᵀ: rounding only
     expected = m.s_max.clone()
     m.eval()
     m(q * 10, k, v)  # evaluation forwards are not training forwards: not tracked
-    assert_close(m.s_max, expected, rtol=0, atol=0)
+    assert torch.equal(m.s_max, expected)
+    # Under another mask, prepare() sees only key counts: the row's first n keys stand in.
+    m.train().reset()
+    mask = _mask()
+    m(q, k, v, mask=mask)
+    n = mask.sum(-1, keepdim=True)
+    z = (_dot(q, k) / math.sqrt(D)).masked_fill(torch.arange(NK) >= n, -math.inf)
+    assert_close(m.s_max, z.amax(dim=(0, 2, 3)), rtol=1e-14, atol=0)
 
 
 def test_qk_clip_without_projections_is_a_clear_error():

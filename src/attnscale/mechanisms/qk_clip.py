@@ -2,8 +2,9 @@
 
 The logits are ``scaled``'s, z = qᵀk / √d; the mechanism acts on the weights, between steps:
 
-* each head h tracks S_max^h, its largest pre-softmax logit (signed, over unmasked entries) in
-  the training forward passes since the last clip;
+* each head h tracks S_max^h, its largest pre-softmax logit (signed, over attended keys) in the
+  attention calls made in training mode since the last clip: ``prepare`` scores q kᵀ once more,
+  block by block, for the maximum alone.  Every train-mode call counts, so measure in ``eval()``;
 * after the optimizer step, a head with S_max^h > τ gets γ_h = τ / S_max^h, and its rows of W_Q
   and W_K are multiplied by γ_h^α and γ_h^(1-α); heads at or below τ are left untouched.
   K2 uses τ = 100 and α = 0.5, i.e. √γ_h on each of W_Q and W_K.
@@ -70,17 +71,15 @@ class QKClip(Mechanism):
         # W_K (_k).  A plain list, so the model's weights are not registered here a second time.
         self._q_targets: list[tuple[Tensor, int]] = []
         self._k_targets: list[tuple[Tensor, int]] = []
+        # Whether prepare() tracks S_max; off for a model that feeds observe() itself (bind()).
+        self.track = True
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
+        if self.training and self.track:
+            self._track(q, k, n_keys)
         return q, k, inv_sqrt(self.d_head)
 
     # --- tracking S_max ---------------------------------------------------------------------
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
-                causal: bool = False) -> Tensor:
-        if self.training:
-            self._track(q, k, mask, causal)
-        return super().forward(q, k, v, mask=mask, causal=causal)
 
     @torch.no_grad()
     def observe(self, z: Tensor) -> None:
@@ -94,22 +93,23 @@ class QKClip(Mechanism):
         self.s_max = torch.maximum(self.s_max.to(torch.float64), new)
 
     @torch.no_grad()
-    def _track(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> None:
-        """S_max of this forward's logits, block by block over the queries (one extra q kᵀ)."""
-        from attnscale.attention import key_mask  # attention.py imports this package
+    def _track(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> None:
+        """S_max of the logits z = qᵀk / √d this attention call scores, block by block over the
+        queries (one extra q kᵀ, never all (Nq, Nk) logits at once).
+
+        prepare() sees key counts, not the mask: query i is taken to attend keys j < n_keys[i].
+        That is exact for full attention, causality (top-left) and right padding, with or
+        without causality; under other masks the row's first n_keys[i] keys stand in for them.
+        """
         n_q, n_k = q.shape[-2], k.shape[-2]
-        keep = key_mask(mask, causal, q, k) if mask is not None else None
-        if keep is not None:
-            keep = keep.expand(*q.shape[:2], n_q, n_k)  # a view: rows can be sliced per block
         rows = max(1, TRACK_BLOCK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * n_k))
+        cols = torch.arange(n_k, device=q.device)
         for i0 in range(0, n_q, rows):
-            z = self.logits(q[..., i0:i0 + rows, :], k)       # (B, H, rows, Nk), as the pipeline
-            if keep is not None:
-                z = z.masked_fill(~keep[..., i0:i0 + rows, :], -math.inf)
-            elif causal:  # top-left causality: query i attends keys j <= i
-                i = torch.arange(i0, i0 + z.shape[-2], device=z.device).unsqueeze(-1)
-                z = z.masked_fill(torch.arange(n_k, device=z.device) > i, -math.inf)
-            self.observe(z)
+            z = (q[..., i0:i0 + rows, :] @ k.transpose(-2, -1)) * inv_sqrt(self.d_head)
+            if isinstance(n_keys, Tensor):  # (..., Nq or 1, 1) keys per row
+                count = n_keys[..., i0:i0 + rows, :] if n_keys.shape[-2] > 1 else n_keys
+                z = z.masked_fill(cols >= count.to(q.device), -math.inf)
+            self.observe(z)  # (B, H, rows, Nk)
 
     def reset(self) -> None:
         """Forget the logits seen so far (S_max = -inf), as :meth:`clip` does after clipping."""
@@ -129,11 +129,16 @@ class QKClip(Mechanism):
         if w_k.bias is not None:
             self._k_targets.append(self._checked(w_k.bias, 0, "W_K bias"))
 
-    def bind(self, w_q: Tensor, w_k: Tensor, *, dim: int = 0) -> None:
+    def bind(self, w_q: Tensor, w_k: Tensor, *, dim: int = 0, track: bool = True) -> None:
         """Take W_Q and W_K (parameters or views of them) whose ``dim`` holds the
-        n_heads · d_head output features, head by head; replaces any earlier binding."""
+        n_heads · d_head output features, head by head; replaces any earlier binding.
+
+        ``track=False`` for a model that does not run its attention through ``prepare`` on the
+        actual q and k (the recall model's score tables): it calls :meth:`observe` itself.
+        """
         self._q_targets = [self._checked(w_q, dim, "W_Q")]
         self._k_targets = [self._checked(w_k, dim, "W_K")]
+        self.track = track
 
     def _checked(self, w: Tensor, dim: int, what: str) -> tuple[Tensor, int]:
         """(w, dim as a non-negative axis), or a ConfigError when that axis is not H · d."""

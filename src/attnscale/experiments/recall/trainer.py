@@ -118,7 +118,9 @@ def _install_qk_clip(opt: torch.optim.Optimizer, model: StackedRecall) -> None:
         return
     with torch.no_grad():  # views of run m's weights; the optimiser updates them in place
         for m, mech in runs:
-            mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1)  # W^T: a head's features are columns
+            # W^T: a head's features are columns.  track=False: prepare() sees the score tables
+            # here, not the batch; the hook below feeds the batch's logits instead.
+            mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1, track=False)
 
     def observe(module: StackedRecall, args, out) -> None:
         if module.training:
