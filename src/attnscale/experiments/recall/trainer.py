@@ -23,12 +23,11 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from attnscale.errors import ConfigError
-from attnscale.mechanisms import qk_clip
-from attnscale.mechanisms.qk_clip import QKClip
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
+from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
 from attnscale.stats import logit_std, softmax_stats
 
@@ -113,7 +112,8 @@ def _install_qk_clip(opt: torch.optim.Optimizer, model: StackedRecall) -> None:
     """QK-Clip for real in the qk-clip runs: each run's S_max comes from its logits z in every
     training forward, and after every optimiser step (:func:`qk_clip.install`'s hook) the run's
     slices of the stacked W_Q^T and W_K^T are clipped.  No-op without qk-clip runs."""
-    runs = [(m, mech) for m, mech in enumerate(model.mechanisms) if isinstance(mech, QKClip)]
+    runs = [(m, mech) for m, mech in enumerate(model.mechanisms)
+            if isinstance(mech, qk_clip.QKClip)]
     if not runs:
         return
     with torch.no_grad():  # views of run m's weights; the optimiser updates them in place
