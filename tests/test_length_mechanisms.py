@@ -363,8 +363,11 @@ def test_recall_trainer_runs_qk_clip(monkeypatch):
 
 def test_saturation_and_hf_treat_the_new_mechanisms_sensibly():
     # llama4-temp is a rule on q and k: sampled at init; equal to scaled below the first step.
-    rows = saturation([16], 64, 50, 0, ("llama4-temp",))
-    assert rows[0]["mechanism"] == "llama4-temp" and rows[0]["method"] == "rotation-frame"
+    rows = {r["mechanism"]: r for r in saturation([16], 64, 200, 0, ("llama4-temp", "scaled"))}
+    for stat in ("entropy", "max_weight"):
+        se = math.hypot(rows["llama4-temp"][f"{stat}_se"], rows["scaled"][f"{stat}_se"])
+        gap = abs(rows["llama4-temp"][f"{stat}_mean"] - rows["scaled"][f"{stat}_mean"])
+        assert gap <= 4.5 * se + 1e-12, (stat, gap, se)
     # qk-clip lives in the weights: refused at init and by the Hugging Face swap.
     with pytest.raises(ConfigError, match="no temperature at init"):
         saturation([16], 64, 50, 0, ("qk-clip",))
