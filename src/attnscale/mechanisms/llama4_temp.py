@@ -24,8 +24,9 @@ the query's index because it is what the temperature is for: SSMax's argument is
 number of keys the softmax spreads over, and that is defined for every attention pattern, while an
 index is not.  Under full (bidirectional) attention every query attends all Nk keys and gets τ(Nk);
 under a mask, n is the query's unmasked key count, so left padding does not count as positions
-(Llama 4 counts absolute positions, padding included).  A KV cache (queries at positions past the
-keys' start) is outside attnscale's top-left causality; pass a mask to give the right counts.
+(Llama 4 counts absolute positions, padding included).  With a KV cache, as in
+:mod:`attnscale.hf`, a decoding query attends every cached key and a cached chunk comes with its
+causal mask, so n is pos + 1 there as well.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ LLAMA4_ATTN_SCALE = 0.1
 
 def llama4_tau(n: Tensor | int, floor_scale: float = LLAMA4_FLOOR_SCALE,
                attn_scale: float = LLAMA4_ATTN_SCALE) -> Tensor | float:
-    """τ(n) = attn_scale · ln(1 + ⌊n / floor_scale⌋) + 1 for n = pos + 1 keys (float64 for a tensor)."""
+    """τ(n) = attn_scale · ln(1 + ⌊n / floor_scale⌋) + 1 for n = pos + 1 keys; float64 tensors."""
     if isinstance(n, Tensor):
         return torch.log1p(torch.floor(n.to(torch.float64) / floor_scale)) * attn_scale + 1.0
     return math.log1p(math.floor(n / floor_scale)) * attn_scale + 1.0
