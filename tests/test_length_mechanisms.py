@@ -327,7 +327,7 @@ def test_dtypes(dtype):
         assert_close(out.double(), m64(q, k, v, causal=True),
                      **({"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else
                         {"rtol": 0.05, "atol": 0.05}))
-    # qk-clip in half precision: S_max stays float64; the clip lands on τ up to the dtype's rounding.
+    # qk-clip in half precision: S_max stays float64; the clip lands on τ up to rounding.
     mha = _loud_mha(5.0, dtype=dtype, bias=False)
     x = torch.randn(3, 10, 4 * D, dtype=dtype)
     mha(x, causal=True)
