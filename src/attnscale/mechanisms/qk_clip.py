@@ -1,4 +1,4 @@
-"""``qk-clip``: QK-Clip from MuonClip (Kimi Team 2025, "Kimi K2", arXiv 2507.20534, §2.1).
+"""``qk-clip``: QK-Clip from MuonClip (Kimi Team 2025, "Kimi K2", arXiv 2507.20534).
 
 The logits are ``scaled``'s, z = qᵀk / √d; the mechanism acts on the weights, between steps:
 
@@ -26,7 +26,9 @@ It acts on weights, like ``init-reparam``, so it needs the projections:
     attnscale.mechanisms.qk_clip.install(optimizer, model)   # once, after building the optimizer
 
 or ``for m in model.modules(): isinstance(m, QKClip) and m.clip()`` after ``optimizer.step()``.
-attnscale's trainers use :func:`install` (an optimizer step post-hook).
+attnscale's trainers use :func:`install` (an optimizer step post-hook).  Under data parallelism
+each process sees its own batch: all-reduce ``s_max`` with MAX before the clip, or the replicas'
+weights drift apart.
 """
 
 from __future__ import annotations
