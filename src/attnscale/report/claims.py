@@ -205,13 +205,13 @@ CLAIMS: tuple[Claim, ...] = (
     # --- Entropy vs number of keys at init, d_k = 64 (attnscale.report.sections.length) ----------
     # Scaled logits q.k / sqrt(d_k) are ~N(0, 1): below the condensation point sqrt(2 ln n) the
     # entropy is ln n - sigma^2 / 2 + o(1) (random energy model, Derrida 1981), so it tracks ln n.
-    Claim("length.scaled.entropy_slope", _BEYOND, "scaled: slope dH/d ln n of the mean entropy, "
-          "n = 16-65536 (attention disperses: the gap ln n - H stays constant; Derrida 1981)",
-          "1", Within(0.9, 1.1)),
+    Claim("length.scaled.entropy_slope", _BEYOND, "scaled: slope dH/d ln n of the mean entropy "
+          "at init; 1 means the gap ln n - H stays constant, the attention disperses (random "
+          "energy model, Derrida 1981)", "1", Within(0.9, 1.1)),
     # Nakanishi 2025 (SSMax, arXiv 2501.19399, Sec. 2 and Fig. 1): a key leading the rest by a
     # fixed margin gets weight ~1/n under a fixed temperature, but keeps it under s ln n.
-    Claim("length.planted.scaled.exponent", _BEYOND, "scaled: b in planted-key weight ~ n^b, "
-          "key leading the others' mean by 5, n = 1024-65536 (fades like 1/n; Nakanishi 2025)",
+    Claim("length.planted.scaled.exponent", _BEYOND, "scaled: b in weight ~ n^b of one key "
+          "leading the others by a fixed margin, large n (fades like 1/n; Nakanishi 2025)",
           "-1", Within(-1.1, -0.9)),
     Claim("length.planted.ssmax.exponent", _BEYOND, "ssmax: b in planted-key weight ~ n^b, same "
           "key (does not fade under s ln n; Nakanishi 2025)", "0", Within(-0.1, 0.1)),

@@ -171,10 +171,11 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     d_k = sat_rows[0]["d_k"]
     span = f"n = {ns[0]}-{ns[-1]}"
     large = f"n = {EXPONENT_MIN_N}-{ns[-1]}"
+    lead = f"{large}, lead {planted_rows[0]['margin']:g}, d_k = {d_k}"
     measurements = {
-        "length.scaled.entropy_slope": _measurement(fits["scaled"], span),
-        "length.planted.scaled.exponent": _measurement(exps["scaled"], large),
-        "length.planted.ssmax.exponent": _measurement(exps["ssmax"], large),
+        "length.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
+        "length.planted.scaled.exponent": _measurement(exps["scaled"], lead),
+        "length.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
     }
 
     fig, (ax1, ax2, ax3) = new_figure(3, width=5.0, height=4.2)
