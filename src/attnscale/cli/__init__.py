@@ -15,7 +15,8 @@ from attnscale.errors import ConfigError
 
 # Explicit list, in the order ``attnscale --help`` shows them.
 COMMAND_MODULES = (
-    "attnscale.cli.montecarlo",
+    "attnscale.cli.variance",
+    "attnscale.cli.saturation",
     "attnscale.cli.reproduce",
     "attnscale.cli.train",
     "attnscale.cli.monitor",
