@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, shared_key
+from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
 from attnscale.stats import columns, logit_std, row_stats
@@ -65,7 +65,8 @@ class RunResult:
             "mechanism": c.mechanism, "seed": c.seed, "steps_to_loss_1": self.steps_to_loss_1,
             "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
             "eval_accuracy": self.eval_accuracy, "grad_wq_norm_step0": self.grad_wq_norm_step0,
-            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss})
+            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss,
+            "config": config_dict(c)})  # the full config: the run can be re-run from its record
 
     def row(self) -> dict:
         """A flat record for tables and results.json (no curves)."""
@@ -250,10 +251,11 @@ def train(config: RecallConfig | None = None, *, show_progress: bool | None = No
 def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallConfig | None = None,
             *, seeds: Sequence[int] | None = None, show_progress: bool | None = None,
             **overrides) -> list[RunResult]:
-    """Train each mechanism (x each seed) from the same init and data; the essay's demo by default."""
+    """Train each mechanism (x each seed) from the same init and data; the essay's demo by default.
+    A repeated mechanism or seed is a ConfigError."""
     base = replace(config or RecallConfig(), **overrides)
-    seeds = [base.seed] if seeds is None else list(seeds)
-    return train_runs([replace(base, mechanism=m, seed=s) for s in seeds for m in mechanisms],
+    seeds = [base.seed] if seeds is None else check_int_list("seeds", seeds, minimum=0)
+    return train_runs(sweep(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
                       show_progress=show_progress)
 
 
