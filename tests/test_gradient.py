@@ -42,8 +42,10 @@ def test_one_hot_kills_routing_and_keeps_the_value_path():
     assert torch.equal(paths.routing, torch.zeros(4, dtype=torch.float64))  # exactly zero
     assert_close(paths.value[1], g)                                        # selected key gets g
     rows = one_hot_limit(d_k=64, n=32)
-    routing = [r["routing_norm"] for r in rows]
-    assert all(b <= a for a, b in zip(routing[1:], routing[2:]))  # shrinks once p saturates
+    assert rows[0]["max_weight"] < 0.5                    # the scaled temperature: diffuse
+    saturated = [r["routing_norm"] for r in rows if r["max_weight"] > 0.9]
+    assert len(saturated) >= 3
+    assert all(b <= a for a, b in zip(saturated, saturated[1:]))  # shrinks once p saturates
     assert rows[-1]["routing_norm"] == 0.0 and rows[-1]["max_weight"] == 1.0
     assert abs(rows[-1]["value_over_g"] - 1.0) < 1e-12
 

@@ -34,8 +34,10 @@ GRADIENT_TRIALS = 1000
 # Width of the values: only a_i = v_iᵀ g enters the routing path, and with g ~ N(0, I / d_v) it is
 # N(0, ~1) whatever d_v is, so a fixed small d_v keeps the sweep cheap at d_k = 1024.
 GRADIENT_DV = 64
-# Logit multipliers that drive p to one-hot; at 1e4 every non-top weight underflows to exactly 0.
-ONE_HOT_MULTIPLIERS = (1.0, 4.0, 16.0, 64.0, 256.0, 1e4)
+# Logit multipliers that drive p from diffuse to one-hot: 1/32 = 1/sqrt(1024) is the scaled
+# temperature at the default d_k, 1 the unscaled row, and at 1e4 every non-top weight underflows
+# to exactly 0.
+ONE_HOT_MULTIPLIERS = (1 / 32, 1 / 8, 1 / 2, 1.0, 4.0, 16.0, 64.0, 256.0, 1e4)
 
 
 @dataclass(frozen=True)
