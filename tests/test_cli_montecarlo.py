@@ -156,12 +156,3 @@ def test_bad_input_exits_2_with_one_line(cli, argv, pattern):
     assert "Traceback" not in err
     assert err.startswith(f"attnscale {argv[0]}: error: ")
     assert re.search(pattern, err), err
-
-
-@pytest.mark.parametrize("command", ["variance", "saturation"])
-def test_help_has_examples(cli, command):
-    code, out, _ = cli(command, "--help")
-    assert code == 0
-    assert "examples:" in out
-    examples = out.split("examples:", 1)[1]
-    assert f"attnscale {command}" in examples
