@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -289,7 +289,7 @@ def _check_mechanisms(mechanisms: object) -> list[str]:
 
 def _int_list(param: str, values: object, minimum: int) -> list[int]:
     """An int or a list of distinct ints, as a list."""
-    if isinstance(values, (int, str)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         return [check_int(param, values, minimum)]
     return check_int_list(param, values, minimum)
 
