@@ -224,8 +224,9 @@ def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) ->
 def _one_thread() -> Iterator[None]:
     """Run torch ops on one thread, restoring the caller's setting on exit.
 
-    The chunks here are ~64k elements: an OpenMP fork-join per op costs more than it saves, and
-    on a loaded machine spinning threads slow it down by an order of magnitude.
+    The chunks here are 64k logits (8M key coordinates on the module paths): an OpenMP fork-join
+    per op costs more than it saves, and on a loaded machine spinning threads slow it down by an
+    order of magnitude (3x measured for the rotated-frame path at n = 65536 on 2 busy cores).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -352,7 +353,7 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
                    enabled=show_progress)
     rows = []
-    with contextlib.closing(bar):
+    with _one_thread(), contextlib.closing(bar):
         for (d_k, n_keys), cell in plan.items():
             rows += _saturation_cell(d_k, n_keys, trials, seed, mechanisms, cell, bar.update)
     return rows
@@ -366,8 +367,7 @@ def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[
     for how, group in cell.items():
         gen = rng(seed, "saturation", how, d_k, n)
         if how == "chi2-shortcut":
-            with _one_thread():
-                _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
+            _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
         else:
             _module_stats(acc, group, _frame_qk if how == "rotation-frame" else _direct_qk,
                           d_k, n, trials, gen, advance)
@@ -442,8 +442,9 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
                  max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
     check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)
     acc: dict[str, dict[str, list[float]]] = {name: {}}
-    _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
-                  rng(seed, "saturation-reference", d_k, n))
+    with _one_thread():
+        _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
+                      rng(seed, "saturation-reference", d_k, n))
     return _summarise(acc[name], trials)
 
 
