@@ -26,6 +26,7 @@ from attnscale.errors import check_unique
 from attnscale.measure.montecarlo import check_memory
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.rng import cell_seed, rng
+from attnscale.stats import max_weight
 
 # d_k swept by the gradient-path experiment (the essay's range) and its default size.
 GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
@@ -61,10 +62,11 @@ def gradient_paths(z: Tensor, v: Tensor, g: Tensor) -> GradientPaths:
     return GradientPaths(weights=p, value=value, routing=routing)
 
 
-def _path_norms(paths: GradientPaths) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row: max weight, ||J a||_2 and the Frobenius norm of the value path over all keys."""
-    return (paths.weights.amax(-1), paths.routing.norm(dim=-1),
-            paths.value.flatten(-2).norm(dim=-1))
+def _path_norms(z: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of logits ``z``: max weight (:func:`attnscale.stats.max_weight`), ||J a||_2 and the
+    Frobenius norm of the value path over all keys."""
+    paths = gradient_paths(z, v, g)
+    return max_weight(z), paths.routing.norm(dim=-1), paths.value.flatten(-2).norm(dim=-1)
 
 
 def _mean_se(x: Tensor) -> tuple[float, float]:
@@ -111,7 +113,7 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
             for name, mech in mechs.items():
                 with torch.no_grad():
                     z = mech.logits(q, k)[:, 0, 0]                        # (T, n)
-                for acc, x in zip(stats[name], _path_norms(gradient_paths(z, v, g))):
+                for acc, x in zip(stats[name], _path_norms(z, v, g)):
                     acc.append(x)
         for name, (mw, routing, value) in stats.items():
             row = {"mechanism": name, "d_k": d_k, "n": n, "trials": trials}
@@ -141,7 +143,7 @@ def one_hot_limit(d_k: int = 1024, *, n: int = GRADIENT_N,
     z = build_mechanism("unscaled", d_k, 1).logits(q.view(1, 1, 1, d_k), k.view(1, 1, n, d_k))
     rows = []
     for m in multipliers:
-        max_w, routing, value = _path_norms(gradient_paths(m * z.view(n), v, g))
+        max_w, routing, value = _path_norms(m * z.view(n), v, g)
         rows.append({"mechanism": "unscaled", "d_k": d_k, "n": n, "multiplier": m,
                      "max_weight": max_w.item(), "routing_norm": routing.item(),
                      "value_norm": value.item(), "value_over_g": (value / g.norm()).item()})
