@@ -19,7 +19,9 @@ import time
 
 import numpy as np
 
-from attnscale.measure.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
+from attnscale.measure.montecarlo import (
+    ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance,
+)
 from attnscale.mechanisms import MECHANISMS
 
 LENGTH_NS = tuple(4 ** i for i in range(2, 9))   # 16 .. 65536
