@@ -129,6 +129,7 @@ def test_repeated_list_entries_are_refused(call, param):
     (lambda: gradient_path_sweep(d_ks=(4,), n=8, trials=4, seed=-1), "seed"),
     (lambda: gradient_path_sweep(d_ks=(4,), n=10 ** 12, trials=4), "n="),
     (lambda: one_hot_limit(d_k=8, n=10 ** 12), "n="),
+    (lambda: gradient_path_sweep(d_ks=(4,), n=8, trials=10 ** 14), "trials="),
 ])
 def test_bad_arguments_are_one_line_config_errors(call, param):
     with pytest.raises(ConfigError) as err:
