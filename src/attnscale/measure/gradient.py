@@ -100,7 +100,7 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
         check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
     for d_k in d_ks:  # q, k, v and the value path of one chunk, float32, and their copies,
         # plus three float32 norms per trial and mechanism kept until the row is summarised
-        check_memory(f"n={n} keys at d_k={d_k} in chunks of {chunk} trials",
+        check_memory(f"trials={trials} of n={n} keys at d_k={d_k} in chunks of {chunk}",
                      16 * min(chunk, trials) * n * (d_k + 2 * GRADIENT_DV)
                      + 12 * trials * len(mechanisms))
     check_time(f"trials={trials}", trials * n * (sum(d_ks) + len(d_ks) * GRADIENT_DV)
