@@ -95,21 +95,14 @@ class Param:
         if t is bool:
             if text.lower() in _TRUE + _FALSE:
                 return text.lower() in _TRUE
-        elif t is int:
+        else:  # int, float, dict; ConfigError is a ValueError, so convert before checking
+            convert = {int: int, float: float, dict: json.loads}[t]
             try:
-                return int(text)
+                value = convert(text)
             except ValueError:
-                pass
-        elif t is float:
-            try:
-                return self.value(key, float(text))
-            except ValueError:
-                pass
-        elif t is dict:
-            try:
-                return self.value(key, json.loads(text))
-            except ValueError:
-                pass
+                value = None
+            if value is not None:
+                return self.value(key, value)
         raise ConfigError(f"{key} must be {_KIND[t]}, got {text!r}.")
 
 
