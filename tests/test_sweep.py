@@ -18,6 +18,7 @@ import pytest
 import sweep_experiments
 from attnscale import sweep
 from attnscale.errors import ConfigError
+from attnscale.io import MANIFEST
 from attnscale.sweep import registry
 from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
 from attnscale.sweep.local import threads_per_worker
@@ -183,7 +184,7 @@ def test_workers_share_the_cores_when_the_experiment_leaves_threads_open(tmp_pat
 def test_store_layout_and_load(tmp_path):
     out = tmp_path / "s"
     res = sweep.run("saturation", SAT_GRID, out, fixed=SAT_FIXED, workers=2)
-    assert sorted(p.name for p in out.iterdir()) == [RESULTS_FILE, SPEC_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, RESULTS_FILE, SPEC_FILE]
     spec = json.loads((out / SPEC_FILE).read_text())
     assert spec["experiment"] == "saturation" and spec["grid"] == SAT_GRID
     assert spec["fixed"] == SAT_FIXED and spec["base"] == {**SAT_FIXED, "seed": 0}
@@ -325,12 +326,14 @@ def _assert_all_gone(pids: set[int], timeout: float = 10) -> None:
 
 
 def _stop(driver: subprocess.Popen, how: signal.Signals, marks: Path) -> None:
-    """Stop the driver with ``how``; a SIGINT or SIGTERM exits 130 cleanly.  Either way no
+    """Stop the driver with ``how``; SIGINT exits 130 and SIGTERM 143, cleanly.  Either way no
     worker may outlive it."""
     driver.send_signal(how)
     _, err = driver.communicate(timeout=60)
     if how == signal.SIGKILL:
         assert driver.returncode == -signal.SIGKILL
+    elif how == signal.SIGTERM:
+        assert driver.returncode == 143 and "terminated" in err and "Traceback" not in err
     else:
         assert driver.returncode == 130 and "interrupted" in err and "Traceback" not in err
     _assert_all_gone(sweep_experiments.pids(marks))
@@ -430,7 +433,7 @@ SAT = ["sweep", "saturation", "--grid", "mechanism=scaled", "--grid", "d_k=4"]
      "Did you mean: scaled?"),
     ([*SAT, "--set", "trials=1", "--out", "{tmp}/a"], "trials must be >= 2"),
     ([*SAT, "--set", "bogus=1", "--out", "{tmp}/a"], "Unknown setting 'bogus'"),
-    ([*SAT, "--out", "{tmp}/file/a"], "is not a writable folder"),
+    ([*SAT, "--out", "{tmp}/file/a"], "cannot be created"),
     ([*SAT, "--out", "{tmp}/file"], "is a file"),
     ([*SAT, "--out", "{foreign}"], "holds files attnscale did not write"),
     ([*SAT, "--grid", "seed=1", "--out", "{other}"], "holds another sweep (grid seed"),

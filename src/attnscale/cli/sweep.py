@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.cli._common import add_command, format_table, print_json
+from attnscale.cli._common import add_command, add_output, format_table, print_json
 from attnscale.errors import ConfigError
+from attnscale.sweep.store import SPEC_FILE
 
 EXAMPLES = """
   attnscale sweep --list                                    # experiments and their parameters
@@ -109,7 +110,8 @@ def _sweep(args) -> int:
     exp = sweep.registry.get(args.experiment)
     results = sweep.run(exp.name, parse_grid(exp, args.grid), args.out,
                         fixed=parse_fixed(exp, args.set), extend=args.extend,
-                        retry_errors=args.retry_errors, **_executor_options(args))
+                        retry_errors=args.retry_errors, force=args.force,
+                        **_executor_options(args))
     return _report(results, args, show=False)
 
 
@@ -124,8 +126,9 @@ def register(sub) -> None:
                         "(repeatable; KEY=[JSON list] for values that hold commas)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a fixed setting (repeatable); other parameters keep their defaults")
-    p.add_argument("--out", metavar="DIR", help="folder of the sweep's store (new or empty, or "
-                                               "holding this same sweep to continue it)")
+    add_output(p, "--out", kind="dir", files=(SPEC_FILE,), metavar="DIR",
+               help="folder of the sweep's store (new or empty, or holding this same sweep to "
+                    "continue it)")
     p.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR")
     p.add_argument("--show", metavar="DIR", help="list finished, failed and pending trials")
     p.add_argument("--list", action="store_true", help="list experiments and their parameters")

@@ -1,19 +1,22 @@
 """The ``saturation`` experiment: one Monte Carlo cell of :func:`attnscale.saturation` (one
 mechanism at one d_k) as a sweep trial.
 
-The cell's draws are seeded per ``(seed, d_k)`` and shared by the mechanisms sampled the same way,
-so a cell run alone equals the same row of a multi-mechanism ``saturation`` call.
+The cell's draws are seeded per ``(seed, d_k, n)`` and shared by the mechanisms sampled the same
+way, so a cell run alone equals the same row of a multi-mechanism ``saturation`` call.
 """
 
 from __future__ import annotations
 
-from attnscale.measure.montecarlo import ESSAY_N, ESSAY_TRIALS, _check_saturation_args, saturation
+from attnscale.errors import check_int
+from attnscale.measure.montecarlo import ESSAY_N, ESSAY_TRIALS, _check_mechanisms, saturation
 from attnscale.sweep.registry import experiment
 
 
 def _check(config: dict) -> None:
-    _check_saturation_args([config["d_k"]], config["n"], config["trials"], config["seed"],
-                           [config["mechanism"]])
+    """The checks :func:`saturation` makes on entry, made up front for every cell of a grid."""
+    for key, minimum in (("d_k", 1), ("n", 1), ("trials", 2), ("seed", 0)):
+        check_int(key, config[key], minimum=minimum)
+    _check_mechanisms([config["mechanism"]])
 
 
 @experiment("saturation", check=_check, threads=1)

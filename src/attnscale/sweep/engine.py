@@ -10,8 +10,8 @@ the sweep stored in a folder, and :func:`load` reads one back.  Resume rules:
   except that with ``extend`` the grid may gain values (and a fixed key may become a grid key
   that keeps its value), which runs just the new trials.
 
-Stopping: Ctrl-C (KeyboardInterrupt) and SIGTERM alike stop every worker and return with the
-finished trials recorded; the exception propagates (the CLI exits 130).
+Stopping: Ctrl-C (KeyboardInterrupt) and SIGTERM (:class:`attnscale.io.Terminated`) alike stop
+every worker, with the finished trials recorded, and propagate (the CLI exits 130 or 143).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.io import sigterm_as_exit
 from attnscale.progress import progress
 from attnscale.sweep import registry
 from attnscale.sweep.grid import SweepSpec, check_grid, differences, extended
@@ -40,7 +41,8 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         fixed: Mapping[str, Any] | None = None, workers: int | None = None,
         ray_address: str | None = None, cpus_per_trial: float | None = None,
         gpus_per_trial: float = 0, resume: bool = True, retry_errors: bool = False,
-        extend: bool = False, show_progress: bool | None = None) -> SweepResults:
+        extend: bool = False, force: bool = False,
+        show_progress: bool | None = None) -> SweepResults:
     """Run every trial of ``experiment`` over the Cartesian product of ``grid`` into ``out``.
 
     ``grid`` maps parameter names to lists of values, ``fixed`` sets other parameters (the rest
@@ -50,7 +52,8 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
 
     If ``out`` already holds this sweep it is continued (``resume=False`` refuses instead); if it
     holds another one, a ConfigError names the differences, unless ``extend`` and the new grid
-    only adds values.  Returns the records, as :func:`load` does.
+    only adds values.  A new sweep needs ``out`` new, empty or written by attnscale, unless
+    ``force``.  Returns the records, as :func:`load` does.
     """
     exp = registry.get(experiment)
     spec = SweepSpec.build(exp, grid, fixed)
@@ -73,7 +76,7 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         return _execute(store, spec, exp, executor, retry_errors, show_progress,
                         write_spec=bool(diffs), new=False)
     _check_trials(exp, spec.trials())
-    store.prepare_new()
+    store.check(new=True, force=force)
     return _execute(store, spec, exp, executor, retry_errors, show_progress, write_spec=True,
                     new=True)
 
@@ -150,24 +153,6 @@ def _check_trials(exp: registry.Experiment, trials: Sequence[Trial]) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt for the block (main thread only), so a terminated
-    sweep stops as cleanly as a Ctrl-C'd one."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM while a record is written, so a stop never tears a line."""
     mask = {signal.SIGINT, signal.SIGTERM}
@@ -185,7 +170,8 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
              retry_errors: bool, show_progress: bool | None, *, write_spec: bool,
              new: bool) -> SweepResults:
     trials = spec.trials()
-    store.check_writable()
+    if not new:
+        store.check(new=False)
     store.repair()
     latest = store.latest()
     todo = [t for t in trials if t.id not in latest
@@ -210,7 +196,7 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
             bar.set_postfix_str(f"{errors} failed", refresh=False)
 
     try:
-        with _sigterm_interrupts():
+        with sigterm_as_exit():
             if executor["kind"] == "local":
                 run_local(tasks, record, workers=executor["workers"])
             else:

@@ -22,12 +22,12 @@ import datetime
 import json
 import os
 import secrets
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from attnscale.errors import ConfigError
+from attnscale.io import STAGING_PREFIX, atomic_write, check_output_path
 from attnscale.sweep.grid import SweepSpec
 
 SPEC_FILE = "sweep.json"
@@ -50,9 +50,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a hidden temporary file in the same folder, fsync, rename."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+def _write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` all or nothing, and durably: a temporary file named as
+    :mod:`attnscale.io` names its staging (so a killed run's leftover is recognised and removed),
+    fsync'd before the rename, the folder fsync'd after it."""
+    tmp = path.parent / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -75,8 +77,8 @@ class Store:
     """``sweep.json`` and ``results.jsonl`` in one folder (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike):
-        if str(path) == "":
-            raise ConfigError("out must be a folder path, got ''.")
+        if not str(os.fspath(path)).strip():
+            raise ConfigError("out must be a path, got an empty string.")
         self.path = Path(path)
         self.spec_path = self.path / SPEC_FILE
         self.results_path = self.path / RESULTS_FILE
@@ -88,30 +90,12 @@ class Store:
         """True when the folder holds a sweep (a ``sweep.json``)."""
         return self.spec_path.is_file()
 
-    def prepare_new(self) -> None:
-        """Create the folder for a new sweep, refusing one that holds files attnscale did not
-        write, and make sure it is writable, before any trial runs."""
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"out {str(self.path)!r} is a file, not a folder.")
-        if self.path.is_dir():
-            foreign = sorted(p.name for p in self.path.iterdir() if not p.name.startswith("."))
-            if foreign:
-                raise ConfigError(f"out {str(self.path)!r} holds files attnscale did not write "
-                                  f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}"
-                                  f"); choose an empty or new folder.")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".attnscale-probe-"):
-                pass
-        except OSError as err:
-            raise ConfigError(f"out {str(self.path)!r} is not a writable folder "
-                              f"({err.strerror}).") from None
-
-    def check_writable(self) -> None:
-        """Refuse to resume into a folder whose results cannot be appended to."""
-        if not os.access(self.path, os.W_OK) or \
-                (self.results_path.exists() and not os.access(self.results_path, os.W_OK)):
-            raise ConfigError(f"out {str(self.path)!r} is not writable.")
+    def check(self, *, new: bool, force: bool = False) -> None:
+        """Before any trial runs: the folder must be writable and, for a new sweep, new, empty or
+        attnscale's (the output-folder policy of :mod:`attnscale.io`; ``force`` overrides it)."""
+        check_output_path("out", self.path, kind="dir",
+                          files=(SPEC_FILE, RESULTS_FILE) if new else (SPEC_FILE,),
+                          force=force)
 
     # -- sweep.json ---------------------------------------------------------------------------
 
@@ -138,7 +122,9 @@ class Store:
                "written": datetime.datetime.now(datetime.timezone.utc).isoformat(
                    timespec="seconds"),
                **spec.to_json()}
-        write_atomic(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n",
+                     param="out")
 
     # -- results.jsonl ------------------------------------------------------------------------
 
@@ -206,9 +192,5 @@ class Store:
             return
         self.close()
         ids = [t for t in order if t in latest] + [t for t in latest if t not in set(order)]
-        write_atomic(self.results_path, "".join(record_line(latest[t]) for t in ids))
+        _write_durably(self.results_path, "".join(record_line(latest[t]) for t in ids))
 
-
-def record(trial_config: dict, out: dict[str, Any]) -> dict:
-    """A full record from a worker's outcome and the trial's config."""
-    return {**out, "config": trial_config}
