@@ -463,3 +463,43 @@ def test_cli_ray_without_ray_installed_is_one_line(cli, tmp_path, monkeypatch):
     code, out, err = cli(*SAT, "--out", str(tmp_path / "a"), "--ray")
     assert code == 2 and err.count("\n") == 1
     assert "pip install 'attnscale[ray]'" in err and not (tmp_path / "a").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# study recall on the engine
+
+
+def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
+    from attnscale.experiments.recall.outputs import STUDY_FILES
+    out = tmp_path / "study"
+    tiny = ("--mechanisms", "scaled,qknorm", "--d-k", "4", "--seed", "0,1", "--pairs", "4",
+            "--steps", "4", "--batch-size", "4", "--json")
+    code, stdout, err = cli("study", "recall", "--out", str(out), *tiny, "--workers", "2")
+    assert code == 0, err
+    rows = json.loads(stdout)["rows"]
+    assert len(_lines(out)) == 4 and {r["seeds"] for r in rows} == {2}
+
+    # Ctrl-C lost the run of qknorm, seed 1: --resume trains it alone
+    kept = [line for line in (out / RESULTS_FILE).read_text().splitlines()
+            if not ('"qknorm"' in line and '"seed": 1' in line)]
+    (out / RESULTS_FILE).write_text("\n".join(kept) + "\n")
+    code, stdout, err = cli("study", "recall", "--resume", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["rows"] == rows, err
+    assert len(_lines(out)) == 4
+
+    # --from trains nothing and draws the same table and files
+    drawn = {name: (out / name).read_text() for name in
+             (STUDY_FILES["json"], STUDY_FILES["markdown"])}
+    before = (out / RESULTS_FILE).read_bytes()
+    for name in drawn:
+        (out / name).unlink()
+    code, stdout, err = cli("study", "recall", "--from", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["rows"] == rows, err
+    assert (out / RESULTS_FILE).read_bytes() == before
+    assert {name: (out / name).read_text() for name in drawn} == drawn
+
+    other = _other_sweep(tmp_path)
+    code, _, err = cli("study", "recall", "--from", str(other))
+    assert code == 2 and "holds a 'saturation' sweep, not a recall study" in err
+    code, _, err = cli("study", "recall", "--from", str(out), "--out", str(out))
+    assert code == 2 and "give one of --out DIR" in err
