@@ -156,7 +156,8 @@ def _check_trials(exp: registry.Experiment, trials: Sequence[Trial]) -> None:
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM while a record is written, so a stop never tears a line."""
     mask = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "pthread_sigmask"):
         yield
         return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)

@@ -159,11 +159,11 @@ def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
                 if worker is None:  # its pipe and its sentinel were both ready
                     continue
                 task, result = worker.task, None
-                if ready is worker.conn:
-                    try:
+                try:  # a result sent just before the process died still counts
+                    if worker.conn.poll():
                         result = worker.conn.recv()
-                    except (EOFError, OSError):
-                        result = None
+                except (EOFError, OSError):
+                    result = None
                 del busy[worker.conn], busy[worker.process.sentinel]
                 worker.task = None
                 if result is not None:

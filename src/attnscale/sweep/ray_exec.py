@@ -1,6 +1,6 @@
 """The Ray executor: each trial a Ray task, spread over a cluster's CPUs (and GPUs).
 
-``address=None`` starts a private local Ray instance (stopped afterwards); ``"auto"`` joins the
+``address="local"`` starts a private local Ray instance (stopped afterwards); ``"auto"`` joins the
 cluster started on this machine with ``ray start``; ``HOST:PORT`` or ``ray://HOST:10001`` joins a
 remote one.  If the process is already connected (``ray.init`` called by the user), that
 connection is used and left open.
@@ -44,17 +44,17 @@ def _run_remote(task: Task) -> dict:
     return run_trial(task)
 
 
-def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, address: str | None,
+def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, address: str,
             cpus: float, gpus: float) -> None:
     """Run ``tasks`` as Ray tasks, calling ``on_outcome`` in the driver as each finishes."""
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
-        kwargs = {"include_dashboard": False} if address is None else {}
+        kwargs = {"include_dashboard": False} if address == "local" else {}
         try:
             ray.init(address=address, logging_level=logging.WARNING, **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as err:
-            raise ConfigError(f"--ray: cannot start or join Ray at {address or 'a local instance'} "
+            raise ConfigError(f"--ray: cannot start or join Ray at {address!r} "
                               f"({' '.join(str(err).split())}).") from None
     remote = ray.remote(_run_remote).options(num_cpus=cpus, num_gpus=gpus,
                                              max_retries=MAX_RETRIES, retry_exceptions=False)

@@ -24,7 +24,6 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from attnscale.errors import ConfigError
 from attnscale.io import STAGING_PREFIX, atomic_write, check_output_path
