@@ -140,11 +140,13 @@ def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
     if not pending:
         return
     ctx = _context()
-    pool = [_Worker(ctx) for _ in range(min(workers, len(pending)))]
-    idle = list(pool)
+    pool: list[_Worker] = []
     busy: dict[Connection | int, _Worker] = {}
     clean = False
     try:
+        for _ in range(min(workers, len(pending))):  # inside try: Ctrl-C here stops them too
+            pool.append(_Worker(ctx))
+        idle = list(pool)
         while pending or busy:
             while pending and idle:
                 worker = idle.pop()

@@ -3,7 +3,8 @@
 Layout of ``DIR``::
 
     sweep.json       what the sweep runs: experiment, module, grid, fixed settings, the full base
-                     config, the attnscale version; written atomically (temporary file + rename)
+                     config, the attnscale version; written atomically and listed in the folder's
+                     manifest (the output-folder policy of :mod:`attnscale.io`)
     results.jsonl    one JSON line per finished trial:
                      {"trial", "config", "status": "ok" | "error", "result", "error",
                       "wall_seconds", "host"}
