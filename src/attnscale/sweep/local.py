@@ -191,7 +191,7 @@ def _context():
     """The fork server, preloaded with attnscale's experiments; spawn where there is none."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["attnscale.sweep"])
+        ctx.set_forkserver_preload(["__main__", "attnscale.sweep"])  # a script's experiments
         return ctx
     return multiprocessing.get_context("spawn")
 
