@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "attnscale.cli.reproduce",
     "attnscale.cli.train",
     "attnscale.cli.monitor",
+    "attnscale.cli.lm",
 )
 
 

@@ -134,7 +134,7 @@ def lr_factor(step: int, steps: int, lr: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
     floor = min(1.0, LR_MIN / lr)
-    progress = (step - warmup) / max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))  # 1 at the last step
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
