@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import json
 
-from attnscale.cli._common import add_command, format_table, print_json
-from attnscale.cli.train import _parse_option
+from attnscale.cli._common import add_command, add_output, format_table, parse_options, \
+    print_json
 from attnscale.errors import ConfigError
+from attnscale.io import atomic_write
 
 EXAMPLES = """
   attnscale lm                                      # scaled, width 64, 300 steps on the stdlib
@@ -22,27 +22,10 @@ _COLUMNS = ["mechanism", "width", "lr", "seed", "loss_init", "final_val_loss", "
             "diverged", "attn_logit_max", "tokens_per_second"]
 
 
-def check_output_file(param: str, path: str) -> Path:
-    """A path a file can be written to (its folder exists and is writable, it is not a folder);
-    checked before any training."""
-    if path == "":
-        raise ConfigError(f"{param} must be a file path, got ''.")
-    out = Path(path)
-    parent = out.parent if str(out.parent) else Path(".")
-    if out.is_dir():
-        raise ConfigError(f"{param} {path!r} is a directory; give a file path.")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"{param} {path!r}: folder {str(parent)!r} does not exist or is not "
-                          "writable.")
-    return out
-
-
-def _option(text: str) -> tuple[str, object]:
-    """``key=value`` as ``attnscale train`` reads it, plus true/false as booleans."""
-    key, value = _parse_option(text)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return key, value.lower() == "true"
-    return key, value
+def _options(items: list[str]) -> dict[str, object]:
+    """``--option KEY=VALUE`` as ``attnscale train`` reads them, plus true/false as booleans."""
+    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
+            for k, v in parse_options(items).items()}
 
 
 def _row(record: dict) -> dict:
@@ -57,20 +40,19 @@ def _row(record: dict) -> dict:
 
 def _run(args) -> int:
     from attnscale.experiments.lm.train import RunConfig, train_lm
-    from attnscale.experiments.recall.outputs import write_json_atomic
-    output = check_output_file("--output", args.output) if args.output is not None else None
     if args.data is not None and args.data == "":
         raise ConfigError("--data must be a path to a text file or folder, got ''.")
     config = RunConfig(
-        mechanism=args.mechanism, options=dict(_option(o) for o in args.option),
+        mechanism=args.mechanism, options=_options(args.option),
         lr=args.lr, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
         seq_len=args.seq_len, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
         steps=args.steps, seed=args.seed, eval_windows=args.eval_windows,
         monitor_every=args.monitor_every, data=args.data, device=args.device, bf16=args.bf16,
         threads=args.threads).validated()
     record = train_lm(config)
-    if output is not None:
-        write_json_atomic(output, {"runs": [record]})
+    if args.output is not None:  # checked before training (cli._common.check_outputs)
+        atomic_write(args.output, json.dumps({"runs": [record]}, allow_nan=False),
+                     param="--output", force=args.force)
     if args.json:
         print_json({"runs": [record]})
     else:
@@ -112,5 +94,5 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="CPU intra-op threads (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print one JSON object {"runs": [...]}')
-    p.add_argument("--output", metavar="FILE", help='also write {"runs": [...]} to FILE')
+    add_output(p, "--output", metavar="FILE", help='also write {"runs": [...]} to FILE')
     p.set_defaults(func=_run)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_int
-from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.mechanisms import MECHANISMS, build_mechanism, check_mechanism
 from attnscale.rng import cell_seed
 
 # The module, not the function the package re-exports under the same name: attention() is looked
@@ -79,7 +79,7 @@ class LMConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ConfigError(f"d_head = d_model / n_heads must be even for RoPE, got "
                               f"{self.d_model // self.n_heads}.")
-        check_mechanism(self.mechanism, self.options)
+        check_lm_mechanism(self.mechanism, self.options)
         build_mechanism(self.mechanism, self.d_head, self.n_heads, **dict(self.options))
         return self
 
@@ -88,10 +88,10 @@ class LMConfig:
         return self.d_model // self.n_heads
 
 
-def check_mechanism(name: str, options: Mapping[str, Any]) -> None:
-    """A known mechanism given every option it requires (keyword-only without a default)."""
-    if name not in MECHANISMS:
-        build_mechanism(name, 2, 1)  # raises the registry's "Unknown mechanism ... Did you mean"
+def check_lm_mechanism(name: str, options: Mapping[str, Any]) -> None:
+    """A known mechanism with known option names, given every option it requires (a keyword-only
+    argument without a default): a missing one is a ConfigError naming it, not a TypeError."""
+    check_mechanism(name, options, param="mechanism")
     params = inspect.signature(MECHANISMS[name].__init__).parameters.values()
     required = [p.name for p in params
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty]

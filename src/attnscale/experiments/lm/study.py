@@ -399,22 +399,24 @@ def markdown(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(records: Sequence[dict], out_dir) -> dict:
+def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> dict:
     """Write fragment.md, fragment.json (sensitivity rows, loss-vs-LR rows, claims) and the four
-    PNGs into ``out_dir``, all or nothing; returns ``{"files": {...}, "claims": [...]}``."""
+    PNGs into ``out_dir``, all or nothing (:func:`attnscale.io.staged_dir`, whose output-folder
+    policy ``force`` overrides); returns ``{"files": {...}, "claims": [...]}``."""
     import json
     from pathlib import Path
 
+    from attnscale.errors import ConfigError
     from attnscale.experiments.recall.metrics import json_safe
-    from attnscale.experiments.recall.outputs import staged
+    from attnscale.io import check_output_path, staged_dir
     from attnscale.report.figures import save
     if not records:
-        from attnscale.errors import ConfigError
         raise ConfigError("write_report needs at least one run record.")
-    out = Path(out_dir)
+    out = check_output_path("out_dir", out_dir, kind="dir", files=FRAGMENT_FILES.values(),
+                            force=force)
     result = json_safe({"sensitivity": sensitivity_rows(records),
                         "loss_vs_lr": loss_vs_lr_rows(records), "claims": claims(records)})
-    with staged(out) as staging:
+    with staged_dir(out, param="out_dir", force=force) as staging:
         (staging / FRAGMENT_FILES["json"]).write_text(json.dumps(result, indent=1), "utf-8")
         (staging / FRAGMENT_FILES["markdown"]).write_text(markdown(records), "utf-8")
         save(figure_loss_vs_lr(records), staging / FRAGMENT_FILES["loss_vs_lr"])
