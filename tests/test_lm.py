@@ -329,3 +329,16 @@ def test_cli_json_and_output(text_dir, tmp_path, capsys):
     run = printed["runs"][0]
     assert run["config"]["options"] == {"divisor": False} and run["config"]["steps"] == 2
     assert main(["lm", "--data", str(text_dir), "--output", str(tmp_path)]) == 2  # a folder
+
+
+def test_grid_and_variants():
+    configs = study.grid(["scaled", "qk-layernorm(divisor=False)"], [1e-3, 1e-2], [32], [0, 1],
+                         steps=5)
+    assert len(configs) == 2 * 2 * 2
+    assert {study.variant({"config": c}) for c in configs} == {"scaled",
+                                                               "qk-layernorm(divisor=False)"}
+    assert all(c["steps"] == 5 for c in configs)
+    assert study.parse_variant("softcap(cap=30)") == ("softcap", {"cap": 30})
+    for bad in (["scaled", "scaled"], ["qk-layernorm(divisr=False)"], ["softcap(cap)"]):
+        with pytest.raises(ConfigError):
+            study.grid(bad, [1e-3], [32], [0])

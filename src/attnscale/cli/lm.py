@@ -11,7 +11,7 @@ from attnscale.errors import ConfigError
 from attnscale.io import atomic_write
 
 EXAMPLES = """
-  attnscale lm                                      # scaled, width 64, 300 steps on the stdlib
+  attnscale lm                                      # scaled, width 64, 500 steps on the stdlib
   attnscale lm --mechanism qk-layernorm --lr 3e-2 --width 128 --heads 4
   attnscale lm --mechanism softcap --option cap=30 --steps 1000 --json > run.json
   attnscale lm --data ~/notes/ --seq-len 256 --output run.json   # any text file or folder

@@ -26,6 +26,13 @@ from attnscale.mechanisms import build_mechanism
 
 # Wortsman et al. 2023's learning-rate grid (Figure 1).
 WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+# The default study (issue 12): these variants x WORTSMAN_LRS x DEFAULT_WIDTHS x DEFAULT_SEEDS.
+DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=False)",
+                    "qk-rmsnorm", "cosine", "softcap", "sigma-reparam", "mup")
+DEFAULT_WIDTHS = (64, 128)
+DEFAULT_SEEDS = (0, 1)
+# --quick: these x WORTSMAN_LRS x the smallest width x one seed.
+QUICK_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "softcap")
 
 FRAGMENT_FILES = {"markdown": "fragment.md", "json": "fragment.json",
                   "loss_vs_lr": "lm_loss_vs_lr.png", "sensitivity": "lm_lr_sensitivity.png",
@@ -39,6 +46,52 @@ def variant(record: dict) -> str:
     if not opts:
         return c["mechanism"]
     return c["mechanism"] + "(" + ", ".join(f"{k}={opts[k]}" for k in sorted(opts)) + ")"
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
+    :func:`variant`; values read as bool, int, float, else string."""
+    from attnscale.errors import ConfigError
+    from attnscale.mechanisms import check_mechanism
+    name, sep, rest = text.strip().partition("(")
+    options: dict = {}
+    if sep:
+        if not rest.endswith(")"):
+            raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
+        for item in filter(None, (p.strip() for p in rest[:-1].split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"mechanism variant {text!r}: {item!r} is not key=value.")
+            options[key.strip()] = _value(value.strip())
+    check_mechanism(name.strip(), options, param="mechanisms")
+    return name.strip(), options
+
+
+def _value(text: str):
+    if text in ("True", "False", "true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def grid(variants: Sequence[str] = DEFAULT_VARIANTS, lrs: Sequence[float] = WORTSMAN_LRS,
+         widths: Sequence[int] = DEFAULT_WIDTHS, seeds: Sequence[int] = DEFAULT_SEEDS,
+         **fixed) -> list[dict]:
+    """The study's run configs (JSON dicts for :func:`attnscale.experiments.lm.train_lm`), every
+    variant x lr x width x seed; ``fixed`` sets the other :class:`RunConfig` fields."""
+    from attnscale.errors import check_unique
+    from attnscale.experiments.lm.train import RunConfig
+    for param, values in (("mechanisms", variants), ("lrs", lrs), ("widths", widths),
+                          ("seeds", seeds)):
+        check_unique(param, list(values))
+    parsed = [parse_variant(v) for v in variants]
+    return [RunConfig(mechanism=name, options=opts, lr=lr, d_model=width, seed=seed,
+                      **fixed).validated().to_json()
+            for name, opts in parsed for width in widths for seed in seeds for lr in lrs]
 
 
 def plotted_loss(record: dict) -> float:

@@ -68,7 +68,7 @@ class RunConfig:
     seq_len: int = 128                 # training and validation context, bytes
     max_seq_len: int | None = None     # context the model is built for (None: seq_len)
     batch_size: int = 16               # sequences per step
-    steps: int = 300                   # optimiser steps
+    steps: int = 500                   # optimiser steps
     seed: int = 0                      # model init and batch order
     eval_windows: int = 64             # validation windows (evenly spaced, the same in every run)
     monitor_every: int = 10            # attention statistics every k steps (steps 0, k, 2k, ...)
