@@ -22,12 +22,6 @@ _COLUMNS = ["mechanism", "width", "lr", "seed", "loss_init", "final_val_loss", "
             "diverged", "attn_logit_max", "tokens_per_second"]
 
 
-def _options(items: list[str]) -> dict[str, object]:
-    """``--option KEY=VALUE`` as ``attnscale train`` reads them, plus true/false as booleans."""
-    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
-            for k, v in parse_options(items).items()}
-
-
 def _row(record: dict) -> dict:
     c = record["config"]
     peaks = [m for row in record["trace"] for m in row["attn_logit_max"] if m is not None]
@@ -39,12 +33,13 @@ def _row(record: dict) -> dict:
 
 
 def _run(args) -> int:
+    from attnscale.experiments.lm.study import booleans
     from attnscale.experiments.lm.train import RunConfig, train_lm
     if args.data is not None and args.data == "":
         raise ConfigError("--data must be a path to a text file or folder, got ''.")
     config = RunConfig(
-        mechanism=args.mechanism, options=_options(args.option),
-        lr=args.lr, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
+        mechanism=args.mechanism, options=booleans(parse_options(args.option)),
+        lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
         seq_len=args.seq_len, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
         steps=args.steps, seed=args.seed, eval_windows=args.eval_windows,
         monitor_every=args.monitor_every, data=args.data, device=args.device, bf16=args.bf16,
@@ -71,22 +66,18 @@ def register(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the mechanism, e.g. cap=30 (repeatable)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--width", type=int, default=d.d_model, help="d_model (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=d.n_layers, help="blocks (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=d.n_heads,
-                   help="attention heads; must divide --width (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len,
-                   help="context in bytes (default: %(default)s)")
+    for flag, dest, text in (
+            ("--width", "d_model", "d_model"), ("--layers", "n_layers", "transformer blocks"),
+            ("--heads", "n_heads", "attention heads; must divide --width"),
+            ("--seq-len", "seq_len", "context in bytes"),
+            ("--batch-size", "batch_size", "sequences per step"),
+            ("--steps", "steps", "optimiser steps"), ("--seed", "seed", "init and data seed"),
+            ("--eval-windows", "eval_windows", "validation windows"),
+            ("--monitor-every", "monitor_every", "attention statistics every k steps")):
+        p.add_argument(flag, dest=dest, type=int, default=getattr(d, dest),
+                       help=f"{text} (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context the model is built for (default: --seq-len)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="sequences per step (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="init and data seed (default: %(default)s)")
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
-                   help="validation windows (default: %(default)s)")
-    p.add_argument("--monitor-every", type=int, default=d.monitor_every,
-                   help="attention statistics every k steps (default: %(default)s)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file or folder (default: the running Python's stdlib .py files)")
     p.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")

@@ -50,32 +50,23 @@ def variant(record: dict) -> str:
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
-    :func:`variant`; values read as bool, int, float, else string."""
+    :func:`variant`; values read as ``--option`` reads them, true/false as booleans."""
+    from attnscale.cli._common import parse_options
     from attnscale.errors import ConfigError
     from attnscale.mechanisms import check_mechanism
     name, sep, rest = text.strip().partition("(")
-    options: dict = {}
-    if sep:
-        if not rest.endswith(")"):
-            raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
-        for item in filter(None, (p.strip() for p in rest[:-1].split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise ConfigError(f"mechanism variant {text!r}: {item!r} is not key=value.")
-            options[key.strip()] = _value(value.strip())
+    if sep and not rest.endswith(")"):
+        raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
+    items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
+    options = booleans(parse_options(items, param=f"mechanism variant {text!r}"))
     check_mechanism(name.strip(), options, param="mechanisms")
     return name.strip(), options
 
 
-def _value(text: str):
-    if text in ("True", "False", "true", "false"):
-        return text.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+def booleans(options: dict) -> dict:
+    """Option values "true" and "false" (any case) as booleans (qk-layernorm's ``divisor``)."""
+    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
+            for k, v in options.items()}
 
 
 def grid(variants: Sequence[str] = DEFAULT_VARIANTS, lrs: Sequence[float] = WORTSMAN_LRS,
