@@ -173,6 +173,20 @@ def test_deterministic_per_seed(text_dir):
     assert a["train_loss"] != c["train_loss"]
 
 
+# sigma-reparam's σ = uᵀ(W v) mixes a float32 u with an autocast-bf16 W v in torch.dot
+# (mechanisms/sigma_reparam.py, _sigma); strict, so this test fails once that is fixed.
+_BF16_BROKEN = {"sigma-reparam": "sigma_reparam._sigma: torch.dot of float32 and bf16"}
+
+
+@pytest.mark.parametrize("mechanism", [
+    pytest.param(m, marks=pytest.mark.xfail(reason=_BF16_BROKEN[m], strict=True,
+                                            raises=RuntimeError))
+    if m in _BF16_BROKEN else m for m in MECHANISMS])
+def test_bf16_autocast(text_dir, mechanism):
+    r = train_lm(tiny(text_dir, bf16=True, mechanism=mechanism, steps=2))
+    assert all(math.isfinite(x) for x in r["train_loss"]) and math.isfinite(r["final_val_loss"])
+
+
 def test_divergence_is_a_result(text_dir):
     r = train_lm(tiny(text_dir, lr=1e4, steps=6, monitor_every=1))
     assert r["diverged"] is True
@@ -293,6 +307,7 @@ def test_write_report(tmp_path):
     (["--lr=-1e-3"], "lr"),
     (["--width", "30", "--heads", "4"], "divisible"),
     (["--mechanism", "softcapp"], "Did you mean"),
+    (["--width", "1000000", "--heads", "1000"], "GiB"),
     (["--mechanism", "softcap", "--option", "cpa=3"], "Unknown option"),
 ])
 def test_cli_bad_input(text_dir, capsys, argv, match):

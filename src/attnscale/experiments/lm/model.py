@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,7 +157,11 @@ class CausalSelfAttention(nn.Module):
         k = apply_rope(heads(self.w_k(x)), cos, sin)               # (B, H, N, d)
         v = heads(self.w_v(x))                                     # (B, H, N, d)
         # The one pipeline, looked up on its module at call time so observers see the call.
-        o = attention_module.attention(q, k, v, self.mechanism, causal=True)  # (B, H, N, d)
+        # Under autocast q, k, v are already bf16, and attention() accumulates half inputs in
+        # float32 itself; autocast inside it would recast its kernels' internals, so it is off.
+        autocast = torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
+            o = attention_module.attention(q, k, v, self.mechanism, causal=True)  # (B, H, N, d)
         return self.w_o(o.transpose(1, 2).reshape(b, n, d))       # (B, N, d_model)
 
 

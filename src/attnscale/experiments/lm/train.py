@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import eval_windows, load_corpus, sample_batch
-from attnscale.experiments.lm.model import LM, LMConfig, build_lm
+from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.experiments.recall.metrics import json_safe
 from attnscale.experiments.recall.trainer import num_threads
 from attnscale.measure.monitor import monitor
@@ -93,10 +93,13 @@ class RunConfig:
         if not isinstance(self.bf16, bool):
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
         try:
-            torch.device(self.device)
+            kind = torch.device(self.device).type
         except (RuntimeError, TypeError):
             raise ConfigError(f"device {self.device!r} is not a torch device.") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r}: this torch build sees no CUDA device.")
         self.model_config().validated()
+        check_memory(self)
         return self
 
     def model_config(self) -> LMConfig:
@@ -118,6 +121,47 @@ class RunConfig:
             raise ConfigError(f"unknown lm config key(s) {', '.join(map(repr, unknown))}; "
                               f"keys: {', '.join(sorted(names))}.")
         return cls(**obj)
+
+
+# Floats held per parameter in training: weight, gradient and AdamW's two moments.
+FLOATS_PER_PARAM = 4
+# Activation floats kept for the backward pass per token, per layer and unit of width (LayerNorms,
+# q, k, v, attention output, the 4x MLP before and after GELU, residuals): a generous count.
+ACTIVATION_FLOATS = 40
+
+
+def training_bytes(config: RunConfig) -> int:
+    """An upper estimate of a run's training memory in bytes (float32): parameters with their
+    gradients and Adam moments, stored activations, and the (B, N, 256) logits with their
+    gradient.  The attention kernels keep O(N · block) per head, not (N, N)."""
+    d, layers = config.d_model, config.n_layers
+    params = 256 * d + layers * (4 + 2 * MLP_RATIO) * d * d
+    tokens = config.batch_size * config.seq_len
+    floats = (FLOATS_PER_PARAM * params + ACTIVATION_FLOATS * tokens * d * layers
+              + 3 * tokens * VOCAB_SIZE)
+    return 4 * floats
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory on ``device`` (CUDA: free device memory; CPU: available RAM), or None."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_memory(config: RunConfig) -> None:
+    """Refuse up front a run whose estimated memory exceeds what the device has free."""
+    need, have = training_bytes(config), available_bytes(config.device)
+    if have is not None and need > have:
+        raise ConfigError(f"this run needs about {need / 2**30:.1f} GiB (width {config.d_model}, "
+                          f"{config.n_layers} layers, batch {config.batch_size} x "
+                          f"{config.seq_len}) but {config.device} has {have / 2**30:.1f} GiB "
+                          "free; reduce the width, depth, batch or sequence length.")
 
 
 def recipe() -> dict:
