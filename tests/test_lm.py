@@ -168,8 +168,9 @@ def test_every_mechanism_trains(text_dir, mechanism):
 def test_deterministic_per_seed(text_dir):
     a, b = train_lm(tiny(text_dir, seed=1)), train_lm(tiny(text_dir, seed=1))
     c = train_lm(tiny(text_dir, seed=2))
-    for key in ("train_loss", "grad_norm", "final_val_loss", "trace"):
-        assert a[key] == b[key], key
+    assert {k: v for k, v in a.items() if k != "timing"} == \
+        {k: v for k, v in b.items() if k != "timing"}
+    assert a["timing"]["tokens_per_second"] > 0
     assert a["train_loss"] != c["train_loss"]
 
 

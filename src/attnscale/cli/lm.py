@@ -29,7 +29,7 @@ def _row(record: dict) -> dict:
             "loss_init": record["loss_init"], "final_val_loss": record["final_val_loss"],
             "final_val_bpb": record["final_val_bpb"], "diverged": record["diverged"],
             "attn_logit_max": max(peaks, default=None),
-            "tokens_per_second": record["tokens_per_second"]}
+            "tokens_per_second": record["timing"]["tokens_per_second"]}
 
 
 def _run(args) -> int:

@@ -12,7 +12,8 @@ instabilities", arXiv 2309.14322, section 2.1), each constant defined once below
   :data:`LR_MIN`;
 * gradient clipping at global norm 1.0 and z-loss 1e-4 · log²Z (Chowdhery et al. 2022, PaLM).
 
-A run records its full config, the training loss per step (cross-entropy, nats per byte, without
+A run records its full config, its training throughput (``timing``: tokens per second and seconds
+of training, the one part of a record that depends on the machine), the training loss per step (cross-entropy, nats per byte, without
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
 at the end (nats and bits per byte), and every :attr:`RunConfig.monitor_every` steps, per layer,
 the max |attention logit| (after the mechanism: what enters the softmax), the min and mean over
@@ -294,5 +295,7 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, **overrides) -
         "loss_init": loss_init, "final_val_loss": final, "final_val_bpb": final * LOG2E,
         "diverged": diverged, "diverged_step": diverged_step, "steps_done": steps_done,
         "train_loss": losses[:steps_done].tolist(), "grad_norm": grad_norms[:steps_done].tolist(),
-        "trace": trace, "tokens_per_second": steps_done * config.batch_size * config.seq_len / wall,
-        "wall_seconds": wall})
+        "trace": trace,
+        # Apart from this entry a record is the same bytes for the same config on any machine.
+        "timing": {"tokens_per_second": steps_done * config.batch_size * config.seq_len / wall,
+                   "train_seconds": wall}})
