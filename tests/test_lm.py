@@ -297,6 +297,9 @@ def test_write_report(tmp_path):
         assert Path(path).stat().st_size > 0
     md = Path(out["files"]["markdown"]).read_text()
     assert "qk-layernorm(divisor=False)" in md and "| claim |" in md
+    fragment = json.loads(Path(out["files"]["json"]).read_text())
+    assert set(fragment) == {"title", "claims"} and fragment["claims"]
+    assert all(isinstance(c["agrees"], bool) and c["quantity"] for c in fragment["claims"])
     assert not list((tmp_path / "report").glob(".attnscale-staging-*"))
 
 

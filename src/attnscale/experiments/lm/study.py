@@ -34,7 +34,8 @@ DEFAULT_SEEDS = (0, 1)
 # --quick: these x WORTSMAN_LRS x the smallest width x one seed.
 QUICK_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "softcap")
 
-FRAGMENT_FILES = {"markdown": "fragment.md", "json": "fragment.json",
+# The study folder's report: fragment.md and fragment.json follow ``attnscale reproduce --include``.
+FRAGMENT_FILES = {"markdown": "fragment.md", "json": "fragment.json", "summary": "lm_study.json",
                   "loss_vs_lr": "lm_loss_vs_lr.png", "sensitivity": "lm_lr_sensitivity.png",
                   "logit_growth": "lm_attn_logit_growth.png", "entropy": "lm_attn_entropy.png"}
 
@@ -187,17 +188,34 @@ def _compare(a: dict, b: dict) -> str:
     return "overlap"
 
 
+def _claim(text: str, expected: str, measured: str, verdict: str, agrees: bool | None,
+           ours: float | None = None, ci: list | None = None) -> dict:
+    """A claim row: what is claimed, what the source says, our number (with its seed range) and
+    what we measured in words, the verdict, and ``agrees`` (None: not run)."""
+    return {"claim": text, "expected": expected, "ours": ours, "ci": ci, "measured": measured,
+            "verdict": verdict, "agrees": agrees}
+
+
 def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dict:
-    """A claim comparing the LR sensitivity of variants a and b at every width both ran."""
+    """A claim comparing the LR sensitivity of variants a and b at every width both ran.
+
+    ``ours`` is the sensitivity of a minus that of b (mean over widths of the seed means), ``ci``
+    its seed-to-seed range (min of a − max of b, max of a − min of b, over widths).
+    """
+    expected = {"lower": f"{a} lower than {b} (difference < 0)",
+                "higher": f"{a} higher than {b} (difference > 0)",
+                "overlap": f"{a} within noise of {b} (seed ranges overlap)"}[expect]
     cell = {(r["mechanism"], r["width"]): r for r in rows}
-    widths = sorted(w for (m, w) in cell if m == a and (b, w) in cell)
+    widths = sorted(w for (m, w) in cell if m == a and (b, w) in cell
+                    and cell[m, w]["mean"] is not None and cell[b, w]["mean"] is not None)
     if not widths:
-        return {"claim": text, "measured": f"not run ({a} and {b} at a common width needed)",
-                "verdict": "not run", "agrees": None}
+        return _claim(text, expected, f"not run ({a} and {b} at a common width needed)",
+                      "not run", None)
     outcomes = [_compare(cell[a, w], cell[b, w]) for w in widths]
     measured = "; ".join(f"width {w}: {a} {_range_text(cell[a, w])} vs {b} "
                          f"{_range_text(cell[b, w])} ({o})" for w, o in zip(widths, outcomes))
-    if min(cell[m, w]["seeds"] for w in widths for m in (a, b)) < 2:
+    one_seed = min(cell[m, w]["seeds"] for w in widths for m in (a, b)) < 2
+    if one_seed:
         measured += " [one seed: no seed-to-seed interval, so any gap counts]"
     if expect == "overlap":
         agrees = all(o == "overlap" for o in outcomes)
@@ -207,7 +225,10 @@ def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dic
         wrong = [o for o in outcomes if o not in (expect, "overlap")]
         verdict = ("agrees" if agrees else
                    "differs: the opposite order" if wrong else "inconclusive: within noise")
-    return {"claim": text, "measured": measured, "verdict": verdict, "agrees": agrees}
+    ours = float(np.mean([cell[a, w]["mean"] - cell[b, w]["mean"] for w in widths]))
+    ci = None if one_seed else [min(cell[a, w]["min"] - cell[b, w]["max"] for w in widths),
+                                max(cell[a, w]["max"] - cell[b, w]["min"] for w in widths)]
+    return _claim(text, expected, measured, verdict, agrees, ours, ci)
 
 
 def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
@@ -236,27 +257,31 @@ def logit_claims(records: Sequence[dict]) -> list[dict]:
                 preceded += peak_logit(r) > peak_logit(survived[-1])
     rhos = [x for x in rhos if math.isfinite(x)]
     grow_text = "In runs without qk-norm, the max attention logit grows with LR."
+    grow_expected = "Spearman ρ(lr, peak max attention logit) > 0 in every grid (Wortsman et al.)"
     if not rhos:
-        grow = {"claim": grow_text, "measured": "not run (needs >= 3 learning rates)",
-                "verdict": "not run", "agrees": None}
+        grow = _claim(grow_text, grow_expected, "not run (needs >= 3 learning rates)",
+                      "not run", None)
     else:
         positive = sum(x > 0 for x in rhos)
-        grow = {"claim": grow_text,
-                "measured": f"Spearman ρ(lr, peak logit) > 0 in {positive} of {len(rhos)} "
-                            f"(variant, width, seed) grids; median ρ = {np.median(rhos):.2f}",
-                "verdict": "agrees" if positive == len(rhos) else
-                           "inconclusive: not in every grid" if positive > len(rhos) / 2 else
-                           "differs", "agrees": positive == len(rhos)}
+        grow = _claim(grow_text, grow_expected,
+                      f"Spearman ρ(lr, peak logit) > 0 in {positive} of {len(rhos)} "
+                      f"(variant, width, seed) grids; median ρ = {np.median(rhos):.2f}",
+                      "agrees" if positive == len(rhos) else
+                      "inconclusive: not in every grid" if positive > len(rhos) / 2 else
+                      "differs", positive == len(rhos), float(np.median(rhos)),
+                      [float(min(rhos)), float(max(rhos))])
     lead_text = "In runs without qk-norm, divergence is preceded by that growth."
+    lead_expected = ("every diverged run's peak logit exceeds that of the highest learning rate "
+                     "that survived (fraction = 1)")
     if not total:
-        lead = {"claim": lead_text, "measured": "no run diverged beside a surviving one",
-                "verdict": "not run", "agrees": None}
+        lead = _claim(lead_text, lead_expected, "no run diverged beside a surviving one",
+                      "not run", None)
     else:
-        lead = {"claim": lead_text,
-                "measured": f"{preceded} of {total} diverged runs reached a higher peak logit "
-                            "than the highest learning rate that survived",
-                "verdict": "agrees" if preceded == total else "differs",
-                "agrees": preceded == total}
+        lead = _claim(lead_text, lead_expected,
+                      f"{preceded} of {total} diverged runs reached a higher peak logit than the "
+                      "highest learning rate that survived",
+                      "agrees" if preceded == total else "differs", preceded == total,
+                      preceded / total)
     return [grow, lead]
 
 
@@ -412,43 +437,60 @@ def figure_entropy(records: Sequence[dict]):
 
 # --- report fragment ------------------------------------------------------------------------------
 
+# The study's title in the report's "Beyond the essay" section (fragment.json).
+TITLE = "Which mechanism keeps a small LM trainable across learning rates"
+
+
 def markdown(records: Sequence[dict]) -> str:
-    """The fragment: setup, LR sensitivity table, claims with verdicts, figures."""
+    """fragment.md: setup, LR sensitivity table, claims with verdicts, figures (headings of
+    level 4 and below: the report puts the fragment under its own level-3 title)."""
     rows = sensitivity_rows(records)
     widths = sorted({r["width"] for r in rows})
     cell = {(r["mechanism"], r["width"]): r for r in rows}
     c0 = records[0]["config"]
     seeds = max(r["seeds"] for r in rows)
+    lrs = sorted({r["config"]["lr"] for r in records})
     lines = [
-        "## Beyond the essay: which mechanism keeps a small LM trainable across learning rates",
-        "",
         f"A causal byte-level LM ({c0['n_layers']} layers, {c0['n_heads']} heads, context "
         f"{c0['seq_len']}, {c0['steps']} steps of batch {c0['batch_size']}) trained with "
-        "Wortsman et al.'s recipe (AdamW β=(0.9, 0.95), independent weight decay 1e-4, warm-up "
-        "and cosine decay, clipping 1.0, z-loss 1e-4) on the running Python's standard library, "
-        f"at {len(rows and rows[0]['lrs'])} peak learning rates, {seeds} seed(s) per cell.",
+        "Wortsman et al.'s recipe (AdamW β = (0.9, 0.95), independent weight decay 1e-4, warm-up "
+        "then cosine decay, clipping 1.0, z-loss 1e-4) on the running Python's standard library, "
+        f"at peak learning rates {', '.join(f'{x:g}' for x in lrs)}, {seeds} seed(s) per cell.",
         "",
-        "**LR sensitivity** E_η[min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023): "
-        "mean over seeds [seed-to-seed min, max]; lower is more robust.", "",
+        "#### LR sensitivity",
+        "",
+        "E over η of [min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023), ℓ0 the loss "
+        "at init and ℓ* the best over the grid: mean over seeds [seed-to-seed min, max]; lower "
+        "is more robust.", "",
         "| mechanism | " + " | ".join(f"width {w}" for w in widths) + " |",
         "|---|" + "---|" * len(widths)]
     for var in _order(records):
         lines.append(f"| {var} | " + " | ".join(
             _range_text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
-    lines += ["", "| claim | measured | verdict |", "|---|---|---|"]
+    lines += ["", "#### Claims", "", "| claim | measured | verdict |", "|---|---|---|"]
     for c in claims(records):
         lines.append(f"| {c['claim']} | {c['measured']} | {c['verdict']} |")
     lines += ["", f"![final validation loss vs learning rate]({FRAGMENT_FILES['loss_vs_lr']})",
-              f"![LR sensitivity]({FRAGMENT_FILES['sensitivity']})",
-              f"![max attention logit over training]({FRAGMENT_FILES['logit_growth']})",
-              f"![min attention entropy over training]({FRAGMENT_FILES['entropy']})", ""]
+              "", f"![LR sensitivity vs width]({FRAGMENT_FILES['sensitivity']})",
+              "", f"![max attention logit over training]({FRAGMENT_FILES['logit_growth']})",
+              "", f"![min attention entropy over training]({FRAGMENT_FILES['entropy']})", ""]
     return "\n".join(lines)
 
 
+def fragment_claims(records: Sequence[dict]) -> list[dict]:
+    """The claim rows of fragment.json (``attnscale reproduce --include``): quantity, expected,
+    ours, ci, verdict, agrees, note; claims that could not be measured are left out."""
+    return [{"quantity": c["claim"], "expected": c["expected"], "ours": c["ours"],
+             "ci": c["ci"], "verdict": c["verdict"], "agrees": c["agrees"], "note": c["measured"]}
+            for c in claims(records) if c["agrees"] is not None]
+
+
 def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> dict:
-    """Write fragment.md, fragment.json (sensitivity rows, loss-vs-LR rows, claims) and the four
-    PNGs into ``out_dir``, all or nothing (:func:`attnscale.io.staged_dir`, whose output-folder
-    policy ``force`` overrides); returns ``{"files": {...}, "claims": [...]}``."""
+    """Write the study folder's report, all or nothing (:func:`attnscale.io.staged_dir`, whose
+    output-folder policy ``force`` overrides): fragment.md and fragment.json (title and claims,
+    the contract of ``attnscale reproduce --include``), lm_study.json (sensitivity and
+    loss-vs-LR rows, all claims) and the four PNGs.  Returns ``{"files": {...}, "claims": [...]}``.
+    """
     import json
     from pathlib import Path
 
@@ -460,14 +502,19 @@ def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> di
         raise ConfigError("write_report needs at least one run record.")
     out = check_output_path("out_dir", out_dir, kind="dir", files=FRAGMENT_FILES.values(),
                             force=force)
-    result = json_safe({"sensitivity": sensitivity_rows(records),
-                        "loss_vs_lr": loss_vs_lr_rows(records), "claims": claims(records)})
+    all_claims = claims(records)
+    summary = json_safe({"sensitivity": sensitivity_rows(records),
+                         "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims})
+    fragment = json_safe({"title": TITLE, "claims": fragment_claims(records)})
     with staged_dir(out, param="out_dir", force=force) as staging:
-        (staging / FRAGMENT_FILES["json"]).write_text(json.dumps(result, indent=1), "utf-8")
-        (staging / FRAGMENT_FILES["markdown"]).write_text(markdown(records), "utf-8")
+        def write(key: str, text: str) -> None:
+            (staging / FRAGMENT_FILES[key]).write_text(text, "utf-8")
+        write("json", json.dumps(fragment, indent=1, allow_nan=False))
+        write("summary", json.dumps(summary, indent=1, allow_nan=False))
+        write("markdown", markdown(records))
         save(figure_loss_vs_lr(records), staging / FRAGMENT_FILES["loss_vs_lr"])
         save(figure_sensitivity(records), staging / FRAGMENT_FILES["sensitivity"])
         save(figure_logit_growth(records), staging / FRAGMENT_FILES["logit_growth"])
         save(figure_entropy(records), staging / FRAGMENT_FILES["entropy"])
     return {"files": {k: str(out / v) for k, v in FRAGMENT_FILES.items()},
-            "claims": result["claims"]}
+            "claims": summary["claims"]}
