@@ -165,6 +165,16 @@ def test_every_mechanism_trains(text_dir, mechanism):
     assert r["config"]["mechanism"] == mechanism
 
 
+def test_qk_clip_clips_after_each_step(text_dir):
+    """qk-clip's hook runs in train_lm: with τ = 0.5 every head's max logit is pulled to about τ
+    after the first step (the monitor reads each step's forward, before its update)."""
+    r = train_lm(tiny(text_dir, mechanism="qk-clip", options={"tau": 0.5}, lr=1e-3, steps=4,
+                      monitor_every=1))
+    peaks = [max(row["attn_logit_max"]) for row in r["trace"]]
+    assert peaks[0] > 1.0
+    assert all(p < 1.0 for p in peaks[1:]), peaks
+
+
 def test_deterministic_per_seed(text_dir):
     a, b = train_lm(tiny(text_dir, seed=1)), train_lm(tiny(text_dir, seed=1))
     c = train_lm(tiny(text_dir, seed=2))

@@ -12,6 +12,9 @@ instabilities", arXiv 2309.14322, section 2.1), each constant defined once below
   :data:`LR_MIN`;
 * gradient clipping at global norm 1.0 and z-loss 1e-4 · log²Z (Chowdhery et al. 2022, PaLM).
 
+Mechanisms that act between steps run for real: qk-clip's clip follows every optimizer step
+(:func:`attnscale.mechanisms.qk_clip.install`, a step post-hook).
+
 A run records its full config, its training throughput (``timing``: tokens per second and seconds
 of training, the one part of a record that depends on the machine), the training loss per step (cross-entropy, nats per byte, without
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
@@ -42,6 +45,7 @@ from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, 
 from attnscale.experiments.recall.metrics import json_safe
 from attnscale.experiments.recall.trainer import num_threads
 from attnscale.measure.monitor import monitor
+from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
 
 # --- Wortsman et al. 2023 (arXiv 2309.14322), section 2.1 ----------------------------------------
@@ -256,6 +260,8 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, **overrides) -
     with threads:
         model = build_lm(config.model_config(), seed=config.seed, device=config.device).train()
         opt = _optimizer(model, config)
+        if qk_clip.clip_mechanisms(model):  # qk-clip rescales W_Q, W_K after every step
+            qk_clip.install(opt, model)
         loss_init = evaluate(model, windows, config)
         gen = rng(config.seed, "lm-batches")
         losses = torch.full((config.steps,), math.nan)
