@@ -84,6 +84,20 @@ def test_rope_hook_extends_context():
     assert not torch.allclose(interp, before)
 
 
+def test_loss_by_position_at_a_longer_context(text_dir):
+    """The length study's use: extend RoPE past the built context, then loss at each position."""
+    from attnscale.experiments.lm.train import evaluate, loss_by_position
+    config = tiny(text_dir)
+    model = build_lm(config.model_config())
+    val = lm_data.load_corpus(text_dir).val
+    short = lm_data.eval_windows(val, 4, 16)
+    by_pos = loss_by_position(model, short, batch_size=4)
+    assert by_pos.shape == (16,)
+    assert by_pos.mean().item() == pytest.approx(evaluate(model, short, config))
+    model.set_rope(rope_frequencies(8), 64)
+    assert loss_by_position(model, lm_data.eval_windows(val, 4, 64), batch_size=2).shape == (64,)
+
+
 def test_init_is_seeded_and_leaves_global_rng_alone():
     state = torch.random.get_rng_state()
     a = build_lm(LMConfig(mechanism="sigma-reparam"), seed=3)

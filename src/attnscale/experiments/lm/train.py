@@ -206,29 +206,37 @@ def _optimizer(model: LM, config: RunConfig) -> torch.optim.AdamW:
 
 
 def _autocast(config: RunConfig):
-    if not config.bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16)
+    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16,
+                          enabled=config.bf16)
 
 
 @torch.no_grad()
-def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: RunConfig) -> float:
-    """Mean next-byte cross-entropy (nats per byte) over the validation windows."""
+def loss_by_position(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: int,
+                     device: str = "cpu", bf16: bool = False) -> Tensor:
+    """Mean next-byte cross-entropy at each position over the windows (inputs, targets), each
+    (W, N): (N,) float64 nats.  For a context longer than the model was built for, extend it
+    first with :meth:`LM.set_rope` (the length study's use)."""
     was_training = model.training
-    model.eval()  # no power-iteration step (sigma-reparam) while evaluating
+    model.eval()  # no power-iteration step (sigma-reparam), no qk-clip tracking
     try:
         x_all, y_all = windows
-        total = 0.0
-        for lo in range(0, len(x_all), config.batch_size):
-            x = x_all[lo:lo + config.batch_size].to(config.device)
-            y = y_all[lo:lo + config.batch_size].to(config.device)
-            with _autocast(config):
-                logits = model(x)
-            ce, _ = lm_loss(logits, y)
-            total += float(ce) * len(x)
+        total = torch.zeros(x_all.shape[-1], dtype=torch.float64)
+        for lo in range(0, len(x_all), batch_size):
+            x = x_all[lo:lo + batch_size].to(device)
+            y = y_all[lo:lo + batch_size].to(device)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x)                                            # (b, N, 256)
+            ce = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")  # (b, N)
+            total += ce.double().sum(0).cpu()
         return total / len(x_all)
     finally:
         model.train(was_training)
+
+
+def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: RunConfig) -> float:
+    """Mean next-byte cross-entropy (nats per byte) over the validation windows."""
+    return float(loss_by_position(model, windows, batch_size=config.batch_size,
+                                  device=config.device, bf16=config.bf16).mean())
 
 
 def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
