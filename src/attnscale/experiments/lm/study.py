@@ -304,14 +304,24 @@ def claims(records: Sequence[dict]) -> list[dict]:
 
 # --- figures --------------------------------------------------------------------------------------
 
-def _color(name: str, index: int) -> str:
+def _cycle(index: int) -> str:
+    import matplotlib.pyplot as plt
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return cycle[index % len(cycle)]
+
+
+def _style(var: str, index: int) -> dict:
+    """Line style of a variant: the mechanism's fixed style (attnscale.styles, where it exists),
+    dotted for a variant with options so that it stands apart from its mechanism."""
+    name = var.split("(")[0]
     try:
-        from attnscale.styles import style  # one fixed style per mechanism, where it exists
-        return style(name.split("(")[0])["color"]
-    except (ImportError, KeyError, TypeError):
-        import matplotlib.pyplot as plt
-        cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        return cycle[index % len(cycle)]
+        from attnscale.styles import style  # one fixed style per mechanism
+        out = {k: v for k, v in style(name).items() if k in ("color", "linestyle", "marker")}
+    except ImportError:
+        out = {"color": _cycle(index), "linestyle": "-", "marker": "o"}
+    if var != name:
+        out["linestyle"] = ":"
+    return out
 
 
 def figure_loss_vs_lr(records: Sequence[dict]):
@@ -326,11 +336,11 @@ def figure_loss_vs_lr(records: Sequence[dict]):
             rs = [r for r in rows if r["mechanism"] == var and r["width"] == width]
             if not rs:
                 continue
-            c = _color(var, i)
-            ax.plot([r["lr"] for r in rs], [r["loss"] for r in rs], "o-", color=c, ms=3,
-                    label=var)
+            st = _style(var, i)
+            ax.plot([r["lr"] for r in rs], [r["loss"] for r in rs], ms=3, label=var, **st)
             bad = [r for r in rs if r["diverged"]]
-            ax.plot([r["lr"] for r in bad], [r["loss"] for r in bad], "x", color=c, ms=8, mew=2)
+            ax.plot([r["lr"] for r in bad], [r["loss"] for r in bad], "x", color=st["color"],
+                    ms=8, mew=2)
         init = np.mean([r["loss_init"] for r in rows if r["width"] == width])
         ax.axhline(init, color="gray", ls=":", lw=1)
         ax.set_xscale("log")
@@ -354,7 +364,7 @@ def figure_sensitivity(records: Sequence[dict]):
         x = [r["width"] for r in rs]
         y = [r["mean"] for r in rs]
         err = [[r["mean"] - r["min"] for r in rs], [r["max"] - r["mean"] for r in rs]]
-        ax.errorbar(x, y, yerr=err, fmt="o-", color=_color(var, i), ms=4, capsize=3, label=var)
+        ax.errorbar(x, y, yerr=err, ms=4, capsize=3, label=var, **_style(var, i))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("width (d_model)")
     ax.set_ylabel("LR sensitivity (nats/byte)")
@@ -393,7 +403,7 @@ def figure_logit_growth(records: Sequence[dict]):
                           key=lambda r: r["config"]["lr"])
             ok = [r for r in runs if not r["diverged"]]
             bad = [r for r in runs if r["diverged"]]
-            c = _color(f"width{width}", j)
+            c = _cycle(j)
             for r, ls, what in ((ok[-1] if ok else None, "-", "survives"),
                                 (bad[0] if bad else None, "--", "diverges")):
                 if r is None:
