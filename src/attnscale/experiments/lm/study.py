@@ -310,18 +310,12 @@ def _cycle(index: int) -> str:
     return cycle[index % len(cycle)]
 
 
-def _style(var: str, index: int) -> dict:
-    """Line style of a variant: the mechanism's fixed style (attnscale.styles, where it exists),
+def _style(var: str) -> dict:
+    """Line style of a variant: its mechanism's one fixed style (:func:`attnscale.styles.style`),
     dotted for a variant with options so that it stands apart from its mechanism."""
+    from attnscale.styles import style
     name = var.split("(")[0]
-    try:
-        from attnscale.styles import style  # one fixed style per mechanism
-        out = {k: v for k, v in style(name).items() if k in ("color", "linestyle", "marker")}
-    except ImportError:
-        out = {"color": _cycle(index), "linestyle": "-", "marker": "o"}
-    if var != name:
-        out["linestyle"] = ":"
-    return out
+    return style(name, linestyle=":") if var != name else style(name)
 
 
 def figure_loss_vs_lr(records: Sequence[dict]):
@@ -336,7 +330,7 @@ def figure_loss_vs_lr(records: Sequence[dict]):
             rs = [r for r in rows if r["mechanism"] == var and r["width"] == width]
             if not rs:
                 continue
-            st = _style(var, i)
+            st = _style(var)
             ax.plot([r["lr"] for r in rs], [r["loss"] for r in rs], ms=3, label=var, **st)
             bad = [r for r in rs if r["diverged"]]
             ax.plot([r["lr"] for r in bad], [r["loss"] for r in bad], "x", color=st["color"],
@@ -364,7 +358,7 @@ def figure_sensitivity(records: Sequence[dict]):
         x = [r["width"] for r in rs]
         y = [r["mean"] for r in rs]
         err = [[r["mean"] - r["min"] for r in rs], [r["max"] - r["mean"] for r in rs]]
-        ax.errorbar(x, y, yerr=err, ms=4, capsize=3, label=var, **_style(var, i))
+        ax.errorbar(x, y, yerr=err, ms=4, capsize=3, label=var, **_style(var))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("width (d_model)")
     ax.set_ylabel("LR sensitivity (nats/byte)")
