@@ -326,7 +326,7 @@ def figure_loss_vs_lr(records: Sequence[dict]):
     widths = sorted({r["width"] for r in rows})
     fig, axes = new_figure(len(widths), width=4.2, height=3.4)
     for ax, width in zip(axes, widths):
-        for i, var in enumerate(_order(records)):
+        for var in _order(records):
             rs = [r for r in rows if r["mechanism"] == var and r["width"] == width]
             if not rs:
                 continue
@@ -351,7 +351,7 @@ def figure_sensitivity(records: Sequence[dict]):
     from attnscale.report.figures import new_figure
     rows = [r for r in sensitivity_rows(records) if r["mean"] is not None]
     fig, (ax,) = new_figure(1, width=5.0, height=3.6)
-    for i, var in enumerate(_order(records)):
+    for var in _order(records):
         rs = [r for r in rows if r["mechanism"] == var]
         if not rs:
             continue
@@ -496,7 +496,6 @@ def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> di
     loss-vs-LR rows, all claims) and the four PNGs.  Returns ``{"files": {...}, "claims": [...]}``.
     """
     import json
-    from pathlib import Path
 
     from attnscale.errors import ConfigError
     from attnscale.experiments.recall.metrics import json_safe
