@@ -69,6 +69,21 @@ def test_longer_input_than_built_is_an_error():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_rope_scores_depend_on_relative_position_only():
+    from attnscale.experiments.lm.model import apply_rope, rope_tables
+    cos, sin = rope_tables(rope_frequencies(8), 32)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 8, generator=gen, dtype=torch.float64)
+
+    def at(x, pos):
+        return apply_rope(x.view(1, 1, 1, 8), cos[pos:pos + 1].double(), sin[pos:pos + 1].double())
+
+    score = [(at(q, i) * at(k, i - 2)).sum() for i in (2, 9, 31)]
+    assert_close(score[0], score[1])
+    assert_close(score[0], score[2])
+    assert not torch.allclose((at(q, 4) * at(k, 0)).sum(), score[0])
+
+
 def test_rope_hook_extends_context():
     """set_rope swaps the frequencies and the context length (the length study's hook)."""
     model = build_lm(LMConfig(d_model=16, n_heads=2, max_seq_len=8)).eval()
