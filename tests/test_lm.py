@@ -79,8 +79,9 @@ def test_rope_scores_depend_on_relative_position_only():
         return apply_rope(x.view(1, 1, 1, 8), cos[pos:pos + 1].double(), sin[pos:pos + 1].double())
 
     score = [(at(q, i) * at(k, i - 2)).sum() for i in (2, 9, 31)]
-    assert_close(score[0], score[1])
-    assert_close(score[0], score[2])
+    # The tables are float32 (as the model uses them): equal up to float32 rounding.
+    assert_close(score[0], score[1], rtol=1e-5, atol=1e-6)
+    assert_close(score[0], score[2], rtol=1e-5, atol=1e-6)
     assert not torch.allclose((at(q, 4) * at(k, 0)).sum(), score[0])
 
 
