@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "attnscale.cli.study",
     "attnscale.cli.monitor",
     "attnscale.cli.sweep",
+    "attnscale.cli.lm",
 )
 
 

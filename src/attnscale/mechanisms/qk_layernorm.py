@@ -3,13 +3,15 @@
 ViT-22B (Dehghani et al. 2023) and Chameleon (2024) normalise each head's q and k (``over="head"``,
 the default); OLMo 2 (2024) normalises the whole q and k projections before the head split
 (``over="model"``), i.e. over the (H, d) slice of each token jointly.  Gain 1, bias 0 at init.
+``divisor=False`` drops the 1/√d (z = LN(q)ᵀ LN(k)): the essay's claim that with QK normalisation
+the divisor no longer matters.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnscale.errors import check_choice
+from attnscale.errors import ConfigError, check_choice
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
 
 OVER_CHOICES = ("head", "model")
@@ -23,9 +25,12 @@ class QKLayerNorm(Mechanism):
 
     rotation_invariant = False  # LayerNorm subtracts the mean over coordinates
 
-    def __init__(self, d_head: int, n_heads: int, *, over: str = "head"):
+    def __init__(self, d_head: int, n_heads: int, *, over: str = "head", divisor: bool = True):
         super().__init__(d_head, n_heads)
         self.over = check_choice("over", over, OVER_CHOICES)
+        if not isinstance(divisor, bool):
+            raise ConfigError(f"divisor must be true or false, got {divisor!r}.")
+        self.divisor = divisor
         shape = (d_head,) if over == "head" else (n_heads, d_head)
         self.q_norm = nn.LayerNorm(shape, eps=LN_EPS)
         self.k_norm = nn.LayerNorm(shape, eps=LN_EPS)
@@ -37,7 +42,8 @@ class QKLayerNorm(Mechanism):
         return norm(x.transpose(1, 2)).transpose(1, 2)  # (B, N, H, d) -> (B, H, N, d)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
-        return self._norm(self.q_norm, q), self._norm(self.k_norm, k), inv_sqrt(self.d_head)
+        scale = inv_sqrt(self.d_head) if self.divisor else 1.0
+        return self._norm(self.q_norm, q), self._norm(self.k_norm, k), scale
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, over={self.over!r}"
+        return f"{super().extra_repr()}, over={self.over!r}, divisor={self.divisor}"
