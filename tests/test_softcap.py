@@ -321,3 +321,36 @@ def test_masked_nan_key_stays_hidden(backend):
     expected = torch.zeros(B, H, 6, dtype=torch.bool)
     expected[0, 1, 3:] = True
     assert torch.equal(got, expected) and torch.equal(ref, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing, compiling and export (issue 9 §4): the blockwise kernel hands raw memory to C and
+# runs blocks on worker threads, which fake tensors cannot do; under a tracer it runs the
+# materialised formulation, which records as plain torch ops.
+
+
+class _SoftcapAttention(torch.nn.Module):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from attnscale.attention import attention
+        return attention(q, k, v, "softcap", causal=True)
+
+
+def _trace_inputs(seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, 10, D, generator=gen) * 3 for _ in range(3))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("recorder", ["jit.trace", "export", "compile"])
+def test_traced_exported_and_compiled_softcap_equal_eager(backend, recorder):
+    module = _SoftcapAttention()
+    example = _trace_inputs(0)
+    if recorder == "jit.trace":
+        recorded = torch.jit.trace(module, example)
+    elif recorder == "export":
+        recorded = torch.export.export(module, example).module()
+    else:  # dynamo with fake tensors, without a C++ toolchain
+        recorded = torch.compile(module, backend="aot_eager", fullgraph=True)
+    for seed in (0, 1):  # the recorded graph on the example and on new inputs
+        inputs = _trace_inputs(seed)
+        assert_close(recorded(*inputs), module(*inputs))
