@@ -354,3 +354,23 @@ def test_traced_exported_and_compiled_softcap_equal_eager(backend, recorder):
     for seed in (0, 1):  # the recorded graph on the example and on new inputs
         inputs = _trace_inputs(seed)
         assert_close(recorded(*inputs), module(*inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads (issue 9 §6): head groups run on worker threads whose torch ops use one intra-op
+# thread each, so W workers on W cores do not open W OpenMP teams of W threads.
+
+
+def test_workers_run_torch_ops_on_one_thread_and_keep_the_default():
+    import threading
+
+    from attnscale.workers import parallel_map
+    torch.set_num_threads(2)   # the autouse fixture restores the suite's setting
+    seen = parallel_map(lambda _: torch.get_num_threads(), range(6), 2)
+    assert seen == [1] * 6
+    assert torch.get_num_threads() == 2                    # the caller's setting is untouched
+    fresh: list[int] = []
+    thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert fresh == [2]                                    # and so is the default new threads take
