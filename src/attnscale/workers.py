@@ -8,7 +8,9 @@ Each worker runs its torch ops on one intra-op thread.  Without that, every work
 open their own OpenMP team of ``torch.get_num_threads()`` threads (the OpenMP thread count is
 per calling thread), so W workers on W cores ran W² spinning threads: soft-cap attention on 2
 threads was no faster than on 1 (issue 9).  The setting is per thread and made once, when the
-worker starts; the process-wide default that other threads start from is restored at once.
+pool starts its workers; the process-wide default that other threads start from is restored
+before the pool is returned (a thread making its first torch op during those microseconds could
+adopt 1 thread).
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ def worker_pool(workers: int) -> ThreadPoolExecutor:
 
 @functools.lru_cache(maxsize=8)
 def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale",
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale",
                               initializer=_single_threaded)
+    # Start every worker now, while the caller waits: ``workers`` tasks that meet at a barrier
+    # run on as many threads, so each has made its one-thread setting before the pool is used.
+    barrier = threading.Barrier(workers)
+    for started in [pool.submit(barrier.wait, 60.0) for _ in range(workers)]:
+        started.result()
+    return pool
 
 
 def _single_threaded() -> None:
