@@ -1,5 +1,6 @@
-"""The blockwise soft-cap kernel: softmax(c · tanh(scale · q kᵀ / c) masked) v without the
-(B, H, Nq, Nk) logits, forward and backward, on attnscale's compiled kernels where available.
+"""Soft-cap attention, softmax(c · tanh(scale · q kᵀ / c) masked) v, without the (B, H, Nq, Nk)
+logits, forward and backward: a blockwise kernel on the CPU (its elementwise steps on attnscale's
+compiled kernels where available), FlexAttention on CUDA (:mod:`attnscale.kernels.flex`).
 
 :func:`attnscale.attention.attention` runs every capped mechanism (softcap) through
 :func:`capped_attention`.
