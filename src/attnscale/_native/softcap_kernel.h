@@ -9,23 +9,13 @@
  * 2c sigmoid(2s) - c.  A logit s = -inf marks a masked key; a NaN logit makes its row NaN.
  */
 
-/* expm1(x) for x <= 0, x = -inf allowed, within a few ulp relative: x = k ln2 + r with
- * |r| <= ln2 / 2, expm1(r) = r + r^2 P(r) (the polynomial of exp_nonpositive), and
- * expm1(x) = 2^k expm1(r) + (2^k - 1), exact for k = 0 and without cancellation below. */
+/* expm1(x) for x <= 0, x = -inf allowed, within a few ulp relative: with x = k ln2 + r,
+ * expm1(x) = 2^k expm1(r) + (2^k - 1), exact for k = 0 and without cancellation below; -1 below
+ * -87. */
 static inline vf KERNEL(expm1_nonpositive)(vf x) {
     const vf lo = KERNEL(splat)(-87.0f);
     vi tiny = x < lo;
-    vf xc = KERNEL(sel)(tiny, lo, x);
-    vf kf = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi), vf);
-    vf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
-    vf p = KERNEL(splat)(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    vf q = p * (r * r) + r;                                   /* expm1(r) */
-    vf two_k = (vf)((__builtin_convertvector(kf, vi) + 127) << 23);  /* 2^k, k in [-126, 0] */
+    vf two_k, q = KERNEL(expm1_reduced)(KERNEL(sel)(tiny, lo, x), &two_k);
     return KERNEL(sel)(tiny, KERNEL(splat)(-1.0f), two_k * q + (two_k - 1.0f));
 }
 
