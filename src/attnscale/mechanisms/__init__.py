@@ -17,6 +17,7 @@ from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
 from attnscale.mechanisms import scaled, unscaled, init_reparam, qknorm  # noqa: E402,F401
 from attnscale.mechanisms import qk_layernorm, qk_rmsnorm, cosine, learned_temp  # noqa: E402,F401
 from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noqa: E402,F401
+from attnscale.mechanisms import llama4_temp, qk_clip  # noqa: E402,F401
 
 __all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "mechanism_options",
            "register"]
