@@ -63,6 +63,13 @@ def causal_block_mask(n_q: int, n_k: int, device: str):
     return create_block_mask(causal_mask_mod, None, None, n_q, n_k, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _cap_tensor(cap: float, dtype: torch.dtype, device: str) -> Tensor:
+    """The cap as a 0-d tensor, made once per (cap, dtype, device): no host-to-device copy per
+    call."""
+    return torch.tensor(cap, dtype=dtype, device=device)
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled():
     """flex_attention compiled once per process (Triton kernels on CUDA)."""
@@ -80,7 +87,7 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     if not available():
         raise RuntimeError("FlexAttention needs torch >= 2.5")
     v_acc = upcast(v).to(q.dtype)
-    cap_t = torch.tensor(cap, dtype=q.dtype, device=q.device)
+    cap_t = _cap_tensor(float(cap), q.dtype, str(q.device))
     if mask is not None:  # index it as (B, H, Nq, Nk): broadcast dimensions read index 0
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
