@@ -63,13 +63,6 @@ def causal_block_mask(n_q: int, n_k: int, device: str):
     return create_block_mask(causal_mask_mod, None, None, n_q, n_k, device=device)
 
 
-@functools.lru_cache(maxsize=64)
-def _cap_tensor(cap: float, dtype: torch.dtype, device: str) -> Tensor:
-    """The cap as a 0-d tensor, made once per (cap, dtype, device): no host-to-device copy per
-    call."""
-    return torch.tensor(cap, dtype=dtype, device=device)
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled():
     """flex_attention compiled once per process (Triton kernels on CUDA)."""
@@ -87,14 +80,16 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     if not available():
         raise RuntimeError("FlexAttention needs torch >= 2.5")
     v_acc = upcast(v).to(q.dtype)
-    cap_t = _cap_tensor(float(cap), q.dtype, str(q.device))
+    cap_t = torch.tensor(cap, dtype=q.dtype, device=q.device)
     if mask is not None:  # index it as (B, H, Nq, Nk): broadcast dimensions read index 0
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device)) if causal else None
-    run = flex_attention
-    if q.device.type == "cuda" and not torch.compiler.is_compiling():
-        run = _compiled()
+    compiling = torch.compiler.is_compiling()
+    # Inside an outer torch.compile the block mask is built in its graph, not cached (it would
+    # hold the tracer's fake tensors).
+    make_mask = causal_block_mask.__wrapped__ if compiling else causal_block_mask
+    block_mask = make_mask(q.shape[-2], k.shape[-2], str(q.device)) if causal else None
+    run = _compiled() if q.device.type == "cuda" and not compiling else flex_attention
     out = run(q, k, v_acc, score_mod=softcap_score_mod(cap_t, mask), block_mask=block_mask,
               scale=scale)
     return out.to(v.dtype)
