@@ -123,3 +123,13 @@ def test_capped_attention_dispatches_to_flex_where_usable(monkeypatch):
     mech = build_mechanism("softcap", D, H, cap=30.0)
     assert len(calls) == 1
     assert_close(out, attention_reference(q, k, v, mech, causal=True).out)
+
+
+def test_flex_inside_an_outer_torch_compile_equals_eager():
+    # The branch a compiled CUDA model takes: flex_attention traced by dynamo, the causal block
+    # mask built inside the graph (aot_eager: no C++ toolchain needed).
+    q, k, v = _inputs(torch.float32)
+    compiled = torch.compile(lambda q, k, v: flex.capped_attention(q, k, v, SCALE, 30.0, None,
+                                                                   True),
+                             backend="aot_eager", fullgraph=True)
+    assert_close(compiled(q, k, v), flex.capped_attention(q, k, v, SCALE, 30.0, None, True))
