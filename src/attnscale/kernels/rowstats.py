@@ -49,7 +49,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         ValueError: ``z`` is not float32 on the CPU, ``limit`` is not int64, or ``threads``
             is below 1.
     """
-    lib = native.require()
+    native.require()
     if z.dtype != torch.float32 or z.device.type != "cpu":
         raise ValueError(f"z must be float32 on the CPU, got {z.dtype} on {z.device}")
     n = z.shape[-1]
@@ -68,14 +68,13 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         period = limit.numel()
         if period < 1:
             raise ValueError("limit must have at least one entry")
-    args = (flat.data_ptr(), n, flat.stride(0) if rows > 1 else n,
-            None if limit is None else limit.data_ptr(), period)
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
     workers = 1
     if rows * n >= PARALLEL_MIN_ELEMENTS:
         workers = max(1, min(threads or torch.get_num_threads(), rows))
     bounds = [rows * w // workers for w in range(workers + 1)]
-    parallel_map(lambda span: lib.attnscale_row_stats(*args, *span, out.data_ptr(), int(portable)),
+    parallel_map(lambda span: native.row_stats_rows(flat, out, span, limit=limit,
+                                                    portable=portable),
                  zip(bounds[:-1], bounds[1:]), workers)
     return out.reshape(*z.shape[:-1], len(ROW_STATS_COLUMNS))
