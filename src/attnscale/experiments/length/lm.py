@@ -10,10 +10,11 @@ fine-tuning:
   entropy at every position, per layer (:func:`entropy_by_position`).  Under causality position
   i sees the same prefix in a window of any length, so the mean loss over the first L positions
   of these windows is the validation loss at context L;
-* for ``scaled`` (``yarn=true``): extends the context by each s in ``yarn_factors`` with YaRN's
-  NTK-by-parts frequencies (:func:`yarn_frequencies`), sweeps the multiplier m = √(1/t) that
-  YaRN applies to q and k (logits times m², :class:`Tempered`) over :data:`M_GRID`, evaluates the
-  loss at context 128·s for each, and fits the minimising m (:func:`fit_minimum`).
+* for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
+  by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
+  sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
+  :class:`Tempered`) over :data:`M_GRID`, evaluates the loss at context 128·s for each, and fits
+  the minimising m (:func:`fit_minimum`).
 
 YaRN (Peng et al. 2023, arXiv 2309.00071, section 3.2 "NTK-by-parts" and 3.4): for a RoPE
 dimension d of frequency θ_d and wavelength λ_d = 2π/θ_d, with r(d) = L / λ_d (L the trained
@@ -170,7 +171,7 @@ def _params() -> dict[str, Param]:
     params["steps"] = Param(int, LM_STEPS)
     params["eval_windows"] = Param(int, LM_WINDOWS)
     params["lengths"] = Param(str, ",".join(map(str, EVAL_LENGTHS)))
-    params["yarn"] = Param(bool, False)
+    params["yarn"] = Param(bool, True)   # the YaRN sweep, on the scaled model's trials only
     params["yarn_factors"] = Param(str, ",".join(map(str, YARN_FACTORS)))
     return params
 
@@ -179,9 +180,7 @@ def _split(config: dict) -> tuple[RunConfig, list[int], list[int] | None]:
     config = dict(config)
     lengths = parse_int_list("lengths", config.pop("lengths"), minimum=1)
     factors = parse_int_list("yarn_factors", config.pop("yarn_factors"), minimum=2)
-    yarn = config.pop("yarn")
-    if yarn and config["mechanism"] != "scaled":
-        raise ConfigError(f"yarn applies to the scaled model only, not {config['mechanism']!r}.")
+    yarn = config.pop("yarn") and config["mechanism"] == "scaled"  # YaRN extends scaled only
     options = {"floor_scale": float(config["seq_len"])} if config["mechanism"] == "llama4-temp" \
         else {}
     run = RunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10),

@@ -1,4 +1,4 @@
-"""Length generalisation on the recall task: train at 16 pairs, evaluate at up to 512, no retraining.
+"""Length generalisation on the recall task: train at 16 pairs, evaluate up to 512, no retraining.
 
 One trial of the ``recall-length`` experiment is one (mechanism, seed): a recall model trained by
 :func:`attnscale.experiments.recall.trainer.train_runs` at ``pairs`` key-value pairs, then scored
