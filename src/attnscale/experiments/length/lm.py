@@ -166,7 +166,7 @@ def fit_minimum(x: Sequence[float], y: Sequence[float]) -> dict:
 
 def _params() -> dict[str, Param]:
     params = params_from_dataclass(RunConfig)
-    for key in ("max_seq_len", "data", "device", "bf16", "monitor_every", "options"):
+    for key in ("max_seq_len", "device", "bf16", "monitor_every", "options"):
         params.pop(key)
     params["steps"] = Param(int, LM_STEPS)
     params["eval_windows"] = Param(int, LM_WINDOWS)
