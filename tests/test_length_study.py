@@ -49,7 +49,7 @@ def tiny_lm(text_dir: Path) -> dict:
             "data": str(text_dir)}
 
 
-# --- recall-length ---------------------------------------------------------------------------------
+# --- recall-length --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mechanism", ["scaled", "ssmax", "llama4-temp", "qknorm"])
 def test_recall_length_trial(mechanism):
@@ -88,7 +88,7 @@ def test_recall_length_bad_config(bad, pattern):
         exp.check(exp.config(bad))
 
 
-# --- YaRN, evaluation by position, the fit ---------------------------------------------------------
+# --- YaRN, evaluation by position, the fit --------------------------------------------------------
 
 def test_yarn_frequencies_match_the_paper_on_hand_values():
     # L = 128: r = L θ / 2π.  θ chosen so r = 0.5, 1, 16.5, 32, 40: γ = 0, 0, 0.5, 1, 1.
@@ -181,7 +181,7 @@ def test_lm_length_trial(text_dir):
     assert "yarn" not in other and other["options"] == {"floor_scale": 16.0}
 
 
-# --- study length -----------------------------------------------------------------------------------
+# --- study length ---------------------------------------------------------------------------------
 
 @pytest.fixture
 def tiny_study(monkeypatch, text_dir):

@@ -10,6 +10,8 @@ fine-tuning:
   entropy at every position, per layer (:func:`entropy_by_position`).  Under causality position
   i sees the same prefix in a window of any length, so the mean loss over the first L positions
   of these windows is the validation loss at context L;
+* ``llama4-temp`` uses ``floor_scale = seq_len``: Llama 4's 8192 is the span of its chunked
+  RoPE layers, so the temperature steps up where the trained context ends;
 * for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
   by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
   sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
@@ -54,6 +56,8 @@ YARN_BETA = 32.0
 # Multipliers m = sqrt(1/t) swept at evaluation (logits times m^2): 0.80, 0.85, ..., 1.60.
 M_STEP = 0.05
 M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
+# Logits held at once by entropy_by_position (B x H x N x N floats).
+ENTROPY_FLOATS = 2 ** 24
 # The section's mechanisms.
 MECHANISMS = ("scaled", "ssmax", "llama4-temp")
 # Study defaults for the LM (the issue-12 recipe; more steps than its LR sweep).
@@ -145,6 +149,12 @@ def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor
     return torch.stack(per_layer) / len(inputs)
 
 
+def entropy_batch(n_heads: int, n: int) -> int:
+    """Windows per forward in :func:`entropy_by_position`: its (B, H, N, N) logits stay within
+    :data:`ENTROPY_FLOATS` floats (a few copies of 64 MiB at float32)."""
+    return max(1, ENTROPY_FLOATS // (n_heads * n * n))
+
+
 def fit_minimum(x: Sequence[float], y: Sequence[float]) -> dict:
     """The x minimising a sampled curve y(x): the vertex of the parabola through the grid minimum
     and its two neighbours (clipped to them); at an end of the grid, that end with
@@ -213,7 +223,7 @@ def lm_length(**config) -> dict:
         out["loss_by_position"] = loss.tolist()
         out["loss_at_length"] = [float(loss[:n].mean()) for n in lengths]
         out["entropy_by_position"] = entropy_by_position(
-            model, inputs, batch_size=run.batch_size).tolist()
+            model, inputs, batch_size=entropy_batch(model.config.n_heads, longest)).tolist()
         if factors is None:
             return
         out["yarn"] = []

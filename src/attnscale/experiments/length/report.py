@@ -307,6 +307,14 @@ def _lm_setup(records: Sequence[dict]) -> str:
             "of a parabola through the grid minimum and its neighbours.")
 
 
+def _table(names: Sequence[str], heads: Sequence, cell, label=str) -> list[str]:
+    """A markdown table: one row per name, one column per head, ``cell(name, head)`` text."""
+    return (["| mechanism | " + " | ".join(label(h) for h in heads) + " |",
+             "|---|" + "---|" * len(heads)]
+            + [f"| {name} | " + " | ".join(cell(name, h) for h in heads) + " |"
+               for name in names])
+
+
 def markdown(recall: Sequence[dict], lm: Sequence[dict]) -> str:
     lines = []
     if recall:
@@ -315,42 +323,36 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict]) -> str:
         cell = {(r["mechanism"], r["pairs"]): r for r in rows}
         lines += ["#### Recall beyond the trained pair count", "", _recall_setup(recall), "",
                   "Held-out accuracy, mean [seed min, max]:", "",
-                  "| mechanism | " + " | ".join(f"{n} pairs" for n in pairs) + " |",
-                  "|---|" + "---|" * len(pairs)]
-        for mech in _order(recall):
-            lines.append(f"| {mech} | " + " | ".join(
-                _text(cell[mech, n]["accuracy"], 2) for n in pairs) + " |")
-        lines += ["", "Attention entropy (nats), mean over seeds; ln n is the uniform ceiling:",
-                  "", "| mechanism | " + " | ".join(f"{n}" for n in pairs) + " |",
-                  "|---|" + "---|" * len(pairs),
-                  "| ln n | " + " | ".join(f"{math.log(n):.2f}" for n in pairs) + " |"]
-        for mech in _order(recall):
-            lines.append(f"| {mech} | " + " | ".join(
-                f"{cell[mech, n]['entropy']['mean']:.2f}" for n in pairs) + " |")
-        lines += ["", f"![accuracy and entropy vs pairs]({FRAGMENT_FILES['recall']})", ""]
+                  *_table(_order(recall), pairs, lambda m, n: _text(cell[m, n]["accuracy"], 2),
+                          lambda n: f"{n} pairs"),
+                  "", "Attention entropy (nats), mean over seeds; ln n is the uniform ceiling:",
+                  "", *_table(["ln n", *_order(recall)], pairs,
+                              lambda m, n: f"{math.log(n):.2f}" if m == "ln n" else
+                              f"{cell[m, n]['entropy']['mean']:.2f}"),
+                  "", f"![accuracy and entropy vs pairs]({FRAGMENT_FILES['recall']})", ""]
     if lm:
         rows = lm_rows(lm)
         ctx = sorted({r["context"] for r in rows})
         cell = {(r["mechanism"], r["context"]): r for r in rows}
         lines += ["#### Small-LM length extrapolation", "", _lm_setup(lm), "",
                   "Validation loss (nats/byte) at each context, mean [seed min, max]:", "",
-                  "| mechanism | " + " | ".join(f"{n}" for n in ctx) + " |",
-                  "|---|" + "---|" * len(ctx)]
-        for mech in _order(lm):
-            lines.append(f"| {mech} | " + " | ".join(_text(cell[mech, n]["loss"])
-                                                     for n in ctx) + " |")
+                  *_table(_order(lm), ctx, lambda m, n: _text(cell[m, n]["loss"]))]
         lines += ["", f"![loss vs position]({FRAGMENT_FILES['lm_loss']})", "",
                   f"![attention entropy vs position]({FRAGMENT_FILES['lm_entropy']})", ""]
         yrows = yarn_rows(lm)
         if yrows:
             lines += ["#### YaRN's temperature law", "",
-                      "| s | context | fitted √(1/t) | 0.1·ln s + 1 | loss at fit | loss at 1 |",
-                      "|---|---|---|---|---|---|"]
+                      "Validation loss (nats/byte) at context 128·s: with YaRN's interpolation "
+                      "at the fitted √(1/t) and at 1, and plain RoPE with no interpolation.", "",
+                      "| s | context | fitted √(1/t) | 0.1·ln s + 1 | loss at fit | loss at 1 "
+                      "| plain RoPE |", "|---|---|---|---|---|---|---|"]
             for r in yrows:
                 at_fit = _spread(r["loss_at_fit"])
                 at_1 = _spread([v for v in r["loss_at_1"] if v is not None])
+                plain = cell.get(("scaled", r["context"]))
                 lines.append(f"| {r['factor']} | {r['context']} | {_text(r['fit'])} | "
-                             f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} |")
+                             f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} | "
+                             f"{_text(plain['loss']) if plain else 'n/a'} |")
             lines += ["", f"![loss vs the YaRN multiplier]({FRAGMENT_FILES['yarn']})", ""]
     lines += ["#### Claims", "", "| claim | expected | ours | verdict |", "|---|---|---|---|"]
     for c in claims(recall, lm):
