@@ -234,3 +234,28 @@ def test_study_length_bad_inputs(cli, tmp_path, argv, pattern):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert pattern in err, err
     assert not list(tmp_path.iterdir())
+
+
+def _recall_record(mechanism: str, seed: int, accuracy: list) -> dict:
+    return {"config": {"mechanism": mechanism, "seed": seed, "pairs": 16},
+            "result": {"lengths": [16, 512], "accuracy": accuracy, "entropy": [1.0, 2.0],
+                       "max_weight": [0.5, 0.4]}}
+
+
+@pytest.mark.parametrize("ssmax_at_512, verdict", [
+    ((0.9, 0.8), "agrees"),                                  # above scaled's [0.5, 0.6]
+    ((0.55, 0.7), "inconclusive: the seed ranges overlap"),
+    ((0.2, 0.3), "differs"),
+    ((None, None), None),                                    # every seed diverged: no claim
+])
+def test_ssmax_claim_verdicts(ssmax_at_512, verdict):
+    from attnscale.experiments.length.report import claims
+    records = [_recall_record("scaled", s, [0.9, a]) for s, a in enumerate((0.5, 0.6))]
+    records += [_recall_record("ssmax", s, [0.9, a]) for s, a in enumerate(ssmax_at_512)]
+    found = [c for c in claims(records, []) if "ssmax" in c["quantity"]]
+    if verdict is None:
+        assert found == []
+        return
+    (claim,) = found
+    assert claim["verdict"] == verdict and claim["agrees"] == (verdict == "agrees")
+    assert claim["ci"] == [min(ssmax_at_512), max(ssmax_at_512)]

@@ -110,7 +110,11 @@ def _compare(a: dict, b: dict) -> str:
 
 
 def _pair_claim(quantity: str, expected_side: str, ours: dict, ref: dict, ref_name: str,
-                source: str, note: str) -> dict:
+                source: str, note: str) -> dict | None:
+    """A claim that ``ours`` lies ``expected_side`` ("above"/"below") ``ref``; None when either
+    has no finite value (every seed diverged)."""
+    if ours["mean"] is None or ref["mean"] is None:
+        return None
     side = _compare(ours, ref)
     agrees = side == expected_side
     verdict = "agrees" if agrees else \
@@ -153,6 +157,7 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
                     "a length-aware temperature extrapolates better",
                     f"at {train}: {mech} {_text(cell[mech, train]['loss'])}, scaled "
                     f"{_text(cell['scaled', train]['loss'])}"))
+    out = [c for c in out if c is not None]
     for row in yarn_rows(lm) if lm else []:
         fit = row["fit"]
         if fit["mean"] is None:
@@ -218,9 +223,11 @@ def _binned(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
 def _by_position(ax, records: Sequence[dict], curve) -> None:
     from attnscale.styles import style
     for mech in _order(records):
-        runs = _by_mechanism(records, mech)
-        mean = np.mean([curve(r) for r in runs], axis=0)
-        x, y = _binned(mean)
+        curves = [np.asarray(curve(r), dtype=np.float64) for r in _by_mechanism(records, mech)
+                  if r["result"].get("loss_by_position") is not None]
+        if not curves:
+            continue
+        x, y = _binned(np.mean(curves, axis=0))  # a None (diverged) value shows as a gap
         ax.plot(x, y, label=mech, markevery=0.1, ms=4, **style(mech))
     ax.axvline(records[0]["config"]["seq_len"], color="gray", ls=":", lw=1)
     ax.set_xscale("log", base=2)
@@ -243,7 +250,8 @@ def figure_lm_entropy(records: Sequence[dict]):
     the uniform ceiling, dashed."""
     from attnscale.report.figures import new_figure
     fig, (ax,) = new_figure(1, width=6.0, height=3.8)
-    _by_position(ax, records, lambda r: np.mean(r["result"]["entropy_by_position"], axis=0))
+    _by_position(ax, records, lambda r: np.mean(np.asarray(
+        r["result"]["entropy_by_position"], dtype=np.float64), axis=0))
     n = len(records[0]["result"]["loss_by_position"])
     x, y = _binned(np.log(np.arange(1, n + 1)))
     ax.plot(x, y, "k--", lw=1, label="ln(i + 1) (uniform)")
