@@ -201,6 +201,7 @@ def test_study_length_end_to_end(cli, tmp_path, tiny_study):
     assert {c["quantity"].split(":")[0] for c in claims} >= {
         "recall accuracy at 64 pairs, trained at 16"}
     assert sum("YaRN" in c["quantity"] for c in claims) == 2
+    assert sum("slope" in c["quantity"] for c in claims) == 1
     found = load_study(out)  # the --include contract
     assert set(found.figures) == {"length_recall.png", "length_lm_loss.png",
                                   "length_lm_entropy.png", "length_yarn.png"}

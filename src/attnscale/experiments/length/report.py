@@ -88,6 +88,19 @@ def yarn_rows(records: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def yarn_slope(records: Sequence[dict]) -> dict | None:
+    """d√(1/t)/d ln s: per seed the least-squares slope of the fitted √(1/t) against ln s
+    (YaRN's law has 0.1), with its spread over seeds and the ln s span; None with < 2 factors."""
+    per_seed = []
+    for r in records:
+        fits = [(math.log(y["factor"]), y["fit"]["x"]) for y in r["result"].get("yarn") or []
+                if y["fit"]["x"] is not None]
+        if len(fits) >= 2:
+            per_seed.append(float(np.polyfit(*zip(*fits), 1)[0]))
+            span = max(x for x, _ in fits) - min(x for x, _ in fits)
+    return {"per_seed": per_seed, "span": span, **_spread(per_seed)} if per_seed else None
+
+
 def _interval(s: dict) -> list | None:
     return None if s["mean"] is None else [s["min"], s["max"]]
 
@@ -176,6 +189,19 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
             "note": f"{fit['n']} seed(s); agrees when 0.1·ln s + 1 lies in the seed range "
                     f"widened by half the grid step ({M_STEP / 2:g})"
                     + ("; a fit sits at the grid's edge" if any(row["edge"]) else "")})
+    slope = yarn_slope(lm) if lm else None
+    if slope is not None:
+        tol = M_STEP / 2 / slope["span"]
+        agrees = slope["min"] - tol <= YARN_SLOPE <= slope["max"] + tol
+        out.append({
+            "quantity": "slope of the fitted √(1/t) against ln s, scaled small LM",
+            "expected": f"{YARN_SLOPE:g} (YaRN's 0.1·ln s + 1)",
+            "ours": slope["mean"], "ci": _interval(slope),
+            "verdict": "agrees" if agrees else
+            f"differs: ours is {'below' if slope['max'] + tol < YARN_SLOPE else 'above'}",
+            "agrees": agrees,
+            "note": f"{slope['n']} seed(s); agrees when {YARN_SLOPE:g} lies in the seed range "
+                    f"widened by half a grid step over the ln s span ({tol:.3f})"})
     return json_safe(out)
 
 
@@ -385,7 +411,7 @@ def write_report(out_dir, recall: Sequence[dict], lm: Sequence[dict], *,
     found = claims(recall, lm)
     summary = json_safe({"recall": recall_rows(recall) if recall else [],
                          "lm": lm_rows(lm) if lm else [], "yarn": yarn_rows(lm) if lm else [],
-                         "claims": found})
+                         "yarn_slope": yarn_slope(lm) if lm else None, "claims": found})
     written = {}
     with staged_dir(out, param="--out", force=force) as staging:
         def text(key: str, value: str) -> None:
