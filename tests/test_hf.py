@@ -282,7 +282,7 @@ def test_cli_with_tokenizer_and_text(cli, model_dirs, tmp_path):
 def test_cli_writes_nothing_when_the_figure_fails(cli, model_dirs, tmp_path, monkeypatch):
     import attnscale.cli.monitor as command
 
-    def broken(records, ax):
+    def broken(records, ax, **how):
         raise RuntimeError("figure failed")
 
     monkeypatch.setattr(command, "plot_entropy", broken)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism
 from attnscale.mechanisms.base import Scale
-from attnscale.measure.monitor import MASKED_BIAS
+from attnscale.pipeline import MASKED_BIAS
 
 try:
     import transformers
