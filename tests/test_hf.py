@@ -393,3 +393,15 @@ def test_cli_monitors_a_saved_swapped_model_with_its_mechanism(cli, tmp_path):
     assert code == 0, stderr
     assert json.loads((tmp_path / "out" / "records.json").read_text())["meta"]["mechanism"] \
         == "qk-rmsnorm"
+
+
+def test_monitoring_an_eager_model_warns_with_a_hint():
+    model = make_model("llama", "eager")
+    with pytest.warns(RuntimeWarning, match="attn_implementation='eager'.*set_attn_implementation"):
+        with torch.no_grad(), monitor(model) as mon:
+            model(token_ids())
+    assert mon.records == []
+    model.set_attn_implementation("sdpa")  # the hint works: the SDPA tap sees every layer
+    with torch.no_grad(), monitor(model) as mon:
+        model(token_ids())
+    assert len(mon.records) == 2 * 4
