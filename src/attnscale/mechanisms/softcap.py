@@ -3,7 +3,7 @@
 The cap bounds |z| < c after scaling and before masking, so no logit can run away however the
 weights drift.  Gemma 2 uses c = 50 for attention logits; Grok-1's released model.py uses 30.  It is
 the one mechanism that is not a scale on q and k, so it runs on the blockwise kernel of
-:mod:`attnscale.attention` (``_CappedAttention``) instead of fused SDPA.
+:mod:`attnscale.kernels.softcap` instead of fused SDPA.
 """
 
 from __future__ import annotations
