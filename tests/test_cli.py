@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from attnscale.io import MANIFEST
 from attnscale.measure.montecarlo import saturation
 from attnscale.report.reproduce import reproduce
 
@@ -197,8 +198,8 @@ def test_reproduce_writes_all_files_and_no_staging(montecarlo_report):
     names = {p.name for p in out.iterdir()}
     assert {"figure1_saturation.png", "figure2_jacobian.png", "report.md",
             "results.json"} <= names
-    assert not [n for n in names if n.startswith(".")]           # no staging dir, no probe file
-    assert all(n.endswith(".png") for n in names - {"report.md", "results.json"})
+    assert [n for n in names if n.startswith(".")] == [MANIFEST]  # no staging dir, no probe file
+    assert all(n.endswith(".png") for n in names - {"report.md", "results.json", MANIFEST})
     for png in (n for n in names if n.endswith(".png")):
         data = (out / png).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 1000
@@ -255,4 +256,4 @@ def test_reproduce_cli_with_all_registered_sections(cli, tmp_path):
     for png in ("figure1_saturation.png", "figure2_jacobian.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
         assert f"]({png})" in md
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no staging/probe
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [MANIFEST]  # no staging

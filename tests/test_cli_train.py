@@ -9,11 +9,12 @@ import pytest
 import attnscale.experiments.recall.outputs as outputs
 import attnscale.experiments.recall.trainer as trainer
 from attnscale.experiments.recall.outputs import STUDY_FILES
+from attnscale.io import MANIFEST
 
 # A tiny model and run length: the CLI plumbing, not the science.
 TINY = ("--d-k", "8", "--pairs", "4", "--steps", "5", "--batch-size", "4")
 RUN_KEYS = ["mechanism", "seed", "steps_to_loss_1", "steps_to_loss_0_1", "final_loss",
-            "eval_accuracy", "grad_wq_norm_step0", "plateaus", "wall_seconds", "loss_curve"]
+            "eval_accuracy", "grad_wq_norm_step0", "plateaus", "wall_seconds", "loss_curve", "config"]
 
 
 def test_compare_json_schema(cli):
@@ -35,7 +36,8 @@ def test_train_table_and_output_file(cli, tmp_path):
                        "--output", str(out_file))
     assert code == 0 and "softcap" in out and "steps_to_loss_0_1" in out
     assert [r["mechanism"] for r in json.loads(out_file.read_text())["runs"]] == ["softcap"]
-    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]   # no staging left behind
+    # no staging left behind; the manifest records run.json as attnscale's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST, "run.json"]
 
 
 def test_compare_prints_the_essay_ratios_and_plots(cli, tmp_path):
@@ -54,7 +56,7 @@ def test_study_writes_table_figure_and_markdown(cli, tmp_path):
     assert {(r["mechanism"], r["d_k"]) for r in rows} == {(m, d) for m in ("scaled", "qknorm")
                                                           for d in (4, 8)}
     assert all(r["seeds"] == 2 for r in rows)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(STUDY_FILES.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([MANIFEST, *STUDY_FILES.values()])
     md = (tmp_path / STUDY_FILES["markdown"]).read_text()
     assert "| qknorm |" in md and "d_k=8" in md
     assert len(json.loads((tmp_path / STUDY_FILES["json"]).read_text())["runs"]) == 8

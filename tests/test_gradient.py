@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import pytest
 import torch
 from torch.testing import assert_close
 
+from attnscale.errors import ConfigError
 from attnscale.measure.gradient import (
     gradient_path_sweep, gradient_paths, init_reparam_checks, one_hot_limit,
 )
@@ -85,3 +87,48 @@ def test_report_section_agrees_with_its_claims(tmp_path, monkeypatch):
         assert judge(CLAIMS_BY_ID[claim_id], measurement).agrees, claim_id
     assert {r["experiment"] for r in result.rows} == {"gradient_paths", "one_hot_limit",
                                                       "init_reparam"}
+
+
+def test_no_experiment_touches_the_global_generator():
+    state = torch.random.get_rng_state()
+    init_reparam_checks(d_model=16, n_tokens=4, batch=2)
+    gradient_path_sweep(d_ks=(4,), n=8, trials=4)
+    one_hot_limit(d_k=8, n=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_single_mechanism_name_is_one_mechanism():
+    rows = gradient_path_sweep(d_ks=(4,), mechanisms="unscaled", n=8, trials=4)
+    assert [r["mechanism"] for r in rows] == ["unscaled"]
+
+
+def test_rows_do_not_depend_on_other_requested_d_ks():
+    alone = gradient_path_sweep(d_ks=(16,), n=8, trials=10, seed=3)
+    among = gradient_path_sweep(d_ks=(4, 16), n=8, trials=10, seed=3)
+    assert [r for r in among if r["d_k"] == 16] == alone
+    assert init_reparam_checks(d_model=16, seed=1) == init_reparam_checks(d_model=16, seed=1)
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda: gradient_path_sweep(d_ks=(4, 4), n=8, trials=4), "d_ks"),
+    (lambda: gradient_path_sweep(d_ks=(4,), mechanisms=("scaled", "scaled"), n=8, trials=4),
+     "mechanisms"),
+    (lambda: one_hot_limit(d_k=8, n=4, multipliers=(1.0, 4.0, 1.0)), "multipliers"),
+])
+def test_repeated_list_entries_are_refused(call, param):
+    with pytest.raises(ConfigError, match=rf"^{param} lists .* more than once"):
+        call()
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda: gradient_path_sweep(d_ks=(4,), mechanisms=("scaled", "scaeld"), n=8, trials=4),
+     "mechanisms"),
+    (lambda: gradient_path_sweep(d_ks=(4,), mechanisms=[], n=8, trials=4), "mechanisms"),
+    (lambda: gradient_path_sweep(d_ks=(4,), n=8, trials=4, seed=-1), "seed"),
+    (lambda: gradient_path_sweep(d_ks=(4,), n=10 ** 12, trials=4), "n="),
+    (lambda: one_hot_limit(d_k=8, n=10 ** 12), "n="),
+])
+def test_bad_arguments_are_one_line_config_errors(call, param):
+    with pytest.raises(ConfigError) as err:
+        call()
+    assert param in str(err.value) and "\n" not in str(err.value)

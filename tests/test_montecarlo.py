@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 import tracemalloc
 
-import numpy as np
 import pytest
 import torch
 
 from attnscale.errors import ConfigError
+from attnscale.rng import rng
 from attnscale.measure.montecarlo import (
     jacobian_crossing, sample_logits_direct, saturation, saturation_direct, small_head_thresholds,
     variance,
@@ -55,7 +55,7 @@ def test_saturation_mean_and_se_match_an_independent_computation():
     """Means and standard errors against per-trial statistics computed here from raw q, K."""
     d_k, n, trials = 16, 64, 2000
     row, = saturation([d_k], n, trials, seed=5, mechanisms=("unscaled",))
-    z = torch.from_numpy(sample_logits_direct(d_k, n, trials, np.random.default_rng(99)))
+    z = sample_logits_direct(d_k, n, trials, rng(99))
     p = torch.softmax(z, dim=-1)
     jac = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
     per_trial = {"max_weight": p.max(-1).values, "entropy": -(p * p.log()).sum(-1),
@@ -70,10 +70,10 @@ def test_saturation_mean_and_se_match_an_independent_computation():
 @pytest.mark.parametrize("d_k", [4, 64, 256])
 def test_variance_std_matches_direct_sampling(d_k):
     row, = variance([d_k], pairs=40_000, seed=2)
-    raw = sample_logits_direct(d_k, 1, 40_000, np.random.default_rng([7, d_k]))[:, 0]
-    std = float(raw.std(ddof=1))
+    raw = sample_logits_direct(d_k, 1, 40_000, rng(7, d_k))[:, 0]
+    std = float(raw.std())
     kurt = 3.0 + 6.0 / d_k
-    se_direct = std * math.sqrt((kurt - 1.0) / raw.size) / 2.0   # delta method, large N
+    se_direct = std * math.sqrt((kurt - 1.0) / raw.numel()) / 2.0   # delta method, large N
     assert_in_band(row["std"], row["std_se"], std, se_direct, f"d_k={d_k}")
     assert abs(std - math.sqrt(d_k)) <= BAND * se_direct
 
@@ -109,7 +109,10 @@ def test_variance_rows_keys_ci_and_bands():
         lo, hi = r["std_ci95"]
         assert isinstance(lo, float) and isinstance(hi, float)
         assert lo < r["std"] < hi
-        assert math.isclose(hi - lo, 2 * 1.959963984540054 * r["std_se"], rel_tol=1e-9)
+        # Log-scale interval: symmetric around ln s, half-width 1.96 se(s) / s.
+        assert math.isclose(math.log(hi / lo), 2 * 1.959963984540054 * r["std_se"] / r["std"],
+                            rel_tol=1e-9)
+        assert math.isclose(math.sqrt(lo * hi), r["std"], rel_tol=1e-12)
         # se of a sample std under kurtosis k: sigma sqrt((k - 1)/N)/2, independently of the code.
         se = math.sqrt(d) * math.sqrt((2.0 + 6.0 / d) / pairs) / 2.0
         assert math.isclose(r["std_se"], se, rel_tol=0.02), (r["std_se"], se)
@@ -288,17 +291,23 @@ def test_small_heads_stay_unsaturated_below_the_threshold():
 
 
 @pytest.mark.parametrize("call, param", [
-    (lambda: saturation([0], 8, 4, 0), "d_k"),
-    (lambda: saturation([4, -4], 8, 4, 0), "d_k"),
-    (lambda: saturation([], 8, 4, 0), "d_k"),
-    (lambda: saturation([4.5], 8, 4, 0), "d_k"),
+    (lambda: saturation([0], 8, 4, 0), "d_ks"),
+    (lambda: saturation([4, -4], 8, 4, 0), "d_ks"),
+    (lambda: saturation([], 8, 4, 0), "d_ks"),
+    (lambda: saturation([4.5], 8, 4, 0), "d_ks"),
     (lambda: saturation([4], 0, 4, 0), "n"),
+    (lambda: saturation([4], [8, 0], 4, 0), "n"),
+    (lambda: saturation([4], [], 4, 0), "n"),
     (lambda: saturation([4], 8, 1, 0), "trials"),
     (lambda: saturation([4], 8, 4, -1), "seed"),
     (lambda: saturation([4], 8, 4, 0, ()), "mechanisms"),
-    (lambda: variance([0], 100, 0), "d_k"),
-    (lambda: variance("4,8", 100, 0), "d_k"),
+    (lambda: saturation([4], 8, 4, 0, [""]), "mechanisms"),
+    (lambda: saturation_direct(0, 8, 4, 0), "d_k"),
+    (lambda: saturation_direct(4, 8, 1, 0), "trials"),
+    (lambda: variance([0], 100, 0), "d_ks"),
+    (lambda: variance("4,8", 100, 0), "d_ks"),
     (lambda: variance([4], 1, 0), "pairs"),
+    (lambda: variance([4], 100, -1), "seed"),
     (lambda: small_head_thresholds(1, 4), "n"),
     (lambda: small_head_thresholds(256, 0), "d_k"),
 ])
@@ -317,3 +326,119 @@ def test_unknown_mechanism_suggests_a_close_name():
     assert "mechanism" in str(err.value) and "'unscled'" in str(err.value)
     with pytest.raises(ValueError, match="Did you mean: scaled"):
         saturation_direct(4, 8, 4, 0, mechanism="scaeld")
+
+
+# Repeated entries: a statistic never merges two requests.
+@pytest.mark.parametrize("call, param, value", [
+    (lambda: saturation([4], 8, 4, 0, ["scaled", "scaled"]), "mechanisms", "'scaled'"),
+    (lambda: saturation([4], 8, 4, 0, ["unscaled", "scaled", "unscaled"]), "mechanisms",
+     "'unscaled'"),
+    (lambda: saturation([4, 16, 4], 8, 4, 0), "d_ks", "4"),
+    (lambda: saturation([4], [8, 16, 8], 4, 0), "n", "8"),
+    (lambda: variance([64, 64], 100, 0), "d_ks", "64"),
+])
+def test_repeated_list_entries_are_refused(call, param, value):
+    with pytest.raises(ConfigError, match=rf"^{param} lists {value} more than once"):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Lists of n (issue 13 section 2)
+
+
+def test_n_list_gives_one_row_per_mechanism_dk_and_n():
+    rows = saturation([4, 16], [8, 32, 128], 20, seed=0)
+    assert [(r["d_k"], r["n"], r["mechanism"]) for r in rows] == [
+        (d, n, m) for d in (4, 16) for n in (8, 32, 128) for m in ("scaled", "unscaled")]
+    for n in (8, 32, 128):  # a cell does not depend on which other n were requested
+        assert [r for r in rows if r["n"] == n] == saturation([4, 16], n, 20, seed=0)
+
+
+def test_entropy_grows_with_ln_n_for_scaled():
+    rows = saturation([64], [16, 256, 4096], 300, seed=1, mechanisms="scaled")
+    ent = [r["entropy_mean"] for r in rows]
+    gaps = [math.log(r["n"]) - r["entropy_mean"] for r in rows]
+    assert ent[0] < ent[1] < ent[2]
+    # Unit-variance logits: the gap to ln n tends to sigma^2 / 2 = 0.5 as n grows.
+    assert all(0.3 < g < 0.6 for g in gaps), gaps
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes: refused up front when they cannot fit, bounded memory otherwise, progress shown
+
+
+@pytest.mark.parametrize("call, what", [
+    (lambda: saturation([4], 100_000_000_000, 4, 0), "n=100000000000"),
+    (lambda: saturation([4], [8, 10 ** 12], 4, 0), "n=1000000000000"),
+    (lambda: saturation([2 ** 40], 256, 4, 0, ["qknorm"]), "d_k=1099511627776"),
+    (lambda: saturation_direct(4, 10 ** 11, 4, 0), "n=100000000000"),
+])
+def test_requests_too_large_for_memory_are_refused_up_front(call, what):
+    with pytest.raises(ConfigError, match=rf"{what}.* would need about [\d,.]+ GiB of memory") as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_memory_refusal_uses_the_machines_ram(monkeypatch):
+    import attnscale.measure.montecarlo as mc
+    monkeypatch.setattr(mc, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
+    with pytest.raises(ConfigError, match="1.0 MiB|0.0 GiB"):
+        saturation([4], 8, 4, 0)
+    monkeypatch.setattr(mc, "physical_memory", lambda: None)      # unknown: nothing refused
+    assert len(saturation([4], 8, 4, 0)) == 2
+
+
+def test_variance_memory_does_not_grow_with_pairs():
+    tracemalloc.start()
+    try:
+        variance([16], 4 * 2 ** 18, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 ** 20, peak  # Python objects only: the samples live in chunks of torch tensors
+
+
+@pytest.mark.parametrize("call, total", [
+    (lambda: variance([4, 16], 1000, 0, show_progress=True), 2000),
+    (lambda: saturation([4, 16], [8, 32], 30, 0, ["scaled", "qknorm"], show_progress=True),
+     2 * 2 * 2 * 30),
+])
+def test_progress_bar_counts_the_work_on_stderr(capsys, monkeypatch, call, total):
+    import attnscale.measure.montecarlo as mc
+    bars = []
+
+    def recording(*args, **kwargs):
+        bars.append(mc_progress(*args, **kwargs))
+        return bars[-1]
+
+    mc_progress = mc.progress
+    monkeypatch.setattr(mc, "progress", recording)
+    call()
+    assert len(bars) == 1 and bars[0].total == total and bars[0].n == total
+    assert f"0/{total}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The std interval respects the support
+
+
+@pytest.mark.parametrize("pairs", [2, 3, 5, 10])
+@pytest.mark.parametrize("d_k", [1, 4, 64])
+def test_std_interval_stays_positive_for_tiny_samples(d_k, pairs):
+    for seed in range(5):
+        r, = variance([d_k], pairs, seed=seed)
+        lo, hi = r["std_ci95"]
+        assert 0.0 < lo < r["std"] < hi, r
+        assert r["rel_error_ci95"][0] > -1.0
+
+
+def test_std_interval_covers_the_truth_at_the_nominal_rate():
+    """At 50 pairs the log-scale interval covers sqrt(d_k) about 95% of the time; a binomial
+    band of 4 standard errors around 0.95 over 400 seeds."""
+    d_k, seeds = 16, 400
+    hits = 0
+    for seed in range(seeds):
+        lo, hi = variance([d_k], 50, seed=seed)[0]["std_ci95"]
+        hits += lo <= 4.0 <= hi
+    se = math.sqrt(0.95 * 0.05 / seeds)
+    assert abs(hits / seeds - 0.95) <= BAND * se + 0.02, hits  # + the delta method's own bias

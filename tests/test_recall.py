@@ -261,8 +261,9 @@ def test_result_json_schema():
     obj = run.to_json()
     assert list(obj) == ["mechanism", "seed", "steps_to_loss_1", "steps_to_loss_0_1",
                          "final_loss", "eval_accuracy", "grad_wq_norm_step0", "plateaus",
-                         "wall_seconds", "loss_curve"]
+                         "wall_seconds", "loss_curve", "config"]
     assert len(obj["loss_curve"]) == TINY.steps and obj["steps_to_loss_0_1"] is None
+    assert RecallConfig(**json.loads(json.dumps(obj))["config"]) == TINY  # re-runnable from it
     assert 0.0 <= obj["eval_accuracy"] <= 1.0
     json.dumps(obj, allow_nan=False)
     assert [row["step"] for row in run.trace] == [0, 2, 4, 5]

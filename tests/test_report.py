@@ -173,7 +173,8 @@ def _good_section(fig_dir):
 def test_write_report_writes_everything(tmp_path):
     out = tmp_path / "out"
     results = write_report(out, [_good_section], {"seed": 0})
-    assert sorted(p.name for p in out.iterdir()) == ["fig.png", "report.md", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".attnscale-manifest.json", "fig.png",
+                                                    "report.md", "results.json"]
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "![A figure](fig.png)" in md and "## Good" in md and "Some prose." in md
     assert "**1 of 1 claims agree.**" in md

@@ -330,3 +330,142 @@ def test_row_results_do_not_depend_on_batching():
             single = FUNCS[name](z[idx])
             assert single.shape == ()
             assert_close(single, batched[name][idx], rtol=1e-14, atol=0, msg=f"{name} {idx}")
+
+
+# ---------------------------------------------------------------------------------------------
+# row_stats: the one entry point, on both backends
+
+
+def _torch_row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-row columns assembled from the single functions, in float64."""
+    z = z.double()
+    valid = ~torch.isneginf(z)
+    absmax = torch.where(valid, z, torch.zeros_like(z)).abs().amax(dim=-1)
+    return {"count": valid.sum(-1).double(), **all_stats(z), "logit_absmax": absmax}
+
+
+def test_row_stats_columns_are_named_once():
+    assert stats.ROW_STATS_COLUMNS == ("count", "max_weight", "entropy", "jacobian_fro",
+                                       "logit_std", "logit_absmax")
+    rows = stats.row_stats(torch.randn(2, 3, 7))
+    assert rows.shape == (2, 3, 6) and rows.dtype == torch.float64
+    assert list(stats.columns(rows)) == list(stats.ROW_STATS_COLUMNS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_stats_match_the_single_functions(backend, dtype):
+    gen = torch.Generator().manual_seed(11)
+    z = (torch.randn(3, 4, 40, generator=gen) * 4).to(dtype)
+    z[0, 1, 3:9] = -math.inf
+    z[2, 0, :] = -math.inf
+    z[1, 2, 1:] = -math.inf
+    got = stats.columns(stats.row_stats(z))
+    ref = _torch_row_stats(stats.upcast(z))
+    for name in stats.ROW_STATS_COLUMNS:
+        assert_close(got[name], ref[name], rtol=2e-6, atol=1e-6, msg=name)
+
+
+def test_row_stats_limit_equals_explicit_mask(backend):
+    gen = torch.Generator().manual_seed(12)
+    z = torch.randn(2, 3, 5, 16, generator=gen)
+    limit = torch.tensor([0, 1, 7, 16, 40])          # per query row; clamped to [0, n]
+    masked = z.clone()
+    for r, lim in enumerate(limit.tolist()):
+        masked[..., r, min(lim, 16):] = -math.inf
+    assert_close(stats.row_stats(z, limit=limit), stats.row_stats(masked), rtol=1e-6, atol=1e-7)
+    assert_close(stats.row_stats(z.double(), limit=limit), stats.row_stats(masked.double()),
+                 rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_or_plus_inf_rows_are_nan_everywhere(backend, bad, dtype):
+    """One answer for a row with NaN or +inf on every path: NaN in every statistic (as
+    torch.softmax gives), with the key still counted."""
+    z = torch.tensor([[0.0, bad, -1.0], [bad, -math.inf, -math.inf], [0.0, 1.0, 2.0]],
+                     dtype=dtype)
+    got = stats.columns(stats.row_stats(z))
+    assert_close(got["count"], torch.tensor([3.0, 1.0, 3.0], dtype=torch.float64))
+    for name in stats.ROW_STATS_COLUMNS[1:]:
+        assert torch.isnan(got[name][:2]).all(), name
+        assert torch.isfinite(got[name][2]), name
+    for name, fn in FUNCS.items():
+        value = fn(z)
+        assert torch.isnan(value[:2]).all() and torch.isfinite(value[2]), name
+    assert torch.isnan(torch.softmax(z[:1], dim=-1)).any()  # the convention being followed
+
+
+@pytest.mark.parametrize("fn", [stats.row_stats, *FUNCS.values(), softmax_stats])
+def test_empty_last_dimension_is_a_config_error(fn):
+    with pytest.raises(attnscale.errors.ConfigError, match="z must have at least one key"):
+        fn(torch.zeros(3, 0))
+
+
+def test_row_stats_bad_arguments():
+    with pytest.raises(attnscale.errors.ConfigError, match="limit"):
+        stats.row_stats(torch.zeros(2, 3), limit=torch.tensor([1.0]))
+    with pytest.raises(attnscale.errors.ConfigError, match="threads"):
+        stats.row_stats(torch.zeros(2, 3), threads=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: the statistics are loss terms
+
+
+@pytest.mark.parametrize("name", [*STATS, "softmax_stats", "row_stats"])
+def test_statistics_backward(name):
+    z = torch.randn(3, 8, requires_grad=True)
+    if name == "softmax_stats":
+        loss = sum(v.sum() for v in softmax_stats(z).values())
+    elif name == "row_stats":
+        loss = stats.row_stats(z)[..., 1:].sum()
+    else:
+        loss = FUNCS[name](z).sum()
+    loss.backward()
+    assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+GRAD_ROWS = {
+    "random": [0.3, -1.2, 0.8, 2.0, -0.4],
+    "near one-hot": [12.0, 0.0, -1.0, 0.5, -2.0],
+    "one-hot in float64": [60.0, 0.0, -3.0, 1.0, 2.0],
+    "tie at the top": [1.0, 1.0 + 1e-3, -1.0, 0.0, 0.2],
+}
+
+
+@pytest.mark.parametrize("row", GRAD_ROWS, ids=list(GRAD_ROWS))
+@pytest.mark.parametrize("name", STATS)
+def test_gradcheck_float64(name, row):
+    z = torch.tensor([GRAD_ROWS[row], [0.1, 0.2, -0.3, 0.0, 0.4]], dtype=torch.float64,
+                     requires_grad=True)
+    assert torch.autograd.gradcheck(FUNCS[name], (z,), eps=1e-6, atol=1e-8, rtol=1e-5)
+
+
+def test_gradcheck_with_masked_keys():
+    keep = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    free = torch.tensor([0.5, 1.5, -0.2, 3.0, 1.0], dtype=torch.float64, requires_grad=True)
+
+    def place(x):
+        return torch.full(keep.shape, -math.inf, dtype=x.dtype).masked_scatter(keep, x)
+
+    for name in STATS:
+        assert torch.autograd.gradcheck(lambda x: FUNCS[name](place(x)), (free,), eps=1e-6,
+                                        atol=1e-8, rtol=1e-5), name
+
+
+def test_entropy_gradient_matches_autograd_of_the_textbook_form():
+    z = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(entropy(z).sum(), z)
+    p = torch.softmax(z, dim=-1)
+    (ref,) = torch.autograd.grad(-(p * p.log()).sum(), z)
+    assert_close(g, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_one_hot_row_has_zero_gradient_not_nan():
+    z = torch.tensor([[1e4, 0.0, -1.0], [5.0, -math.inf, -math.inf]], dtype=torch.float64,
+                     requires_grad=True)
+    for name in ("max_weight", "entropy", "jacobian_fro"):
+        (g,) = torch.autograd.grad(FUNCS[name](z).sum(), z)
+        assert_close(g, torch.zeros_like(g), rtol=0, atol=1e-300, msg=name)
+    (g,) = torch.autograd.grad(logit_std(z[1:]).sum(), z)  # one key: std 0, gradient 0
+    assert_close(g, torch.zeros_like(g), rtol=0, atol=0)

@@ -22,13 +22,17 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 
 def check_choice(param: str, value: str, choices: Sequence[str], what: str | None = None) -> str:
-    """Require ``value`` to be one of ``choices``; the error suggests the nearest one."""
+    """Require ``value`` to be one of ``choices``; the error suggests the nearest one.
+
+    ``what`` names the kind of thing chosen when it differs from the parameter, e.g.
+    ``check_choice("--mechanisms", name, MECHANISMS, "mechanism")``.
+    """
     if value not in choices:
-        label = what or param
-        raise ConfigError(
-            f"Unknown {label} {value!r} for {param}.{did_you_mean(value, choices)} "
-            f"Choices: {', '.join(choices)}."
-        )
+        hint = did_you_mean(str(value), [str(c) for c in choices])
+        listed = ", ".join(map(str, choices))
+        if what is None:
+            raise ConfigError(f"{param} must be one of {listed}; got {value!r}.{hint}")
+        raise ConfigError(f"{param}: unknown {what} {value!r}.{hint} Choices: {listed}.")
     return value
 
 

@@ -1,67 +1,102 @@
-"""Softmax statistics over attention logits, stable all the way to one-hot.
+"""Softmax statistics over attention logits, stable all the way to one-hot: attnscale's one
+statistics module.
 
 Every function takes logits ``z`` of any batch shape and applies the softmax over the last
-dimension, ``p_i = exp(z_i) / sum_l exp(z_l)``.  Masked keys are given as ``-inf`` logits and are
-excluded; a row whose keys are all masked has no distribution and every statistic returns 0 for it.
+dimension, ``p_i = exp(z_i) / sum_l exp(z_l)``.  :func:`row_stats` is the entry point the Monte
+Carlo experiments, the monitor and the recall trainer share: every statistic of every row in one
+call, through the compiled kernel (:mod:`attnscale.kernels.rowstats`) for float32 CPU logits and
+through the PyTorch formulation here otherwise.  The single functions (:func:`entropy`, ...) are
+differentiable and meant for loss terms.
+
+Special rows, the same answer in every function and on every backend:
+
+* a key with logit ``-inf`` is masked out; a row whose keys are all masked has no distribution and
+  every statistic is 0 for it (its ``count`` is 0);
+* a row holding NaN or ``+inf`` has no finite softmax (``torch.softmax`` and SDPA give NaN there):
+  every statistic is NaN, and the key still counts in ``count``;
+* an empty last dimension is a :class:`~attnscale.errors.ConfigError`.
 
 The essay's regime is near one-hot attention, where textbook formulas cancel catastrophically.
 All statistics are therefore written around the top key ``t``: with ``S = sum_{i != t} exp(z_i - z_t)``
 (each term <= 1, no overflow) we have ``p_t = 1 / (1 + S)``, ``1 - p_t = S / (1 + S)`` and
 ``log p_i = (z_i - z_t) - log1p(S)``, so no quantity is ever formed as a difference of two numbers
-close to 1.  Half-precision inputs are computed in float32.
+close to 1.  Half-precision inputs are computed in float32 (:func:`upcast`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from attnscale.errors import ConfigError, check_int
+from attnscale.kernels import native, rowstats
+from attnscale.kernels.native import ROW_STATS_COLUMNS
 
 Tensor = torch.Tensor
 
+__all__ = ["ROW_STATS_COLUMNS", "columns", "entropy", "jacobian_fro", "logit_std", "max_weight",
+           "row_stats", "softmax_stats", "upcast"]
 
-def _work_dtype(z: Tensor) -> Tensor:
-    """Upcast half types to float32; keep float32/float64 as they are."""
+
+def upcast(z: Tensor) -> Tensor:
+    """The working dtype of a statistic: half types go to float32, float32/float64 stay.
+
+    Raises:
+        TypeError: ``z`` is not floating point.
+    """
     if not z.is_floating_point():
         raise TypeError(f"logits must be floating point, got {z.dtype}")
     return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
 
 
-def _centred(z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Centre each row on its top logit.
+def _logits(z: Tensor) -> Tensor:
+    """Upcast ``z`` and require at least one key per row."""
+    z = upcast(z)
+    if z.dim() == 0 or z.shape[-1] == 0:
+        raise ConfigError(f"z must have at least one key in its last dimension, got shape "
+                          f"{tuple(z.shape)}.")
+    return z
 
-    Returns ``(d, e, S, valid_row)`` for logits ``z`` of shape (..., n): ``d = z - z_t`` (<= 0),
-    ``e_i = exp(d_i)`` for ``i != t`` and ``e_t = 0`` (one argmax per row is excluded, ties keep
-    the rest), ``S = sum_i e_i`` and ``valid_row`` (rows with an unmasked key; None when nothing
-    is masked).  Masked entries of ``d`` are clamped to the most negative finite value so that
-    products with their zero weight stay 0.
-    """
-    z = _work_dtype(z)
-    zmax, idx = z.max(dim=-1, keepdim=True)                       # (..., 1)
-    valid_row = None
-    if bool(torch.isneginf(zmax).any()):
-        # Fully masked rows are centred at 0 so that every exp below is exp(-inf) = 0.
-        valid_row = torch.isfinite(zmax).squeeze(-1)              # (...)
-        zmax = torch.where(torch.isfinite(zmax), zmax, torch.zeros_like(zmax))
-    d = z - zmax                                                  # (..., n), <= 0
-    e = d.exp().scatter_(-1, idx, 0.0)                            # exp(d_i), top excluded
-    S = e.sum(dim=-1)                                             # (...)
-    d.clamp_(min=torch.finfo(d.dtype).min)                        # -inf -> finite; weight is 0
-    return d, e, S, valid_row
+
+def _sqrt(x: Tensor) -> Tensor:
+    """``sqrt(max(x, 0))`` whose gradient at 0 is 0 rather than NaN (0 * inf)."""
+    pos = x > 0
+    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).sqrt(), torch.zeros_like(x))
+
+
+def _special_rows(zmax: Tensor, out: Tensor) -> Tensor:
+    """Apply the module's rule for special rows to a statistic ``out`` (...), given each row's
+    max logit ``zmax`` (...): 0 for rows without a key, NaN for rows holding NaN or ``+inf``."""
+    out = torch.where(torch.isneginf(zmax), torch.zeros_like(out), out)
+    return torch.where(torch.isnan(zmax) | torch.isposinf(zmax), torch.full_like(out, math.nan),
+                       out)
 
 
 def softmax_stats(z: Tensor) -> dict[str, Tensor]:
-    """Max weight, entropy (nats) and ``||J||_F`` of ``softmax(z)`` in one pass.
+    """Max weight, entropy (nats) and ``||J||_F`` of ``softmax(z)`` in one pass; differentiable.
 
     Args:
-        z: logits, shape (..., n); ``-inf`` marks a masked key.  Must not contain NaN or +inf.
+        z: logits, shape (..., n) with n >= 1; ``-inf`` marks a masked key.
     Returns:
-        dict with ``max_weight``, ``entropy`` and ``jacobian_fro``, each of shape (...).
+        dict with ``max_weight``, ``entropy`` and ``jacobian_fro``, each of shape (...); see the
+        module doc for masked, NaN and ``+inf`` rows.
     """
-    d, e, S, valid_row = _centred(z)
-    p_top = 1.0 / (1.0 + S)                                        # (...)
+    z = _logits(z)
+    zmax, idx = z.max(dim=-1, keepdim=True)                       # (..., 1); NaN if any NaN
+    # Rows without a finite top (no key, NaN, +inf) are centred at 0 to keep the arithmetic
+    # finite; _special_rows sets their results at the end.
+    centre = torch.where(torch.isfinite(zmax), zmax, torch.zeros_like(zmax))
+    d = z - centre                                                # (..., n), <= 0
+    top = torch.zeros_like(z, dtype=torch.bool).scatter(-1, idx, True)
+    e = torch.where(top, torch.zeros_like(d), d.exp())            # exp(d_i), top excluded
+    S = e.sum(dim=-1)                                             # (...)
+    d = d.clamp(min=torch.finfo(d.dtype).min)                     # -inf -> finite; weight is 0
+    p_top = 1.0 / (1.0 + S)                                       # (...)
 
     # Entropy H = -sum p_i log p_i with -log p_i = log1p(S) - d_i >= 0, so every term is >= 0:
     # H = log1p(S) (p_t + rest) - sum_i p_i d_i = log1p(S) - p_t sum_{i != t} e_i d_i.
-    entropy = torch.log1p(S) - p_top * torch.linalg.vecdot(e, d)
+    ent = torch.log1p(S) - p_top * torch.linalg.vecdot(e, d)
 
     # ||J||_F^2 for J = diag(p) - p p^T, split around the top key t, with R_k = sum_{i != t} p_i^k
     # and rest = 1 - p_t = p_t S:
@@ -73,20 +108,20 @@ def softmax_stats(z: Tensor) -> dict[str, Tensor]:
     # ~350 (float64) or ~45 (float32), factor out the largest non-top weight p_t m:
     # with u_i = e_i / m and U_k = sum u_i^k (each in [1, n]),
     #   ||J|| = p_t m sqrt(p_t^2 U1^2 + (1 + 2 p_t^2) U2 - 2 p_t m U3 + (p_t m)^2 U2^2).
-    m = e.amax(dim=-1)                                             # (...), 0 when n = 1
-    u = e / torch.where(m > 0, m, torch.ones_like(m)).unsqueeze(-1)
+    m = e.amax(dim=-1)                                            # (...), 0 when n = 1
+    m_safe = torch.where(m > 0, m, torch.ones_like(m))
+    u = e / m_safe.unsqueeze(-1)
     u2 = u * u
-    U1 = S / torch.where(m > 0, m, torch.ones_like(m))
+    U1 = S / m_safe
     U2 = u2.sum(dim=-1)
     U3 = torch.linalg.vecdot(u2, u)
     pm = p_top * m
     inner = (p_top * U1) ** 2 + (1.0 + 2.0 * p_top * p_top) * U2 - 2.0 * pm * U3 + (pm * U2) ** 2
-    jac = pm * torch.sqrt(inner.clamp(min=0.0))
+    jac = pm * _sqrt(inner)
 
-    out = {"max_weight": p_top, "entropy": entropy, "jacobian_fro": jac}
-    if valid_row is not None:
-        out = {k: torch.where(valid_row, v, torch.zeros_like(v)) for k, v in out.items()}
-    return out
+    zmax = zmax.squeeze(-1)
+    return {"max_weight": _special_rows(zmax, p_top), "entropy": _special_rows(zmax, ent),
+            "jacobian_fro": _special_rows(zmax, jac)}
 
 
 def max_weight(z: Tensor) -> Tensor:
@@ -112,15 +147,68 @@ def jacobian_fro(z: Tensor) -> Tensor:
 def logit_std(z: Tensor) -> Tensor:
     """Standard deviation of the unmasked logits in each row (Bessel-corrected); shape (...).
 
-    Masked (``-inf``) keys are excluded; a row with fewer than two valid keys returns 0.
+    Masked (``-inf``) keys are excluded; a row with fewer than two valid keys returns 0, a row
+    holding NaN or ``+inf`` returns NaN.  Differentiable (its gradient is 0 where the std is 0).
     """
-    z = _work_dtype(z)
-    if z.shape[-1] >= 2 and not bool(torch.isneginf(z).any()):
-        return z.std(dim=-1)
-    valid = ~torch.isneginf(z)  # NaN and +inf stay in, and make the row's std NaN
+    z = _logits(z)
+    zmax = z.amax(dim=-1)
+    if not bool(torch.isneginf(zmax).any()) and not bool(torch.isneginf(z).any()):
+        var = z.var(dim=-1) if z.shape[-1] >= 2 else torch.zeros_like(zmax)
+        return _special_rows(zmax, _sqrt(var))
+    valid = ~torch.isneginf(z)
     count = valid.sum(dim=-1)
     zv = torch.where(valid, z, torch.zeros_like(z))
     mean = zv.sum(dim=-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
     dev = torch.where(valid, z - mean, torch.zeros_like(z))
     var = (dev * dev).sum(dim=-1) / (count - 1).clamp(min=1)
-    return torch.where(count >= 2, var.sqrt(), torch.zeros_like(var))
+    return _special_rows(zmax, torch.where(count >= 2, _sqrt(var), torch.zeros_like(var)))
+
+
+def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = None) -> Tensor:
+    """Every statistic of every row of ``softmax(z)``: the one entry point for per-row statistics.
+
+    Args:
+        z: logits (..., n), n >= 1; ``-inf`` marks a masked key.
+        limit: optional int64 tensor (P,): row ``r`` of the flattened (R, n) view sees only its
+            first ``limit[r % P]`` keys (clamped to [0, n]), the others count as masked -- causal
+            attention without writing a mask, with P the query rows per (batch, head).
+        threads: worker threads of the compiled kernel (default ``torch.get_num_threads()``).
+    Returns:
+        float64 tensor (..., 6) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
+        row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std`` and
+        ``logit_absmax`` (``max |z|`` over unmasked keys).  :func:`columns` names them.  Masked,
+        NaN and ``+inf`` rows follow the module doc (``count`` still counts their keys).
+
+    float32 CPU logits go through the compiled kernel when it is available, unless ``z`` needs
+    a gradient; everything else (other dtypes, devices, no kernel) through the PyTorch
+    formulation, which is differentiable.  The two agree to float32 rounding.
+    """
+    z = _logits(z)
+    if limit is not None:
+        if not isinstance(limit, Tensor) or limit.dtype != torch.int64 or limit.numel() < 1:
+            raise ConfigError(f"limit must be a non-empty int64 tensor, got {limit!r}.")
+    if threads is not None:
+        threads = check_int("threads", threads, minimum=1)
+    needs_grad = z.requires_grad and torch.is_grad_enabled()
+    if (z.dtype == torch.float32 and z.device.type == "cpu" and not needs_grad
+            and native.available()):
+        return rowstats.row_stats(z, limit=limit, threads=threads)
+    if limit is not None:
+        n = z.shape[-1]
+        rows = z.numel() // n
+        lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
+        hidden = torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1)
+        z = z.masked_fill(hidden, -math.inf)
+    masked = torch.isneginf(z)
+    s = softmax_stats(z)
+    zmax = z.amax(dim=-1)
+    absmax = _special_rows(zmax, z.masked_fill(masked, 0.0).abs().amax(dim=-1))
+    count = (~masked).sum(dim=-1).to(s["entropy"].dtype)
+    out = torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], logit_std(z),
+                       absmax], dim=-1)
+    return out.double()
+
+
+def columns(rows: Tensor) -> dict[str, Tensor]:
+    """Name the last dimension of :func:`row_stats`'s result: ``{column: rows[..., i]}``."""
+    return {name: rows[..., i] for i, name in enumerate(ROW_STATS_COLUMNS)}

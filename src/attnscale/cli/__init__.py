@@ -2,7 +2,9 @@
 
 Each subcommand lives in ``attnscale.cli.<name>`` and exposes ``register(subparsers)``, which
 adds its parser and sets ``func(args) -> int``.  Bad input raises :class:`~attnscale.errors.ConfigError`
-anywhere below; it is printed here as one line and the exit code is 2.
+anywhere below; it is printed here as one line and the exit code is 2.  Output paths registered
+with :func:`attnscale.cli._common.add_output` are checked here before the command runs.  Ctrl-C
+exits 130 and SIGTERM 143, both after the staged writes of :mod:`attnscale.io` are cleaned up.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ import argparse
 import importlib
 import sys
 
+from attnscale.cli._common import check_outputs
 from attnscale.errors import ConfigError
+from attnscale.io import Terminated, sigterm_as_exit
 
 # Explicit list, in the order ``attnscale --help`` shows them.
 COMMAND_MODULES = (
     "attnscale.cli.montecarlo",
     "attnscale.cli.reproduce",
     "attnscale.cli.train",
+    "attnscale.cli.compare",
+    "attnscale.cli.study",
     "attnscale.cli.monitor",
 )
 
@@ -47,13 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with sigterm_as_exit():
+            check_outputs(args)
+            return int(args.func(args) or 0)
     except ConfigError as err:
         print(f"attnscale {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"attnscale {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as err:
+        print(f"attnscale {args.command}: terminated", file=sys.stderr)
+        return int(err.code)
 
 
 if __name__ == "__main__":  # pragma: no cover

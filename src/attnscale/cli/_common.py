@@ -1,4 +1,5 @@
-"""Helpers shared by the subcommands: argparse formatting, JSON output and plain-text tables."""
+"""Helpers shared by the subcommands: argparse formatting, output options, ``--option KEY=VALUE``,
+JSON output and plain-text tables."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnscale.errors import ConfigError
+from attnscale.io import check_output_path
 
 
 def add_command(sub, name: str, *, help: str, examples: str) -> argparse.ArgumentParser:
@@ -16,6 +22,74 @@ def add_command(sub, name: str, *, help: str, examples: str) -> argparse.Argumen
         epilog="examples:\n" + examples.strip("\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def add_force(p: argparse.ArgumentParser) -> None:
+    """``--force``: overwrite output files attnscale did not write (see :mod:`attnscale.io`)."""
+    p.add_argument("--force", action="store_true",
+                   help="overwrite existing files in the way that attnscale did not write")
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output option of a command: checked by :func:`check_outputs` before the command runs."""
+    dest: str
+    flag: str
+    kind: str = "file"                        # "file" or "dir"
+    suffixes: tuple[str, ...] | None = None   # allowed extensions of a file
+    files: tuple[str, ...] = ()               # names a "dir" output always receives
+
+
+def add_output(p: argparse.ArgumentParser, flag: str, *, kind: str = "file",
+               suffixes: Sequence[str] | None = None, files: Iterable[str] = (),
+               **kwargs) -> None:
+    """Add an output-path option (and ``--force``, once) and register it for :func:`check_outputs`,
+    which :func:`attnscale.cli.main` runs before any work."""
+    action = p.add_argument(flag, **kwargs)
+    outputs = [*(p.get_default("outputs") or ()),
+               Output(action.dest, flag, kind, tuple(suffixes) if suffixes else None, tuple(files))]
+    p.set_defaults(outputs=outputs)
+    if "force" not in {a.dest for a in p._actions}:
+        add_force(p)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Check every registered output path of the command (see :func:`attnscale.io.check_output_path`);
+    an option left unset is skipped, two options naming the same path are an error."""
+    seen: dict[Path, str] = {}
+    for out in getattr(args, "outputs", None) or ():
+        value = getattr(args, out.dest)
+        if value is None:
+            continue
+        path = check_output_path(out.flag, value, kind=out.kind, suffixes=out.suffixes,
+                                 files=out.files, force=args.force).resolve()
+        if path in seen:
+            raise ConfigError(f"{out.flag} and {seen[path]} name the same path {str(value)!r}.")
+        seen[path] = out.flag
+
+
+def parse_options(items: Sequence[str], param: str = "--option") -> dict[str, object]:
+    """``KEY=VALUE`` items as a dict, each value read as an int, a float or else a string; a key
+    given twice is an error (the last would silently win)."""
+    options: dict[str, object] = {}
+    for text in items:
+        key, sep, value = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"{param} must look like key=value, got {text!r}.")
+        if key in options:
+            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
+        options[key] = _option_value(value)
+    return options
+
+
+def _option_value(text: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def print_json(obj: object) -> None:

@@ -10,9 +10,11 @@ import math
 import sys
 from pathlib import Path
 
-from attnscale.cli._common import add_command, format_table
-from attnscale.errors import ConfigError, check_choice, check_int
-from attnscale.mechanisms import MECHANISMS
+from attnscale.cli._common import add_command, add_output, format_table
+from attnscale.errors import ConfigError, check_int
+from attnscale.io import staged_dir
+from attnscale.mechanisms import check_mechanism
+from attnscale.rng import rng
 from attnscale.measure.monitor import DEFAULT_BLOCK, layer_summary, monitor, plot_entropy
 
 EXAMPLES = """
@@ -24,26 +26,53 @@ EXAMPLES = """
 # Files whose presence means MODEL_DIR ships a tokenizer (any one is enough for AutoTokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
+OUT_FILES = ("records.json", "entropy_heatmap.png")
 TABLE_COLUMNS = ("layer", "module", "heads", "queries", "entropy_mean", "entropy_min",
                  "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
 
 
-def _check_inputs(args) -> Path:
-    """Everything that can be checked before transformers is imported; returns MODEL_DIR."""
+def _check_inputs(args) -> tuple[Path, dict, str | None]:
+    """Everything that can be checked before transformers is imported (the --out folder was
+    checked by :func:`attnscale.cli.main`); returns MODEL_DIR, its config.json and the text."""
     model_dir = Path(args.model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory "
                           "(attnscale monitor never downloads; pass a local model folder).")
-    if not (model_dir / "config.json").is_file():
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} has no config.json "
                           "(save the model with save_pretrained).")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json is not valid JSON "
+                          f"({err}).") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json must hold a JSON object, "
+                          f"got a {type(config).__name__}.")
     check_int("--seq-len", args.seq_len, minimum=1)
     check_int("--block", args.block, minimum=1)
-    if args.text is not None and not Path(args.text).is_file():
-        raise ConfigError(f"--text {args.text!r} is not a file.")
+    check_int("--seed", args.seed, minimum=0)
+    text = None
+    if args.text is not None:
+        if not Path(args.text).is_file():
+            raise ConfigError(f"--text {args.text!r} is not a file.")
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--text {args.text!r} is not UTF-8 text (byte "
+                              f"{err.object[err.start]:#04x} at offset {err.start}).") from None
     if args.mechanism is not None:
-        check_choice("--mechanism", args.mechanism, list(MECHANISMS), "mechanism")
-    return model_dir
+        check_mechanism(args.mechanism, param="--mechanism")
+    return model_dir, config, text
+
+
+def _check_seq_len(args, model) -> None:
+    """--seq-len must fit the model's position table (learned positions index past it)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and args.seq_len > limit:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's maximum of {limit} "
+                          "positions (max_position_embeddings in config.json).")
 
 
 def _load(model_dir: Path, mechanism: str | None):
@@ -53,6 +82,8 @@ def _load(model_dir: Path, mechanism: str | None):
     except ImportError:
         raise ConfigError("attnscale monitor needs transformers: pip install 'attnscale[hf]'") \
             from None
+    from safetensors import SafetensorError
+
     from attnscale import hf
 
     if mechanism is not None:
@@ -65,7 +96,8 @@ def _load(model_dir: Path, mechanism: str | None):
         model = hf.from_pretrained(transformers.AutoModel, model_dir, local_files_only=True)
     except ConfigError:
         raise
-    except (ValueError, KeyError, OSError) as err:  # unknown model_type, bad or missing weights
+    except (ValueError, KeyError, OSError, SafetensorError) as err:
+        # unknown model_type, bad, truncated or missing weights
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load MODEL_DIR {str(model_dir)!r}: {first}") from None
     hf.check_supported(model)
@@ -77,12 +109,11 @@ def _load(model_dir: Path, mechanism: str | None):
     return model.eval(), tokenizer
 
 
-def _input_ids(args, model, tokenizer):
+def _input_ids(args, text, model, tokenizer):
     """(1, N) token ids: the tokenised --text, or N seeded random ids (saying so on stderr)."""
     import torch
 
-    if tokenizer is not None and args.text is not None:
-        text = Path(args.text).read_text(encoding="utf-8")
+    if tokenizer is not None and text is not None:
         ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :args.seq_len]
         if ids.shape[1] == 0:
             raise ConfigError(f"--text {args.text!r} gives no tokens.")
@@ -92,7 +123,7 @@ def _input_ids(args, model, tokenizer):
     print(f"attnscale monitor: {why}{ignored}: using {args.seq_len} random token ids "
           f"(seed {args.seed}).", file=sys.stderr)
     vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = rng(args.seed)  # torch.Generator().manual_seed(seed): the ids of earlier versions
     return torch.randint(0, vocab, (1, args.seq_len), generator=gen), "random"
 
 
@@ -101,13 +132,11 @@ def _finite(x):
     return None if isinstance(x, float) and math.isnan(x) else x
 
 
-def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
+def _write_outputs(out_dir: Path, records: list[dict], meta: dict, force: bool) -> None:
     """records.json and entropy_heatmap.png, moved into ``out_dir`` only once both are written."""
-    from attnscale.experiments.recall.outputs import staged
     from attnscale.report.figures import new_figure, save
-    from attnscale.report.writer import check_writable_dir
 
-    with staged(check_writable_dir("--out", out_dir)) as staging:
+    with staged_dir(out_dir, force=force) as staging:
         payload = {"meta": meta,
                    "records": [{k: _finite(v) for k, v in r.items()} for r in records]}
         (staging / "records.json").write_text(json.dumps(payload, indent=1, allow_nan=False),
@@ -122,9 +151,10 @@ def _write_outputs(out_dir: Path, records: list[dict], meta: dict) -> None:
 
 
 def _run(args) -> int:
-    model_dir = _check_inputs(args)
+    model_dir, _, text = _check_inputs(args)
     model, tokenizer = _load(model_dir, args.mechanism)
-    ids, source = _input_ids(args, model, tokenizer)
+    _check_seq_len(args, model)
+    ids, source = _input_ids(args, text, model, tokenizer)
 
     import torch
 
@@ -147,8 +177,9 @@ def _run(args) -> int:
             "input": source, "seed": args.seed,
             "statistics_kernel": native.isa() or "pytorch"}
     print(format_table(layer_summary(records), TABLE_COLUMNS))
-    _write_outputs(Path(args.out), records, meta)
-    print(f"Wrote {args.out}/records.json and {args.out}/entropy_heatmap.png", file=sys.stderr)
+    _write_outputs(Path(args.out), records, meta, args.force)
+    print(f"Wrote {Path(args.out) / OUT_FILES[0]} and {Path(args.out) / OUT_FILES[1]}",
+          file=sys.stderr)
     return 0
 
 
@@ -167,9 +198,9 @@ def register(sub) -> None:
                    help="swap every layer's temperature for this registered mechanism, freshly "
                         "initialised (default: the model's own, or the mechanism it was saved "
                         "with after attnscale.hf.set_mechanism)")
-    p.add_argument("--out", metavar="DIR", default="attnscale-monitor",
-                   help="output directory for records.json and entropy_heatmap.png "
-                        "(default: %(default)s)")
+    add_output(p, "--out", kind="dir", files=OUT_FILES, metavar="DIR", default="attnscale-monitor",
+               help="output directory for records.json and entropy_heatmap.png "
+                    "(default: %(default)s)")
     p.add_argument("--block", metavar="N", type=int, default=DEFAULT_BLOCK,
                    help="queries per statistics block (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,

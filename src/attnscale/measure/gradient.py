@@ -21,8 +21,11 @@ import torch
 from torch import Tensor
 
 from attnscale.attention import MultiHeadAttention
-from attnscale.errors import check_float, check_int, check_int_list
-from attnscale.mechanisms import build_mechanism
+from attnscale.errors import check_choice, check_float, check_int, check_int_list, check_name_list
+from attnscale.errors import check_unique
+from attnscale.measure.montecarlo import check_memory
+from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.rng import cell_seed, rng
 
 # d_k swept by the gradient-path experiment (the essay's range) and its default size.
 GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
@@ -83,11 +86,18 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
     d_ks = check_int_list("d_ks", d_ks, minimum=1)
     n = check_int("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    chunk = check_int("chunk", chunk, minimum=1)
+    mechanisms = check_name_list("mechanisms", [mechanisms] if isinstance(mechanisms, str)
+                                 else mechanisms)
     for name in mechanisms:
-        build_mechanism(name, 1, 1)  # unknown names fail here, before any sampling
+        check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
+    for d_k in d_ks:  # q, k, v and the value path of one chunk, float32, and their copies
+        check_memory(f"n={n} keys at d_k={d_k} in chunks of {chunk} trials",
+                     16 * min(chunk, trials) * n * (d_k + 2 * GRADIENT_DV))
     rows = []
     for d_k in d_ks:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + d_k)
+        gen = rng(seed, "gradient-paths", d_k)
         mechs = {name: build_mechanism(name, d_k, 1) for name in mechanisms}  # at init
         stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
         for start in range(0, trials, chunk):
@@ -116,7 +126,12 @@ def one_hot_limit(d_k: int = 1024, *, n: int = GRADIENT_N,
 
     float64; ``value_over_g`` is the value-path norm divided by ||g||, which tends to 1.
     """
-    gen = torch.Generator().manual_seed(seed)
+    d_k = check_int("d_k", d_k, minimum=1)
+    n = check_int("n", n, minimum=1)
+    multipliers = check_unique("multipliers", [check_float("multipliers", m, positive=True)
+                                               for m in multipliers])
+    check_memory(f"n={n} keys at d_k={d_k}", 8 * 4 * n * d_k)
+    gen = rng(seed, "one-hot-limit")
     q = torch.randn(d_k, generator=gen, dtype=torch.float64)
     k = torch.randn(n, d_k, generator=gen, dtype=torch.float64)
     v = torch.randn(n, d_k, generator=gen, dtype=torch.float64)
@@ -124,7 +139,6 @@ def one_hot_limit(d_k: int = 1024, *, n: int = GRADIENT_N,
     z = build_mechanism("unscaled", d_k, 1).logits(q.view(1, 1, 1, d_k), k.view(1, 1, n, d_k))
     rows = []
     for m in multipliers:
-        m = check_float("multipliers", m, positive=True)
         max_w, routing, value = _path_norms(gradient_paths(m * z.view(n), v, g))
         rows.append({"mechanism": "unscaled", "d_k": d_k, "n": n, "multiplier": m,
                      "max_weight": max_w.item(), "routing_norm": routing.item(),
@@ -136,8 +150,11 @@ def _twin_models(d_model: int, n_heads: int, seed: int) -> tuple[MultiHeadAttent
     """``scaled`` and ``init-reparam`` attention built from the same seed, in float64."""
     models = []
     for mechanism in ("scaled", "init-reparam"):
-        torch.manual_seed(seed)  # the same draws for W_Q, W_K, W_V, W_O in both
-        models.append(MultiHeadAttention(d_model, n_heads, mechanism, dtype=torch.float64))
+        # The same draws for W_Q, W_K, W_V, W_O in both; the module draws from torch's global
+        # generator, so it is seeded inside fork_rng and the caller's state is left untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cell_seed(seed, "init-reparam-weights"))
+            models.append(MultiHeadAttention(d_model, n_heads, mechanism, dtype=torch.float64))
     return tuple(models)
 
 
@@ -167,7 +184,7 @@ def init_reparam_checks(d_model: int = 64, n_heads: int = 1, *, n_tokens: int = 
     """
     d_model = check_int("d_model", d_model, minimum=1)
     lr = check_float("lr", lr, positive=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = rng(seed, "init-reparam-data")
     x = torch.randn(batch, n_tokens, d_model, generator=gen, dtype=torch.float64)
     y = torch.randn(batch, n_tokens, d_model, generator=gen, dtype=torch.float64)
     scaled, reparam = _twin_models(d_model, n_heads, seed)

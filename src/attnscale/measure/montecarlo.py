@@ -1,51 +1,96 @@
 """The essay's Monte Carlo experiments on random queries and keys.
 
 Model: ``q, k_1..k_n ~ N(0, I_{d_k})`` independent, the premise of the variance argument
-(Vaswani et al. 2017, footnote 4).  All experiments are seeded per ``(seed, d_k)``, so a row does
-not depend on which other ``d_k`` values were requested, and they return tidy row dicts.
+(Vaswani et al. 2017, footnote 4).  Every cell of an experiment -- a ``d_k``, an ``n``, a way of
+sampling -- draws from its own stream ``attnscale.rng.rng(seed, experiment, ..., d_k, n)``, so a
+row does not depend on which other cells were requested, and the experiments return tidy row
+dicts.  Statistics come from :func:`attnscale.stats.row_stats`.
 
 Exact shortcut
 --------------
 Given ``q``, the raw logits ``q.k_i`` are i.i.d. ``N(0, |q|^2)`` (rotate ``q`` onto the first axis;
 the first coordinates of the ``k_i`` are i.i.d. standard normals).  Hence sampling
 ``|q|^2 ~ chi^2(d_k)`` and ``g ~ N(0, I_n)`` and setting ``z = |q| g`` is exact in distribution and
-costs ``n + 1`` normals per trial instead of ``(n + 1) d_k``.  :func:`sample_logits_direct` is the
+costs ``n + 1`` normals per trial instead of ``(n + 1) d_k``.  It serves every mechanism whose
+logits are ``scale * q.k`` with ``q`` and ``k`` untouched and a constant ``scale``
+(:func:`_shortcut_scale` asks the mechanism itself).  :func:`sample_logits_direct` is the
 brute-force reference it is tested against (and the essay's method, timed in ``benchmarks/``).
+
+Size
+----
+Work is done in chunks of about :data:`CHUNK_ELEMENTS` logits, so memory does not grow with
+``trials`` or ``pairs``; one trial's ``n`` keys (times ``d_k`` where a mechanism needs its
+vectors) must fit at once, and a request that would need more than :data:`MEMORY_FRACTION` of the
+machine's RAM is refused up front (:func:`check_memory`).  Long runs show a progress bar.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from attnscale.constants import Z95
-from attnscale.errors import ConfigError, check_choice, check_int, check_int_list
+from attnscale.errors import (
+    ConfigError, check_choice, check_int, check_int_list, check_name_list,
+)
 from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
-from attnscale.stats import logit_std, softmax_stats
+from attnscale.rng import rng
+from attnscale.stats import columns, row_stats
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
 # (fresh multi-MB buffers cost a page fault per 4 KB), large enough to amortise Python overhead.
 CHUNK_ELEMENTS = 1 << 16
-# Elements of the (trials, n, d_k) key tensor sampled per chunk by the direct reference.
+# Elements of the (trials, n, d_k) key tensor sampled per chunk by the module paths.
 DIRECT_CHUNK_ELEMENTS = 1 << 23
-# Mechanisms whose logits this module samples with the chi-square shortcut; every other mechanism
-# defined at init goes through its own ``logits`` on rotated-frame (or directly sampled) q and k.
-SHORTCUT_MECHANISMS = ("scaled", "unscaled")
+# Samples of q.k per chunk in the variance check.
+VARIANCE_CHUNK = 1 << 18
+# Refuse a request whose working set exceeds this fraction of the machine's physical memory.
+MEMORY_FRACTION = 0.5
+# Bytes per logit of a chunk's working set: float32 logits, the float64 shortcut samples and the
+# statistics' temporaries (the PyTorch formulation holds about ten row-sized tensors).
+BYTES_PER_LOGIT = 96
+# Bytes per key coordinate on the module paths: q and k in float32 and a mechanism's copies.
+BYTES_PER_KEY_COORDINATE = 16
 # The d_k grid of the essay's figures: 4, 8, ..., 1024.
 ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
 ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
+# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order.
+SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
 
 
-def _rng(seed: int, d_k: int, stream: int) -> np.random.Generator:
-    """Independent generator for one (seed, d_k, experiment) cell."""
-    return np.random.default_rng([seed, d_k, stream])
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(what: str, need: int) -> None:
+    """Refuse a request whose working set ``need`` (bytes) exceeds :data:`MEMORY_FRACTION` of RAM.
+
+    ``what`` names the request (``"n=100000000000"``); the one-line error says how much it needs.
+    """
+    ram = physical_memory()
+    if ram is not None and need > MEMORY_FRACTION * ram:
+        raise ConfigError(f"{what} would need about {need / 2**30:,.1f} GiB of memory at once, "
+                          f"more than {MEMORY_FRACTION:.0%} of this machine's "
+                          f"{ram / 2**30:,.1f} GiB; use a smaller value.")
+
+
+def _chi(dof: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Samples of ``chi(dof)``, the norm of a ``N(0, I_dof)`` vector, float64: ``chi^2(d)`` is
+    ``2 Gamma(d / 2, 1)``."""
+    alpha = torch.full(shape, dof / 2.0, dtype=torch.float64)
+    return (2.0 * torch._standard_gamma(alpha, generator=gen)).sqrt_()
 
 
 def kurtosis_dot(d_k: int) -> float:
@@ -65,45 +110,97 @@ def std_se(std: float, count: int, kurtosis: float) -> float:
     return std * math.sqrt((kurtosis - (count - 3) / (count - 1)) / count) / 2.0
 
 
+def std_ci(std: float, se: float) -> tuple[float, float]:
+    """95% interval of a standard deviation on the log scale: ``s exp(-/+ z se / s)``.
+
+    The delta method applied to ``ln s`` (whose se is ``se(s) / s``) keeps both ends positive, as a
+    standard deviation is, and widens the upper end for small samples, where the sampling
+    distribution of ``s`` is right-skewed; for large samples it agrees with ``s -/+ z se``.
+    """
+    if std <= 0.0:
+        return 0.0, 0.0
+    half = Z95 * se / std
+    return std * math.exp(-half), std * math.exp(half)
+
+
+class _Moments:
+    """Streaming central moments of a sample, from power sums shifted by its first chunk's mean
+    (so nothing cancels when the mean is far from 0)."""
+
+    def __init__(self) -> None:
+        self.count, self.shift, self.sums = 0, None, [0.0] * 4
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.shift is None:
+            self.shift = float(x.mean())
+        y = x - self.shift
+        y2 = y * y
+        for k, part in enumerate((y, y2, y2 * y, y2 * y2)):
+            self.sums[k] += float(part.sum())
+        self.count += x.numel()
+
+    def central(self) -> tuple[float, float]:
+        """``(m2, m4)``, the second and fourth central moments (divided by N)."""
+        s1, s2, s3, s4 = (s / self.count for s in self.sums)
+        m2 = max(s2 - s1 * s1, 0.0)
+        m4 = max(s4 - 4 * s1 * s3 + 6 * s1 * s1 * s2 - 3 * s1 ** 4, 0.0)
+        return m2, m4
+
+
+def _chunk_sizes(total: int, per: int) -> Iterator[int]:
+    """Split ``total`` into chunk sizes of at most ``per``."""
+    for start in range(0, total, per):
+        yield min(per, total - start)
+
+
 def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: int = 0,
              *, show_progress: bool | None = None) -> list[dict]:
     """Empirical std of ``q.k`` against the prediction ``sqrt(d_k)``.
 
-    Returns one row per ``d_k``: ``d_k, pairs, seed, std, predicted, rel_error, std_ci95`` (the
-    95% CI of the std, accounting for the kurtosis ``3 + 6/d_k``), ``rel_error_ci95``,
-    ``kurtosis_theory`` and ``kurtosis_measured``.
+    Returns one row per ``d_k``: ``d_k, pairs, seed, std, predicted, rel_error, std_se``,
+    ``std_ci95`` (the 95% CI of the std on the log scale, :func:`std_ci`, with the standard error
+    accounting for the kurtosis ``3 + 6/d_k``), ``rel_error_ci95``, ``kurtosis_theory`` and
+    ``kurtosis_measured``.  Memory does not grow with ``pairs`` (chunks of
+    :data:`VARIANCE_CHUNK`); a progress bar counts the pairs.
     """
-    d_ks = check_int_list("d_k", d_ks, minimum=1)
+    d_ks = check_int_list("d_ks", d_ks, minimum=1)
     pairs = check_int("pairs", pairs, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     rows = []
-    for d_k in progress(d_ks, desc="variance", enabled=show_progress):
-        rng = _rng(seed, d_k, 0)
-        # Exact shortcut: q.k = |q| g with |q|^2 ~ chi2(d_k), g ~ N(0, 1) independent of |q|.
-        x = np.sqrt(rng.chisquare(d_k, size=pairs)) * rng.standard_normal(pairs)
-        std = float(x.std(ddof=1))
-        predicted = math.sqrt(d_k)
-        se = std_se(std, pairs, kurtosis_dot(d_k))
-        lo, hi = std - Z95 * se, std + Z95 * se
-        centred = x - x.mean()
-        rows.append({
-            "d_k": d_k, "pairs": pairs, "seed": seed, "std": std, "predicted": predicted,
-            "rel_error": std / predicted - 1.0, "std_se": se, "std_ci95": [lo, hi],
-            "rel_error_ci95": [lo / predicted - 1.0, hi / predicted - 1.0],
-            "kurtosis_theory": kurtosis_dot(d_k),
-            "kurtosis_measured": float(np.mean(centred ** 4) / np.mean(centred ** 2) ** 2),
-        })
+    bar = progress(None, desc="variance", total=len(d_ks) * pairs, enabled=show_progress)
+    with _one_thread(), contextlib.closing(bar):
+        for d_k in d_ks:
+            gen = rng(seed, "variance", d_k)
+            moments = _Moments()
+            for size in _chunk_sizes(pairs, VARIANCE_CHUNK):
+                # Exact shortcut: q.k = |q| g with |q| ~ chi(d_k), g ~ N(0, 1) independent.
+                x = _chi(d_k, (size,), gen)
+                x *= torch.randn(size, generator=gen, dtype=torch.float64)
+                moments.add(x)
+                bar.update(size)
+            m2, m4 = moments.central()
+            std = math.sqrt(m2 * pairs / (pairs - 1))
+            predicted = math.sqrt(d_k)
+            se = std_se(std, pairs, kurtosis_dot(d_k))
+            lo, hi = std_ci(std, se)
+            rows.append({
+                "d_k": d_k, "pairs": pairs, "seed": seed, "std": std, "predicted": predicted,
+                "rel_error": std / predicted - 1.0, "std_se": se, "std_ci95": [lo, hi],
+                "rel_error_ci95": [lo / predicted - 1.0, hi / predicted - 1.0],
+                "kurtosis_theory": kurtosis_dot(d_k),
+                "kurtosis_measured": m4 / (m2 * m2) if m2 > 0 else math.nan,
+            })
     return rows
 
 
-def sample_logits_direct(d_k: int, n: int, trials: int, rng: np.random.Generator) -> np.ndarray:
+def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) -> torch.Tensor:
     """Raw logits ``q.k_i`` by sampling ``q`` and ``K`` explicitly (the essay's method).
 
-    Returns an array of shape (trials, n).  Memory is O(trials * n * d_k); chunk the caller.
+    Returns a float64 tensor of shape (trials, n).  Memory is O(trials * n * d_k); chunk the caller.
     """
-    q = rng.standard_normal((trials, 1, d_k))           # (T, 1, d)
-    k = rng.standard_normal((trials, n, d_k))           # (T, n, d)
-    return np.matmul(k, q.transpose(0, 2, 1))[..., 0]   # (T, n)
+    q = torch.randn(trials, d_k, 1, generator=gen, dtype=torch.float64)     # (T, d, 1)
+    k = torch.randn(trials, n, d_k, generator=gen, dtype=torch.float64)     # (T, n, d)
+    return (k @ q)[..., 0]                                                  # (T, n)
 
 
 @contextlib.contextmanager
@@ -121,26 +218,22 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _chunks(trials: int, n: int) -> Iterator[int]:
-    """Split ``trials`` into chunk sizes of at most CHUNK_ELEMENTS logits each."""
-    per = max(1, CHUNK_ELEMENTS // max(n, 1))
-    for start in range(0, trials, per):
-        yield min(per, trials - start)
-
-
-def _accumulate(acc: dict[str, list[float]], stats: dict[str, torch.Tensor]) -> None:
-    """Add per-chunk sums and sums of squares (in float64) for each statistic."""
-    for key, value in stats.items():
-        v = value.double()
+def _accumulate(acc: dict[str, list[float]], z: torch.Tensor) -> None:
+    """Add the per-row statistics of logits ``z`` (T, n) to per-statistic sums and sums of
+    squares (float64)."""
+    stats = columns(row_stats(z, threads=1))
+    for key in SATURATION_STATS:
+        v = stats[key]
         s = acc.setdefault(key, [0.0, 0.0])
         s[0] += float(v.sum())
-        s[1] += float((v * v).sum())
+        s[1] += float(torch.linalg.vecdot(v, v))
 
 
 def _summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
     """Mean and standard error of the mean from accumulated sums."""
     out = {}
-    for key, (s1, s2) in acc.items():
+    for key in SATURATION_STATS:
+        s1, s2 = acc[key]
         mean = s1 / trials
         var = max(s2 / trials - mean * mean, 0.0) * trials / (trials - 1)
         out[f"{key}_mean"] = mean
@@ -148,104 +241,146 @@ def _summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
     return out
 
 
-def _check_saturation_args(d_ks, n, trials, seed, mechanisms):
-    d_ks = check_int_list("d_k", d_ks, minimum=1)
-    n = check_int("n", n, minimum=1)
-    trials = check_int("trials", trials, minimum=2)
-    seed = check_int("seed", seed, minimum=0)
-    if isinstance(mechanisms, str):
-        mechanisms = (mechanisms,)
-    mechanisms = tuple(mechanisms)
-    if not mechanisms:
-        raise ConfigError("mechanisms must not be empty.")
+def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
+    """The constant ``scale`` of a mechanism whose logits are ``scale * q.k`` with ``q`` and ``k``
+    left as they are and no cap, asked of the mechanism's own rule; None for any other.
+
+    The probe vectors are zero-stride views: asking costs no memory whatever ``d_head`` is, as long
+    as the rule leaves q and k alone (call it on a ``d_head = 1`` mechanism first to find out).
+    """
+    if mech.cap is not None:
+        return None
+    probe = torch.zeros(()).expand(1, 1, 1, mech.d_head)
+    q, k, scale = mech.prepare(probe, probe, n)
+    return float(scale) if q is probe and k is probe and isinstance(scale, float) else None
+
+
+def _check_mechanisms(mechanisms: object) -> list[str]:
+    """Names of registry mechanisms defined at init, distinct; a single name is allowed."""
+    names = check_name_list("mechanisms", [mechanisms] if isinstance(mechanisms, str)
+                            else mechanisms)
     at_init = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
-    for name in mechanisms:
+    for name in names:
         check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
         if name not in at_init:
             raise ConfigError(
                 f"mechanism {name!r} has no temperature at init without data: it lives in the "
                 f"weights of W_Q and W_K, not in a rule on q and k. Mechanisms defined at init: "
                 f"{', '.join(at_init)}.")
-    return d_ks, n, trials, seed, mechanisms
+    return names
 
 
-def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int = ESSAY_N, trials: int = ESSAY_TRIALS,
-               seed: int = 0, mechanisms: Sequence[str] = ("scaled", "unscaled"), *,
+def _int_list(param: str, values: object, minimum: int) -> list[int]:
+    """An int or a list of distinct ints, as a list."""
+    if isinstance(values, (int, str)) or not isinstance(values, Sequence):
+        return [check_int(param, values, minimum)]
+    return check_int_list(param, values, minimum)
+
+
+def _plan(d_ks: list[int], ns: list[int], mechanisms: list[str]) -> dict:
+    """How each (d_k, n) cell samples each mechanism: ``{(d_k, n): {method: {name: how}}}`` with
+    ``how`` the shortcut's scale or the mechanism module.  Every cell's memory is checked before
+    any mechanism is built at its ``d_k``."""
+    plan, shortcut = {}, {}
+    for n in ns:
+        # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
+        shortcut[n] = {m for m in mechanisms
+                       if _shortcut_scale(build_mechanism(m, 1, 1), n) is not None}
+        for d_k in d_ks:
+            need = max(CHUNK_ELEMENTS, n) * BYTES_PER_LOGIT + d_k * BYTES_PER_KEY_COORDINATE
+            if len(shortcut[n]) < len(mechanisms):
+                need += max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE
+            check_memory(f"n={n} keys per query at d_k={d_k}", need)
+    for d_k in d_ks:
+        modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms}
+        for n in ns:
+            cell: dict[str, dict] = {}
+            for name, mod in modules.items():
+                scale = _shortcut_scale(mod, n) if name in shortcut[n] else None
+                method = ("chi2-shortcut" if scale is not None else
+                          "rotation-frame" if mod.rotation_invariant else "direct")
+                cell.setdefault(method, {})[name] = mod if scale is None else scale
+            plan[d_k, n] = cell
+    return plan
+
+
+def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_N,
+               trials: int = ESSAY_TRIALS, seed: int = 0,
+               mechanisms: Sequence[str] = ("scaled", "unscaled"), *,
                show_progress: bool | None = None) -> list[dict]:
-    """Softmax saturation of attention over ``n`` random keys, per mechanism and ``d_k``.
+    """Softmax saturation of attention over ``n`` random keys, per mechanism, ``d_k`` and ``n``.
 
-    For each trial a fresh query and ``n`` fresh keys are drawn; the statistics of its attention row
-    are averaged over ``trials``.  ``scaled`` and ``unscaled`` use the chi-square shortcut; every
-    other mechanism defined at init applies its own ``logits`` to queries and keys in a rotated
-    frame (:func:`_frame_qk`), or sampled directly when its rule is not rotation invariant.
-    Mechanisms sampled the same way share samples (common random numbers), so their differences
-    are measured with less noise than their levels.
+    For each trial a fresh query and ``n`` fresh keys are drawn; the statistics of its attention
+    row are averaged over ``trials``.  ``n`` is one key count or a list of them, as ``d_ks`` is a
+    list of head sizes.  Mechanisms whose logits are a constant times ``q.k`` use the chi-square
+    shortcut; every other mechanism defined at init applies its own ``logits`` to queries and
+    keys in a rotated frame (:func:`_frame_qk`), or sampled directly when its rule is not rotation
+    invariant.  Mechanisms sampled the same way share samples (common random numbers), so their
+    differences are measured with less noise than their levels.
 
-    Returns one row per (mechanism, d_k) with ``mechanism, d_k, n, trials, seed`` and the mean and
-    standard error of ``max_weight``, ``entropy`` (nats), ``jacobian_fro`` and ``logit_std``.
+    Returns one row per (d_k, n, mechanism), in that nesting order, with ``mechanism, d_k, n,
+    trials, seed, method`` and the mean and standard error of ``max_weight``, ``entropy`` (nats),
+    ``jacobian_fro`` and ``logit_std``.  A repeated entry in any list is a ConfigError, and so
+    is a request whose working set would not fit in memory; a progress bar counts the trials.
     """
-    d_ks, n, trials, seed, mechanisms = _check_saturation_args(d_ks, n, trials, seed, mechanisms)
+    d_ks = check_int_list("d_ks", d_ks, minimum=1)
+    ns = _int_list("n", n, minimum=1)
+    trials = check_int("trials", trials, minimum=2)
+    seed = check_int("seed", seed, minimum=0)
+    mechanisms = _check_mechanisms(mechanisms)
+    plan = _plan(d_ks, ns, mechanisms)
+    bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
+                   enabled=show_progress)
     rows = []
-    for d_k in progress(d_ks, desc="saturation", enabled=show_progress):
-        rows += _saturation_one(d_k, n, trials, seed, mechanisms)
+    with contextlib.closing(bar):
+        for (d_k, n_keys), cell in plan.items():
+            rows += _saturation_cell(d_k, n_keys, trials, seed, mechanisms, cell, bar.update)
     return rows
 
 
-def _saturation_one(d_k: int, n: int, trials: int, seed: int,
-                    mechanisms: tuple[str, ...]) -> list[dict]:
-    """Rows of :func:`saturation` for one ``d_k``."""
+def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[str],
+                     cell: dict, advance) -> list[dict]:
+    """Rows of :func:`saturation` for one ``(d_k, n)``; ``advance(trials)`` reports progress."""
     acc: dict[str, dict[str, list[float]]] = {m: {} for m in mechanisms}
-    method = {m: "chi2-shortcut" for m in mechanisms if m in SHORTCUT_MECHANISMS}
-    shortcut = [m for m in mechanisms if m in SHORTCUT_MECHANISMS]
-    if shortcut:
-        rng = _rng(seed, d_k, 1)
-        with _one_thread():
-            _shortcut_stats(acc, shortcut, d_k, n, trials, rng)
-    modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms if m not in SHORTCUT_MECHANISMS}
-    for frame in (True, False):
-        group = {m: mod for m, mod in modules.items() if mod.rotation_invariant == frame}
-        if not group:
-            continue
-        _module_stats(acc, group, _frame_qk if frame else _direct_qk, d_k, n, trials,
-                      _rng(seed, d_k, 3 if frame else 4))
-        method.update({m: "rotation-frame" if frame else "direct" for m in group})
+    method = {name: how for how, group in cell.items() for name in group}
+    for how, group in cell.items():
+        gen = rng(seed, "saturation", how, d_k, n)
+        if how == "chi2-shortcut":
+            with _one_thread():
+                _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
+        else:
+            _module_stats(acc, group, _frame_qk if how == "rotation-frame" else _direct_qk,
+                          d_k, n, trials, gen, advance)
     return [{"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
              "method": method[name], **_summarise(acc[name], trials)} for name in mechanisms]
 
 
-def _shortcut_stats(acc: dict, names: list[str], d_k: int, n: int, trials: int,
-                    rng: np.random.Generator) -> None:
-    """Accumulate statistics of ``scaled``/``unscaled`` logits sampled by the chi-square shortcut."""
-    for size in _chunks(trials, n):
-        # Exact shortcut: logits q.k_i = |q| g_i, |q|^2 ~ chi2(d_k), g ~ N(0, I_n).
-        norm_q = np.sqrt(rng.chisquare(d_k, size=(size, 1)))          # (T, 1)
-        g = rng.standard_normal((size, n))                            # (T, n)
-        raw = torch.from_numpy(norm_q * g)                             # (T, n) float64
-        for name in names:
-            _accumulate(acc[name], _row_stats(raw / math.sqrt(d_k) if name == "scaled" else raw))
+def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trials: int,
+                    gen: torch.Generator, advance=lambda k: None) -> None:
+    """Accumulate statistics of ``scale * q.k`` logits sampled by the chi-square shortcut."""
+    for size in _chunk_sizes(trials, max(1, CHUNK_ELEMENTS // n)):
+        # Exact shortcut: logits q.k_i = |q| g_i, |q| ~ chi(d_k), g ~ N(0, I_n).
+        norm_q = _chi(d_k, (size, 1), gen).float()                    # (T, 1)
+        raw = torch.randn(size, n, generator=gen).mul_(norm_q)        # (T, n) float32
+        for name, scale in scales.items():
+            _accumulate(acc[name], raw if scale == 1.0 else raw * scale)
+        advance(size)
 
 
 def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: int,
-                  rng: np.random.Generator) -> None:
+                  gen: torch.Generator, advance=lambda k: None) -> None:
     """Accumulate statistics of each module's ``logits`` on q, k drawn by ``sample`` in chunks."""
-    per = max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))
-    for start in range(0, trials, per):
-        q, k = sample(d_k, n, min(per, trials - start), rng)
+    for size in _chunk_sizes(trials, max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))):
+        q, k = sample(d_k, n, size, gen)
         for name, mod in modules.items():
             with torch.no_grad():
                 z = mod.logits(q, k)[:, 0, 0, :]                      # (T, n)
-            _accumulate(acc[name], _row_stats(z))
-
-
-def _row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-row statistics accumulated by the saturation experiments."""
-    stats = softmax_stats(z)
-    stats["logit_std"] = logit_std(z)
-    return stats
+            _accumulate(acc[name], z)
+        advance(size)
 
 
 def _frame_qk(d_k: int, n: int, trials: int,
-              rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys in a rotated frame, exact in distribution for rotation-invariant rules.
 
     Rotate each trial so that ``q = |q| e_1``; the keys' first coordinates are then i.i.d.
@@ -256,18 +391,18 @@ def _frame_qk(d_k: int, n: int, trials: int,
     """
     q = torch.zeros(trials, 1, 1, d_k)
     k = torch.zeros(trials, 1, n, d_k)
-    q[:, 0, 0, 0] = torch.from_numpy(np.sqrt(rng.chisquare(d_k, size=trials)))
-    k[:, 0, :, 0] = torch.from_numpy(rng.standard_normal((trials, n)))
+    q[:, 0, 0, 0] = _chi(d_k, (trials,), gen)
+    k[:, 0, :, 0] = torch.randn(trials, n, generator=gen)
     if d_k > 1:
-        k[:, 0, :, 1] = torch.from_numpy(np.sqrt(rng.chisquare(d_k - 1, size=(trials, n))))
+        k[:, 0, :, 1] = _chi(d_k - 1, (trials, n), gen)
     return q, k
 
 
 def _direct_qk(d_k: int, n: int, trials: int,
-               rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Gaussian queries (T, 1, 1, d_k) and keys (T, 1, n, d_k), float32, sampled coordinatewise."""
-    q = torch.from_numpy(rng.standard_normal((trials, 1, 1, d_k), dtype=np.float32))
-    k = torch.from_numpy(rng.standard_normal((trials, 1, n, d_k), dtype=np.float32))
+    q = torch.randn(trials, 1, 1, d_k, generator=gen)
+    k = torch.randn(trials, 1, n, d_k, generator=gen)
     return q, k
 
 
@@ -278,11 +413,17 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     Samples every coordinate of ``N(0, I)`` queries and keys (the essay's method) and applies the
     mechanism's own ``logits``; slow, and the yardstick for both shortcuts.
     """
-    _check_saturation_args([d_k], n, trials, seed, (mechanism,))
-    acc: dict[str, dict[str, list[float]]] = {mechanism: {}}
-    _module_stats(acc, {mechanism: build_mechanism(mechanism, d_k, 1)}, _direct_qk, d_k, n,
-                  trials, _rng(seed, d_k, 2))
-    return _summarise(acc[mechanism], trials)
+    d_k = check_int("d_k", d_k, minimum=1)
+    n = check_int("n", n, minimum=1)
+    trials = check_int("trials", trials, minimum=2)
+    seed = check_int("seed", seed, minimum=0)
+    name, = _check_mechanisms([mechanism])
+    check_memory(f"n={n} keys per query at d_k={d_k}",
+                 max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
+    acc: dict[str, dict[str, list[float]]] = {name: {}}
+    _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
+                  rng(seed, "saturation-reference", d_k, n))
+    return _summarise(acc[name], trials)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from collections.abc import Iterable
 
 from attnscale.errors import ConfigError, did_you_mean
 from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
@@ -26,7 +27,8 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 del _module
 
-__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "mechanism_options", "register"]
+__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "mechanism_options",
+           "register"]
 
 
 def mechanism_options(name: str) -> tuple[str, ...]:
@@ -35,19 +37,28 @@ def mechanism_options(name: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def build_mechanism(name: str, d_head: int, n_heads: int, **options) -> Mechanism:
-    """Build mechanism ``name`` for heads of size ``d_head``; ``options`` are its own settings.
-
-    An unknown name or an option the mechanism does not take is a :class:`ConfigError` that names
-    it and suggests the closest match.
-    """
-    if name not in MECHANISMS:
-        raise ConfigError(f"Unknown mechanism {name!r}.{did_you_mean(name, MECHANISMS)} "
-                          f"Choices: {', '.join(MECHANISMS)}.")
+def check_mechanism(name: str, options: Iterable[str] = (), *, param: str | None = None) -> str:
+    """Check a mechanism name and the names of its ``options`` without building it; return
+    ``name``.  An unknown one is a :class:`ConfigError` (prefixed by ``param`` when given) that
+    suggests the closest match.  Option values are checked when the mechanism is built."""
+    where = f"{param}: " if param else ""
+    if not isinstance(name, str) or name not in MECHANISMS:
+        raise ConfigError(f"{where}Unknown mechanism {name!r}.{did_you_mean(str(name), MECHANISMS)}"
+                          f" Choices: {', '.join(MECHANISMS)}.")
     allowed = mechanism_options(name)
     for option in options:
         if option not in allowed:
             takes = f"Options: {', '.join(allowed)}." if allowed else "It takes no options."
-            raise ConfigError(f"Unknown option {option!r} for mechanism {name!r}."
+            raise ConfigError(f"{where}Unknown option {option!r} for mechanism {name!r}."
                               f"{did_you_mean(option, allowed)} {takes}")
+    return name
+
+
+def build_mechanism(name: str, d_head: int, n_heads: int, **options) -> Mechanism:
+    """Build mechanism ``name`` for heads of size ``d_head``; ``options`` are its own settings.
+
+    An unknown name or an option the mechanism does not take is a :class:`ConfigError` that names
+    it and suggests the closest match (:func:`check_mechanism`).
+    """
+    check_mechanism(name, options)
     return MECHANISMS[name](d_head, n_heads, **options)

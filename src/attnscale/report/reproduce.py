@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from attnscale.errors import check_int
-from attnscale.report.writer import check_writable_dir, write_report
+from attnscale.io import check_output_path
+from attnscale.report.writer import write_report
 
 REPORT_SECTIONS = (
     "attnscale.report.sections.montecarlo:report_section",
@@ -24,6 +25,9 @@ REPORT_SECTIONS = (
     "attnscale.report.sections.recall:report_section",
 )
 
+# The files every report has (the sections add their figures).
+REPORT_FILES = ("report.md", "results.json")
+
 
 def _load(spec: str):
     module, fn = spec.split(":")
@@ -31,12 +35,13 @@ def _load(spec: str):
 
 
 def reproduce(out: str | Path = "attnscale-report", seed: int = 0,
-              sections: tuple[str, ...] = REPORT_SECTIONS) -> dict:
-    """Run the report sections and write ``report.md``, ``results.json`` and PNGs into ``out``."""
+              sections: tuple[str, ...] = REPORT_SECTIONS, *, force: bool = False) -> dict:
+    """Run the report sections and write ``report.md``, ``results.json`` and PNGs into ``out``
+    (the output-folder policy of :mod:`attnscale.io`; ``force`` overwrites files it did not write)."""
     seed = check_int("seed", seed, minimum=0)
-    out_dir = check_writable_dir("--out", out)
+    out_dir = check_output_path("--out", out, kind="dir", files=REPORT_FILES, force=force)
     from attnscale import __version__
     fns = [functools.partial(_load(s), seed=seed) for s in sections]
     meta = {"attnscale": __version__, "torch": torch.__version__,
             "python": platform.python_version(), "seed": seed}
-    return write_report(out_dir, fns, meta)
+    return write_report(out_dir, fns, meta, force=force)

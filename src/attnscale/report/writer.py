@@ -8,31 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from attnscale.constants import Z95
-from attnscale.errors import ConfigError
+from attnscale.io import staged_dir
 from attnscale.report.claims import CLAIMS
 from attnscale.report.model import Measurement, Section, judge
 
 SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
-
-
-def check_writable_dir(param: str, path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and make sure files can be written into it."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".attnscale-probe-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"{param} {str(out)!r} is not a writable directory ({err.strerror}).") \
-            from None
-    return out
 
 
 def _cell(text: str) -> str:
@@ -74,11 +58,11 @@ def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]
     return "\n".join(lines), records
 
 
-def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict) -> dict:
-    """Run every section and write the report into ``out_dir``; return the results object."""
-    out_dir = check_writable_dir("--out", out_dir)
-    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
-    try:
+def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict, *,
+                 force: bool = False) -> dict:
+    """Run every section and write the report into ``out_dir`` (staged, see
+    :func:`attnscale.io.staged_dir`); return the results object."""
+    with staged_dir(out_dir, force=force) as staging:
         sections = [fn(staging) for fn in section_fns]
         measurements: dict[str, Measurement] = {}
         for s in sections:
@@ -103,8 +87,4 @@ def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict) ->
         (staging / "report.md").write_text("\n".join(md), encoding="utf-8")
         (staging / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False),
                                               encoding="utf-8")
-        for item in sorted(staging.iterdir()):
-            os.replace(item, out_dir / item.name)
-        return results
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return results

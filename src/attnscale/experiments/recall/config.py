@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from attnscale.errors import ConfigError, check_choice, check_float, check_int
-from attnscale.mechanisms import build_mechanism
+from attnscale.errors import ConfigError, check_choice, check_float, check_int, check_unique
+from attnscale.mechanisms import check_mechanism
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -60,7 +60,10 @@ class RecallConfig:
                               f"got pairs={self.pairs} > n-keys={self.n_keys}.")
         if self.pairs < 2:
             raise ConfigError(f"pairs must be >= 2 for attention to have a choice, got {self.pairs}.")
-        build_mechanism(self.mechanism, self.d_k, 1, **dict(self.options))  # name and options
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"options must be a mapping of option names to values, "
+                              f"got {self.options!r}.")
+        check_mechanism(self.mechanism, self.options, param="mechanism")  # values: when built
         return self
 
 
@@ -74,9 +77,12 @@ def shared_key(config: RecallConfig) -> tuple:
 
 
 def sweep(base: RecallConfig, **grid) -> list[RecallConfig]:
-    """Configs for every combination of ``grid`` values, e.g. ``sweep(c, mechanism=[...], seed=[0, 1])``."""
+    """Configs for every combination of ``grid`` values, e.g. ``sweep(c, mechanism=[...], seed=[0, 1])``.
+
+    A value listed twice is a :class:`ConfigError`: it would train (and count) one run twice."""
     configs = [base]
     for name, values in grid.items():
+        values = check_unique(name, list(values))
         configs = [replace(c, **{name: v}) for c in configs for v in values]
     return configs
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from attnscale.errors import check_int_list, check_name_list
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, sqrt_dk, sweep
 from attnscale.experiments.recall.model import RecallNet, StackedRecall
@@ -154,11 +155,13 @@ def study(mechanisms: Sequence[str] | None = None, d_ks: Sequence[int] = STUDY_D
     """Every mechanism (default: the whole registry) x d_k x seed on the same task.
 
     All runs of one d_k train as one batched model (same data per seed, same init per seed).
+    A repeated mechanism, d_k or seed is a :class:`~attnscale.errors.ConfigError`.
     """
-    from attnscale.mechanisms import MECHANISMS
-    mechanisms = list(MECHANISMS) if mechanisms is None else list(mechanisms)
-    configs = sweep(config or RecallConfig(), d_k=list(d_ks), mechanism=mechanisms,
-                    seed=list(seeds))
+    from attnscale.mechanisms import MECHANISMS, check_mechanism
+    mechanisms = list(MECHANISMS) if mechanisms is None else \
+        [check_mechanism(m, param="mechanisms") for m in check_name_list("mechanisms", mechanisms)]
+    configs = sweep(config or RecallConfig(), d_k=check_int_list("d_ks", d_ks, minimum=1),
+                    mechanism=mechanisms, seed=check_int_list("seeds", seeds, minimum=0))
     return run_all(configs, show_progress=show_progress)
 
 

@@ -1,20 +1,14 @@
-"""Result files of the recall commands, written all or nothing.
-
-Every file is first written under a temporary name in its destination directory and renamed into
-place (``os.replace`` is atomic on one file system), so Ctrl-C or an error never leaves a partial
-result behind.
-"""
+"""Result files of the recall study, written all or nothing through :mod:`attnscale.io` (staged,
+atomic, and only over files attnscale wrote)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from attnscale.io import check_output_path, staged_dir
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.experiments import study_summary
 from attnscale.experiments.recall.figures import study_figure
@@ -24,27 +18,6 @@ from attnscale.report.figures import save
 # File names written by :func:`write_study` into its output directory.
 STUDY_FILES = {"json": "study_recall.json", "markdown": "study_recall.md",
                "figure": "study_recall.png"}
-
-
-@contextlib.contextmanager
-def staged(out_dir: Path) -> Iterator[Path]:
-    """Yield a hidden staging folder inside ``out_dir``; on success move its files into
-    ``out_dir``, and in every case remove it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".attnscale-staging-", dir=out_dir))
-    try:
-        yield staging
-        for item in sorted(staging.iterdir()):
-            os.replace(item, out_dir / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file and a rename."""
-    path = Path(path)
-    with staged(path.parent) as staging:
-        (staging / path.name).write_text(json.dumps(obj, allow_nan=False), encoding="utf-8")
 
 
 def study_markdown(rows: Sequence[dict]) -> str:
@@ -78,18 +51,25 @@ def study_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult]) -> dict:
+def check_study_out(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
+    """Check the study's output folder before any training (:func:`attnscale.io.check_output_path`)."""
+    return check_output_path("--out", out_dir, kind="dir", files=STUDY_FILES.values(), force=force)
+
+
+def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult], *,
+                force: bool = False) -> dict:
     """Write the study's JSON (summary rows and per-run rows), markdown fragment and figure.
 
     Returns ``{"summary": [...], "runs": [...], "files": {...}}``.
     """
-    out_dir = Path(out_dir)
+    out_dir = check_study_out(out_dir, force=force)
     summary = study_summary(runs)
     shared = {k: v for k, v in config_dict(runs[0].config).items()
               if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies
     result = metrics.json_safe({"config": shared, "summary": summary,
-                                "runs": [r.row() for r in runs]})
-    with staged(out_dir) as staging:
+                                "runs": [{**r.row(), "config": config_dict(r.config)}
+                                         for r in runs]})
+    with staged_dir(out_dir, force=force) as staging:
         (staging / STUDY_FILES["json"]).write_text(json.dumps(result, indent=1, allow_nan=False),
                                                    encoding="utf-8")
         (staging / STUDY_FILES["markdown"]).write_text(study_markdown(summary), encoding="utf-8")

@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, shared_key
+from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
-from attnscale.stats import logit_std, softmax_stats
+from attnscale.stats import columns, logit_std, row_stats
 
 TRAIN_THREADS = 1
 # Held-out sequences per evaluation forward (bounds the (M, chunk, P, d_k) key tensor).
@@ -65,7 +65,8 @@ class RunResult:
             "mechanism": c.mechanism, "seed": c.seed, "steps_to_loss_1": self.steps_to_loss_1,
             "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
             "eval_accuracy": self.eval_accuracy, "grad_wq_norm_step0": self.grad_wq_norm_step0,
-            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss})
+            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss,
+            "config": config_dict(c)})  # the full config: the run can be re-run from its record
 
     def row(self) -> dict:
         """A flat record for tables and results.json (no curves)."""
@@ -122,10 +123,9 @@ _STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
 
 def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
     """Row means of entropy (nats), max weight, softmax-Jacobian norm and logit std of the
-    attention logits z (M, B, P): each (M,)."""
-    s = softmax_stats(z)
-    return {"entropy": s["entropy"].mean(-1), "max_weight": s["max_weight"].mean(-1),
-            "jacobian_fro": s["jacobian_fro"].mean(-1), "logit_std": logit_std(z).mean(-1)}
+    attention logits z (M, B, P): each (M,), float64."""
+    rows = columns(row_stats(z))
+    return {name: rows[name].mean(-1) for name in _STAT_NAMES}
 
 
 def stack_batches(batches: Sequence[RecallBatch]) -> RecallBatch:
@@ -251,10 +251,11 @@ def train(config: RecallConfig | None = None, *, show_progress: bool | None = No
 def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallConfig | None = None,
             *, seeds: Sequence[int] | None = None, show_progress: bool | None = None,
             **overrides) -> list[RunResult]:
-    """Train each mechanism (x each seed) from the same init and data; the essay's demo by default."""
+    """Train each mechanism (x each seed) from the same init and data; the essay's demo by default.
+    A repeated mechanism or seed is a ConfigError."""
     base = replace(config or RecallConfig(), **overrides)
-    seeds = [base.seed] if seeds is None else list(seeds)
-    return train_runs([replace(base, mechanism=m, seed=s) for s in seeds for m in mechanisms],
+    seeds = [base.seed] if seeds is None else check_int_list("seeds", seeds, minimum=0)
+    return train_runs(sweep(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
                       show_progress=show_progress)
 
 

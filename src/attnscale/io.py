@@ -1,0 +1,337 @@
+"""Output files: path checks before any work, staged atomic writes, and the output-folder policy.
+
+Every file attnscale writes goes through this module.
+
+Path checks
+    :func:`check_output_path` is called where input enters (the CLI command, the API entry point),
+    before any computation: ``''`` is never a path, a directory is not a file (and vice versa), the
+    folder must be writable, a figure needs an image extension matplotlib can write.
+
+The output-folder policy
+    attnscale writes into an empty or new folder, or into a folder it wrote before, and replaces
+    only its own files.  It knows its own files from a small manifest, :data:`MANIFEST`
+    (``.attnscale-manifest.json``), that it keeps in every folder it writes into, single output
+    files (``compare --output runs.json``) included: the manifest lists each file's name and the
+    SHA-256 of the content attnscale wrote.  A file counts as attnscale's only while it still has
+    that content, so a report the user edited is theirs.  Any other file in the way, or a
+    non-empty folder without a manifest, is refused with a :class:`~attnscale.errors.ConfigError`
+    (exit 2) unless ``force=True`` (``--force``).
+
+Staged, atomic writes
+    :func:`atomic_write` writes one file under a temporary name in its destination folder and
+    renames it into place (``os.replace`` is atomic on one file system).  :func:`staged_dir` yields a
+    hidden staging folder ``out/.attnscale-staging-<pid>-<random>/`` and moves its files into
+    ``out`` only when the block succeeds.  On an exception, Ctrl-C (SIGINT) or SIGTERM the staging
+    folder is removed and nothing partial is left: :func:`sigterm_as_exit` turns SIGTERM into
+    :class:`Terminated` (``SystemExit(143)``) so that cleanup runs.  A successful write also removes
+    staging left behind by an earlier run that was killed outright (SIGKILL, power loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+from attnscale.errors import ConfigError
+
+__all__ = ["MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write", "check_output_path",
+           "figure_suffixes", "owned", "remove_stale_staging", "sigterm_as_exit", "staged_dir"]
+
+MANIFEST = ".attnscale-manifest.json"
+STAGING_PREFIX = ".attnscale-staging-"
+# Exit status of a process ended by SIGTERM, by the shell's 128 + signal number convention.
+SIGTERM_EXIT = 128 + signal.SIGTERM
+_MANIFEST_DEPTH = 3
+_STAGING_PID = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-")
+
+Data = str | bytes | Callable[[Path], object]
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread when the process receives SIGTERM (exit status 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(SIGTERM_EXIT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Path checks
+
+
+def figure_suffixes() -> tuple[str, ...]:
+    """File extensions matplotlib can save a figure as (``.png``, ``.pdf``, ``.svg``, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    return tuple(sorted("." + s for s in FigureCanvasBase.get_supported_filetypes()))
+
+
+def _is_ours(name: str) -> bool:
+    """attnscale's bookkeeping entries (the manifest, staging), never counted as user files."""
+    return name == MANIFEST or name.startswith(STAGING_PREFIX)
+
+
+def _writable_folder(param: str, path: Path, shown: str) -> None:
+    """The nearest existing folder at or above ``path`` must be a writable directory."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{param} {shown!r} cannot be created: {str(probe)!r} is not a "
+                          "directory.")
+    try:  # a real probe: os.access says yes to root even on read-only file systems and /proc
+        with tempfile.TemporaryFile(dir=probe, prefix=_staging_name()):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{param} {shown!r} is not writable: cannot create a file in "
+                          f"{str(probe)!r} ({err.strerror}).") from None
+
+
+def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str = "file",
+                      suffixes: Sequence[str] | None = None, files: Iterable[str] = (),
+                      force: bool = False) -> Path:
+    """Check an output path before any work and return it as a :class:`Path`; creates nothing.
+
+    ``kind="file"``: ``path`` is a file to write; it must not be a directory, its folder must be
+    writable, its extension one of ``suffixes`` (case-insensitive) when given, and an existing file
+    must be one attnscale wrote (see :func:`owned`) unless ``force``.
+
+    ``kind="dir"``: ``path`` is a folder to write into; it must not be a file, and it must be new,
+    empty, or hold a manifest (a folder attnscale wrote), unless ``force``.  ``files`` are the names
+    the command will write there: each existing one must be attnscale's, unless ``force``.
+    """
+    if kind not in ("file", "dir"):
+        raise ValueError(f"kind must be 'file' or 'dir', got {kind!r}")
+    if path is None or not str(os.fspath(path)).strip():
+        raise ConfigError(f"{param} must be a path, got an empty string.")
+    shown = str(os.fspath(path))
+    out = Path(path)
+    if kind == "file":
+        if out.is_dir() or shown.endswith(os.sep):
+            raise ConfigError(f"{param} {shown!r} is a directory; give a file name.")
+        if suffixes is not None and out.suffix.lower() not in {s.lower() for s in suffixes}:
+            raise ConfigError(f"{param} {shown!r} must end in one of {', '.join(suffixes)}.")
+        _writable_folder(param, out.parent, shown)
+        if out.exists() and not force and not owned(out):
+            raise ConfigError(f"{param} {shown!r} exists and attnscale did not write it; choose "
+                              "another name, or pass --force to overwrite it.")
+        return out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{param} {shown!r} is a file, not a directory.")
+    _writable_folder(param, out, shown)
+    if out.is_dir() and not force:
+        present = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
+        if present and not (out / MANIFEST).is_file():
+            listed = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+            raise ConfigError(f"{param} {shown!r} holds files attnscale did not write ({listed}); "
+                              "choose an empty or new folder, or pass --force to write into it.")
+        _refuse_foreign(param, out, [n for n in files if (out / n).exists()])
+    return out
+
+
+def _refuse_foreign(param: str, folder: Path, names: Iterable[str]) -> None:
+    """ConfigError for the first of ``names`` (existing in ``folder``) that is not attnscale's."""
+    for name in names:
+        if (folder / name).is_dir() or not owned(folder / name):
+            raise ConfigError(f"{param}: {str(folder / name)!r} exists and attnscale did not "
+                              "write it; choose another folder, or pass --force to overwrite it.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_manifest(folder: Path) -> dict[str, dict]:
+    """``{name: {"sha256": ...}}`` from ``folder``'s manifest; {} when absent or unreadable."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return files if isinstance(files, dict) else {}
+
+
+def owned(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a file attnscale wrote and nobody changed since: the manifest of its
+    folder (or of a folder up to :data:`_MANIFEST_DEPTH` levels above, for a staged folder's
+    subfolders) lists it with its current SHA-256."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    for folder in [path.parent, *path.parent.parents][:_MANIFEST_DEPTH]:
+        entry = _read_manifest(folder).get(path.relative_to(folder).as_posix())
+        if isinstance(entry, dict):
+            return entry.get("sha256") == _sha256(path)
+    return False
+
+
+def _record(folder: Path, names: Iterable[str]) -> None:
+    """Add ``names`` (files now in ``folder``) to its manifest, written atomically."""
+    from attnscale import __version__
+    files = _read_manifest(folder)
+    for name in names:
+        files[name] = {"sha256": _sha256(folder / name)}
+    files = {n: e for n, e in sorted(files.items()) if (folder / n).is_file()}
+    text = json.dumps({"written_by": "attnscale", "version": __version__, "files": files},
+                      indent=1)
+    _replace_atomically(folder / MANIFEST, text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _staging_name() -> str:
+    return f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
+    """Remove staging folders and temporary files in ``folder`` left by attnscale processes that
+    are no longer running (killed outright); return what was removed."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if not entry.name.startswith(STAGING_PREFIX):
+            continue
+        match = _STAGING_PID.match(entry.name)
+        if match and _pid_alive(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        removed.append(entry)
+    return removed
+
+
+def _replace_atomically(path: Path, data: Data) -> None:
+    """Write ``data`` (text, bytes, or a callback given the temporary path) to a temporary file in
+    ``path``'s folder, then rename it onto ``path``."""
+    tmp = path.parent / f"{_staging_name()}-{path.name}"  # keeps the extension (matplotlib)
+    try:
+        if callable(data):
+            data(tmp)
+        elif isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
+                 force: bool = False) -> Path:
+    """Write one output file all or nothing and record it in its folder's manifest.
+
+    ``data`` is text (UTF-8), bytes, or a callback ``fn(tmp_path)`` that writes the file (e.g. a
+    matplotlib save; ``tmp_path`` keeps ``path``'s extension).  An existing file attnscale did not
+    write is refused unless ``force``; SIGTERM and Ctrl-C leave no temporary file.
+    """
+    path = Path(path)
+    with sigterm_as_exit():
+        if path.exists() and not force:
+            _refuse_foreign(param, path.parent, [path.name])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _replace_atomically(path, data)
+        _record(path.parent, [path.name])
+        remove_stale_staging(path.parent)
+    return path
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike, *, param: str = "--out",
+               force: bool = False) -> Iterator[Path]:
+    """Yield a fresh staging folder inside ``out``; when the block succeeds, move every file written
+    there into ``out`` (same relative paths), record them in the manifest and remove stale staging.
+
+    On an exception, Ctrl-C or SIGTERM the staging folder is removed, and so is ``out`` itself
+    when this call created it and it is still empty.  A file in the way that attnscale did not
+    write is refused (ConfigError) unless ``force``: check it up front with
+    :func:`check_output_path`, so that no work is lost.
+    """
+    out = Path(out)
+    created = not out.exists()
+    with sigterm_as_exit():
+        out.mkdir(parents=True, exist_ok=True)
+        staging = out / _staging_name()
+        staging.mkdir()
+        done = False
+        try:
+            yield staging
+            names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
+                           if p.is_file())
+            if not force:
+                _refuse_foreign(param, out, [n for n in names if (out / n).exists()])
+            for name in names:
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / name, out / name)
+            _record(out, names)
+            done = True
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            if done:
+                remove_stale_staging(out)
+            elif created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only if still empty
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While active, SIGTERM raises :class:`Terminated` in the main thread, so ``finally`` blocks
+    (staging cleanup) run as they do for Ctrl-C.  The previous handler is restored afterwards.
+    A no-op outside the main thread, or when a handler of ours is already installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is _raise_terminated:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
