@@ -12,6 +12,7 @@ body raises):
   skipped (:func:`attnscale.pipeline.running`).  This tap is the one process-wide patch; it passes
   every call on unchanged and dispatches to the monitors active in the calling context.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -59,6 +60,7 @@ class _SdpaTap:
 
     def __init__(self, mon: Monitor):
         self.mon = mon
+        self.attached = True
 
     @classmethod
     def attach(cls, mon: Monitor) -> _SdpaTap:
@@ -71,9 +73,11 @@ class _SdpaTap:
         return cls(mon)
 
     def remove(self) -> None:
-        cls = type(self)
-        if self.mon not in cls._monitors.get():
+        """Detach (idempotent); the patch goes when the last monitor in the process detaches."""
+        if not self.attached:
             return
+        self.attached = False
+        cls = type(self)
         cls._monitors.set(tuple(m for m in cls._monitors.get() if m is not self.mon))
         cls._users -= 1
         if cls._users == 0:
