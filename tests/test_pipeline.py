@@ -146,5 +146,6 @@ def test_trace_flag_is_a_bool():
 def test_the_public_names_still_work():
     assert attnscale.attention is attention_module.attention
     assert attention_module.attention_reference is attention_reference
+    assert attnscale.attention_reference is attention_reference
     assert callable(attnscale.build_mechanism) and "scaled" in attnscale.MECHANISMS
     assert isinstance(attnscale.MultiHeadAttention(8, 2), torch.nn.Module)

@@ -33,7 +33,9 @@ pipeline computed before the softmax (the mechanism-prepared q and k, scale, cap
 and key counts).  Register it with :func:`observe` (a context manager) or :func:`add_observer` (a
 handle to ``remove()`` in a ``finally``, like ``torch.nn.Module`` hooks)::
 
-    with attnscale.attention.observe(lambda obs: print(obs.q.shape, obs.scale)):
+    from attnscale.attention import observe   # the package's ``attnscale.attention`` is the function
+
+    with observe(lambda obs: print(obs.q.shape, obs.scale)):
         model(x)
 
 The contract:
