@@ -72,6 +72,12 @@ def test_existing_user_file_is_refused_unless_force(tmp_path):
     io.check_output_path("--output", user)                    # now attnscale's: replaceable
 
 
+def test_atomic_write_refuses_a_directory_even_with_force(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ConfigError, match="--output .* is a directory"):
+        io.atomic_write(tmp_path / "d", "{}", param="--output", force=True)
+
+
 def test_a_file_attnscale_wrote_then_the_user_edited_is_theirs(tmp_path):
     path = io.atomic_write(tmp_path / "a.json", "{}")
     assert io.owned(path)

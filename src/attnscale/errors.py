@@ -38,7 +38,9 @@ def check_choice(param: str, value: str, choices: Sequence[str], what: str | Non
 
 def check_int(param: str, value: object, minimum: int | None = None) -> int:
     """Require an integer (bools excluded) that is at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise ConfigError(f"{param} must be an integer, got {value!r}.")
+    if not isinstance(value, int):
         try:
             as_int = int(value)  # accepts numpy integers and integral strings
         except (TypeError, ValueError):

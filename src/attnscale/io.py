@@ -19,8 +19,8 @@ The output-folder policy
 
 Staged, atomic writes
     :func:`atomic_write` writes one file under a temporary name in its destination folder and
-    renames it into place (``os.replace`` is atomic on one file system).  :func:`staged_dir` yields a
-    hidden staging folder ``out/.attnscale-staging-<pid>-<random>/`` and moves its files into
+    renames it into place (``os.replace`` is atomic on one file system).  :func:`staged_dir`
+    yields a hidden staging folder ``out/.attnscale-staging-<pid>-<random>/`` and moves its files into
     ``out`` only when the block succeeds.  On an exception, Ctrl-C (SIGINT) or SIGTERM the staging
     folder is removed and nothing partial is left: :func:`sigterm_as_exit` turns SIGTERM into
     :class:`Terminated` (``SystemExit(143)``) so that cleanup runs.  A successful write also removes
@@ -262,6 +262,8 @@ def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
     write is refused unless ``force``; SIGTERM and Ctrl-C leave no temporary file.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{param} {str(path)!r} is a directory; give a file name.")
     with sigterm_as_exit():
         if path.exists() and not force:
             _refuse_foreign(param, path.parent, [path.name])
