@@ -22,7 +22,7 @@ import warnings
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnscale.errors import ConfigError, check_int
+from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.pipeline import Observation, add_observer, running
@@ -32,13 +32,6 @@ RECORD_KEYS = ("layer", "head", "module", "queries", "entropy_mean", "entropy_mi
                "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
 # The statistics a TensorBoard writer receives, per (layer, head) and per layer.
 SCALAR_KEYS = RECORD_KEYS[4:]
-
-
-def _count(param: str, value: object, minimum: int) -> int:
-    """An integer argument >= ``minimum``; True and False are refused, not read as 1 and 0."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{param} must be an integer, got {value!r}.")
-    return check_int(param, value, minimum=minimum)
 
 
 class _SdpaTap:
@@ -114,10 +107,10 @@ class Monitor:
         if not isinstance(model, nn.Module):
             raise TypeError(f"monitor() needs a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.block = _count("block", block, 1)
+        self.block = check_int("block", block, minimum=1)  # validated here, once
         self.writer = writer      # SummaryWriter-like: add_scalar(tag, value, step)
-        self.step = _count("step", step, 0)  # index of the model's next forward pass
-        self.every = _count("every", every, 1)
+        self.step = check_int("step", step, minimum=0)  # index of the model's next forward pass
+        self.every = check_int("every", every, minimum=1)
         self._observing = True  # whether the current forward pass is one in `every`
         self._totals: dict[str, HeadStats] = {}   # insertion order is layer order
         self._pending: dict[str, HeadStats] = {}  # since the last writer flush
