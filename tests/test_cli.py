@@ -14,6 +14,7 @@ import pytest
 from attnscale.io import MANIFEST
 from attnscale.measure.montecarlo import saturation
 from attnscale.report.reproduce import reproduce
+from attnscale.report.sections import montecarlo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SAT_KEYS = {"mechanism", "d_k", "n", "trials", "seed", "max_weight_mean", "max_weight_se",
@@ -189,7 +190,7 @@ def test_installed_console_script():
 @pytest.fixture(scope="module")
 def montecarlo_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce") / "report"
-    results = reproduce(out, 0, sections=("attnscale.report.sections.montecarlo:report_section",))
+    results = reproduce(out, 0, sections=(montecarlo.report_section,))
     return out, results
 
 

@@ -72,7 +72,7 @@ def test_init_reparam_claims():
 
 
 def test_report_section_agrees_with_its_claims(tmp_path, monkeypatch):
-    import attnscale.report.sections.mechanisms as section
+    import attnscale.report.sections.gradient as section
 
     monkeypatch.setattr(section, "gradient_path_sweep",
                         partial(gradient_path_sweep, n=64, trials=40, chunk=40))

@@ -72,6 +72,8 @@ FORMULAS = {
     "yarn": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # factor 1 by default: m = 1
     "sigma-reparam": lambda q, k, m: _dot(q, k) / math.sqrt(D),
     "ssmax": lambda q, k, m: m.s * math.log(NK) * _dot(q, k) / math.sqrt(D),
+    "llama4-temp": lambda q, k, m: (0.1 * math.log1p(NK // 8192) + 1) * _dot(q, k) / math.sqrt(D),
+    "qk-clip": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # it acts on W_Q, W_K between steps
 }
 
 

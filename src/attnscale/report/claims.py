@@ -3,6 +3,11 @@
 Each :class:`Claim` names the essay's value exactly as printed (a string, so its precision is known)
 and how a measurement is judged against it.  Experiments fill in :class:`~attnscale.report.Measurement`
 objects keyed by ``Claim.id``; :mod:`attnscale.report.writer` turns the pair into a report row.
+An id that is not in the table is an error (:func:`check_claim_ids`), not a dropped row.
+
+:data:`QUOTES` holds the essay's other printed numbers: those the report shows beside ours but
+judges through a claim derived from them (unscaled / scaled ratios).  Every number the essay prints
+is written once, in this module; sections read them with :func:`essay`.
 
 Checks
 ------
@@ -18,7 +23,10 @@ Checks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from attnscale.errors import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,35 @@ _VAR = "The Variance Argument"
 _SAT = "What Breaks Without It"
 _GRAD = "The Gradient Argument"
 _SMALL = "Keep the head small"
+_DEMO = "A Training Demo"
+_INIT = "Move it into the initialization"
+_MUP = "Use 1/d instead (muP)"
+
+# Numbers the essay prints that the report shows beside ours (the recall section's table) but
+# judges only through a claim derived from them: a ratio of two runs, a range.  Each is written
+# here once, as printed; the claims below and the sections read them from this table.
+QUOTES: dict[str, str] = {
+    "recall.steps_to_loss_1.scaled": "224",
+    "recall.steps_to_loss_1.unscaled": "424",
+    "recall.steps_to_loss_0_1.scaled": "436",
+    "recall.steps_to_loss_0_1.unscaled": "822",
+    "recall.plateau.unscaled.steps": "~530-820",    # "between roughly steps 530 and 820"
+    "recall.final_loss.scaled": "0.00562",
+    "recall.final_loss.unscaled": "0.01374",
+    "recall.grad_wq.scaled": "0.1085",
+    "recall.grad_wq.unscaled": "1.0610",
+    "recall.sqrt_d_k": "16",                        # sqrt(256), the demo's d_k
+    "recall.eval_sequences": "2000",
+    "recall.eval_accuracy": "100.0%",               # "Both models reached 100.0%"
+}
+_Q = QUOTES
+_SQRT_D_K = float(_Q["recall.sqrt_d_k"])
+
+
+def _ratio(key: str) -> str:
+    """The essay's unscaled / scaled ratio of quote ``key``, to the 3 digits the table shows."""
+    return f"{float(_Q[key + '.unscaled']) / float(_Q[key + '.scaled']):.2f}"
+
 
 CLAIMS: tuple[Claim, ...] = (
     Claim("variance.std.dk64", _VAR, "std of q.k at d_k=64 (100k pairs)", "7.9774", Estimate()),
@@ -106,39 +143,46 @@ CLAIMS: tuple[Claim, ...] = (
     # --- Associative-recall training (attnscale.report.sections.recall) ---------------------------------
     # The essay's model is not fully specified (batch, d_model, smoothing), so step counts are
     # judged as ratios unscaled / scaled within [1.4, 4] (means over 3 seeds); the absolute numbers
-    # stand side by side with the essay's in the section's table.
-    Claim("recall.steps_to_loss_1.ratio", "A Training Demo", "steps to smoothed loss 1.0, "
-          "unscaled / scaled (essay 424 / 224)", "1.89", Within(1.4, 4.0)),
-    Claim("recall.steps_to_loss_0_1.ratio", "A Training Demo", "steps to smoothed loss 0.1, "
-          "unscaled / scaled (essay 822 / 436)", "1.89", Within(1.4, 4.0)),
-    Claim("recall.plateau.unscaled.level", "A Training Demo", "level of the unscaled run's "
-          "stall above loss 0.1, detected automatically (essay: steps ~530-820)", "0.3",
+    # (QUOTES below) stand side by side with the essay's in the section's table.
+    Claim("recall.steps_to_loss_1.ratio", _DEMO, "steps to smoothed loss 1.0, unscaled / scaled "
+          f"(essay {_Q['recall.steps_to_loss_1.unscaled']} / {_Q['recall.steps_to_loss_1.scaled']})",
+          _ratio("recall.steps_to_loss_1"), Within(1.4, 4.0)),
+    Claim("recall.steps_to_loss_0_1.ratio", _DEMO, "steps to smoothed loss 0.1, unscaled / scaled "
+          f"(essay {_Q['recall.steps_to_loss_0_1.unscaled']} / "
+          f"{_Q['recall.steps_to_loss_0_1.scaled']})",
+          _ratio("recall.steps_to_loss_0_1"), Within(1.4, 4.0)),
+    Claim("recall.plateau.unscaled.level", _DEMO, "level of the unscaled run's stall above loss "
+          f"0.1, detected automatically (essay: steps {_Q['recall.plateau.unscaled.steps']})", "0.3",
           Within(0.1, 1.0)),
-    Claim("recall.final_loss.ratio", "A Training Demo", "final smoothed loss, unscaled / scaled "
-          "(essay 0.01374 / 0.00562)", "2.4", Within(1.4, 4.0)),
-    Claim("recall.eval_accuracy.scaled", "A Training Demo", "held-out accuracy, scaled "
-          "(2000 sequences)", "100.0%", Within(0.995, 1.0)),
-    Claim("recall.eval_accuracy.unscaled", "A Training Demo", "held-out accuracy, unscaled "
-          "(2000 sequences)", "100.0%", Within(0.995, 1.0)),
-    Claim("recall.grad_wq.ratio", "A Training Demo", "||dL/dW_Q||_F at step 0, unscaled / scaled: "
-          "larger, not smaller, yet below sqrt(d_k) = 16 (essay 1.0610 / 0.1085)", "9.8",
-          Within(1.0, 16.0)),
-    Claim("recall.grad_wq.saturation", "A Training Demo", "saturation factor = that ratio / "
-          "sqrt(d_k), between 1/sqrt(d_k) and 1", "0.61", Within(0.0625, 1.0)),
-    Claim("recall.init_reparam.step0_gap", "Move it into the initialization", "init-reparam vs "
+    Claim("recall.final_loss.ratio", _DEMO, "final smoothed loss, unscaled / scaled "
+          f"(essay {_Q['recall.final_loss.unscaled']} / {_Q['recall.final_loss.scaled']})", "2.4",
+          Within(1.4, 4.0)),
+    Claim("recall.eval_accuracy.scaled", _DEMO, "held-out accuracy, scaled "
+          f"({_Q['recall.eval_sequences']} sequences)", _Q["recall.eval_accuracy"],
+          Within(0.995, 1.0)),
+    Claim("recall.eval_accuracy.unscaled", _DEMO, "held-out accuracy, unscaled "
+          f"({_Q['recall.eval_sequences']} sequences)", _Q["recall.eval_accuracy"],
+          Within(0.995, 1.0)),
+    Claim("recall.grad_wq.ratio", _DEMO, "||dL/dW_Q||_F at step 0, unscaled / scaled: larger, not "
+          f"smaller, yet below sqrt(d_k) = {_Q['recall.sqrt_d_k']} (essay "
+          f"{_Q['recall.grad_wq.unscaled']} / {_Q['recall.grad_wq.scaled']})", "9.8",
+          Within(1.0, _SQRT_D_K)),
+    Claim("recall.grad_wq.saturation", _DEMO, "saturation factor = that ratio / "
+          "sqrt(d_k), between 1/sqrt(d_k) and 1", "0.61", Within(1.0 / _SQRT_D_K, 1.0)),
+    Claim("recall.init_reparam.step0_gap", _INIT, "init-reparam vs "
           "scaled, same init and batch: relative loss gap at step 0", "0", AtMost(1e-6)),
-    Claim("recall.init_reparam.sgd_tracking", "Move it into the initialization", "SGD: "
+    Claim("recall.init_reparam.sgd_tracking", _INIT, "SGD: "
           "init-reparam at lr vs scaled with sqrt(d_k) lr on W_Q, W_K, max relative loss gap",
           "0", AtMost(1e-4)),
-    Claim("recall.init_reparam.adam_separation", "Move it into the initialization", "Adam: first "
+    Claim("recall.init_reparam.adam_separation", _INIT, "Adam: first "
           "step where init-reparam's loss differs from scaled's by > 1%", "< 10,000",
           AtMost(10_000)),
-    Claim("recall.logit_std.exponent_init", "Use 1/d instead (muP)", "a in std(q.k) ~ d_k^a at "
+    Claim("recall.logit_std.exponent_init", _MUP, "a in std(q.k) ~ d_k^a at "
           "init, d_k 16-256 (independent q, k)", "0.5", Within(0.45, 0.55)),
-    Claim("recall.logit_std.exponent_trained", "Use 1/d instead (muP)", "a in std(q.k) ~ d_k^a "
+    Claim("recall.logit_std.exponent_trained", _MUP, "a in std(q.k) ~ d_k^a "
           "once trained (scaled runs, d_k 16-256)", "1", Within(0.75, 1.25)),
 
-    # --- Gradient paths and init-reparam, measured by attnscale.report.sections.mechanisms -------------
+    # --- Gradient paths and init-reparam, measured by attnscale.report.sections.gradient ---------------
     Claim("gradient.routing.one_hot", _GRAD, "routing path ||J a|| at one-hot p (unscaled row, "
           "d_k=1024, logits x1e4)", "0", AtMost(1e-12)),
     Claim("gradient.value.one_hot", _GRAD, "value path ||(p_i g)_i|| / ||g|| at one-hot p: stays "
@@ -146,15 +190,34 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("gradient.routing_share.unscaled.dk1024", _GRAD, "routing / value path norm, unscaled "
           "d_k=1024, n=256: frozen routing, learnable payload (scaled ~ 1)", "<< 1",
           AtMost(0.25)),
-    Claim("init_reparam.step0.max_abs_diff", "Move it into the initialization", "init-reparam vs "
+    Claim("init_reparam.step0.max_abs_diff", _INIT, "init-reparam vs "
           "scaled logits at step 0, same seed, float64: max |diff|", "identical", AtMost(1e-6)),
-    Claim("init_reparam.sgd.max_abs_diff", "Move it into the initialization", "one SGD step, lr "
+    Claim("init_reparam.sgd.max_abs_diff", _INIT, "one SGD step, lr "
           "vs lr*sqrt(d_k) on W_Q, W_K (scaled): max |logit diff|", "equivalent", AtMost(1e-6)),
-    Claim("init_reparam.adam.rel_diff", "Move it into the initialization", "one Adam step, same "
+    Claim("init_reparam.adam.rel_diff", _INIT, "one Adam step, same "
           "lr mapping: max |logit diff| / scaled's max logit change", "differ",
           Within(0.1, float("inf"))),
 )
 
 CLAIMS_BY_ID: dict[str, Claim] = {c.id: c for c in CLAIMS}
-if len(CLAIMS_BY_ID) != len(CLAIMS):  # pragma: no cover - guards edits to the table above
-    raise RuntimeError("duplicate claim id in CLAIMS")
+if len(CLAIMS_BY_ID) != len(CLAIMS) or set(CLAIMS_BY_ID) & set(QUOTES):  # pragma: no cover
+    raise RuntimeError("duplicate id in CLAIMS or QUOTES")  # guards edits to the tables above
+
+
+def check_claim_ids(ids: Iterable[str], where: str) -> None:
+    """Raise ``ValueError`` naming the first id in ``ids`` that is not a claim of :data:`CLAIMS`:
+    a measurement nobody can judge is a bug in ``where``, never a row to drop."""
+    for claim_id in ids:
+        if claim_id not in CLAIMS_BY_ID:
+            raise ValueError(f"{where}: unknown claim id {claim_id!r}."
+                             f"{did_you_mean(claim_id, CLAIMS_BY_ID)} Claims are listed in "
+                             "attnscale.report.claims.CLAIMS.")
+
+
+def essay(key: str) -> str:
+    """The essay's printed text for a claim id (its ``essay``) or a :data:`QUOTES` key."""
+    if key in CLAIMS_BY_ID:
+        return CLAIMS_BY_ID[key].essay
+    if key in QUOTES:
+        return QUOTES[key]
+    raise ValueError(f"unknown essay number {key!r}.{did_you_mean(key, [*CLAIMS_BY_ID, *QUOTES])}")

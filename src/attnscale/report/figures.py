@@ -11,26 +11,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from attnscale.constants import Z95  # noqa: E402
-
-# One colour per mechanism, shared by every figure: the essay draws scaled blue, unscaled green.
-MECHANISM_COLORS = {"scaled": "tab:blue", "unscaled": "tab:green"}
-
-
-def color_for(mechanism: str, index: int) -> str:
-    """The fixed colour of ``mechanism``, or the ``index``-th of matplotlib's cycle."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return MECHANISM_COLORS.get(mechanism, cycle[(index + 3) % len(cycle)])
+from attnscale.styles import style  # noqa: E402
 
 
 def plot_vs_dk(ax, rows: Sequence[dict], stat: str, mechanisms: Sequence[str]) -> None:
-    """Plot ``<stat>_mean`` against ``d_k`` (log2 axis), one line per mechanism, 95% CI band."""
-    for i, mech in enumerate(mechanisms):
+    """Plot ``<stat>_mean`` against ``d_k`` (log2 axis), one line per mechanism in its own
+    :func:`~attnscale.styles.style`, with its 95% CI band."""
+    for mech in mechanisms:
         rs = sorted((r for r in rows if r["mechanism"] == mech), key=lambda r: r["d_k"])
         x = [r["d_k"] for r in rs]
         y = [r[f"{stat}_mean"] for r in rs]
         se = [r[f"{stat}_se"] for r in rs]
-        c = color_for(mech, i)
-        ax.plot(x, y, "o-", color=c, label=mech, ms=4)
+        c = style(mech)["color"]
+        ax.plot(x, y, label=mech, ms=4, **style(mech))
         ax.fill_between(x, [a - Z95 * b for a, b in zip(y, se)],
                         [a + Z95 * b for a, b in zip(y, se)], color=c, alpha=0.2, lw=0)
     ax.set_xscale("log", base=2)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from attnscale.constants import Z95
-from attnscale.report.claims import AtMost, Claim, Estimate, Exact, Within
+from attnscale.report.claims import AtMost, Claim, Estimate, Exact, Within, check_claim_ids
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class Section:
     measurements: dict[str, Measurement]       # claim id -> our value
     figures: list[tuple[str, str]] = field(default_factory=list)  # (png file name, caption)
     markdown: str = ""                         # extra prose/tables shown under the heading
+
+    def __post_init__(self) -> None:
+        # Fail where the section is built, not after every other section has run.
+        check_claim_ids(self.measurements, f"section {self.name!r}")
 
 
 @dataclass(frozen=True)

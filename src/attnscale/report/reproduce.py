@@ -1,47 +1,67 @@
-"""``attnscale reproduce``: run every essay experiment and write the report.
+"""``attnscale.reproduce()``: run every essay experiment and write the report.
 
-Each entry of :data:`REPORT_SECTIONS` is ``"module:function"`` where the function has the signature
-``fn(fig_dir: Path, *, seed: int) -> attnscale.report.Section``; it saves its PNG figures into
-``fig_dir`` and returns its rows, measurements and captions.
+:data:`SECTIONS` lists the report's sections, in order, as the functions themselves: each has the
+signature ``fn(fig_dir: Path, *, seed: int) -> attnscale.report.Section``, saves its PNG figures
+into ``fig_dir`` and returns its rows, measurements and captions (see
+:mod:`attnscale.report.sections`).  Included study folders (:mod:`attnscale.report.include`) add
+a last section, "Beyond the essay".
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+import os
 import platform
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import torch
 
-from attnscale.errors import check_int
+from attnscale.errors import ConfigError, check_int, check_unique
 from attnscale.io import check_output_path
+from attnscale.report.include import beyond_the_essay, load_studies
+from attnscale.report.model import Section
+from attnscale.report.sections import gradient, montecarlo, recall
 from attnscale.report.writer import write_report
 
-REPORT_SECTIONS = (
-    "attnscale.report.sections.montecarlo:report_section",
-    "attnscale.report.sections.montecarlo:report_section_mechanisms",
-    "attnscale.report.sections.mechanisms:report_section",
-    "attnscale.report.sections.recall:report_section",
+SECTIONS: tuple[Callable[..., Section], ...] = (
+    montecarlo.report_section,
+    montecarlo.report_section_mechanisms,
+    gradient.report_section,
+    recall.report_section,
 )
 
 # The files every report has (the sections add their figures).
 REPORT_FILES = ("report.md", "results.json")
 
 
-def _load(spec: str):
-    module, fn = spec.split(":")
-    return getattr(importlib.import_module(module), fn)
+def _check_sections(sections: Sequence[Callable[..., Section]]) -> list[Callable[..., Section]]:
+    """Section functions, each once (names as strings are not accepted: wire them by import)."""
+    if isinstance(sections, (str, bytes)) or not isinstance(sections, Sequence) or not sections:
+        raise ConfigError(f"sections must be a non-empty sequence of section functions, "
+                          f"got {sections!r}.")
+    for fn in sections:
+        if not callable(fn):
+            raise ConfigError(f"sections must hold section functions (such as "
+                              f"attnscale.report.sections.montecarlo.report_section), got {fn!r}.")
+    return check_unique("sections", list(sections))
 
 
-def reproduce(out: str | Path = "attnscale-report", seed: int = 0,
-              sections: tuple[str, ...] = REPORT_SECTIONS, *, force: bool = False) -> dict:
-    """Run the report sections and write ``report.md``, ``results.json`` and PNGs into ``out``
-    (the output-folder policy of :mod:`attnscale.io`; ``force`` overwrites files it did not write)."""
+def reproduce(out: str | os.PathLike = "attnscale-report", seed: int = 0,
+              sections: Sequence[Callable[..., Section]] = SECTIONS,
+              include: Sequence[str | os.PathLike] = (), *, force: bool = False) -> dict:
+    """Run the report ``sections`` and write ``report.md``, ``results.json`` and PNGs into ``out``
+    (the output-folder policy of :mod:`attnscale.io`; ``force`` overwrites files it did not write).
+
+    ``include`` lists finished study folders (or is one folder) to add as "Beyond the essay".
+    Every argument is checked before any experiment runs.  Returns the ``results.json`` object.
+    """
     seed = check_int("seed", seed, minimum=0)
+    fns = [functools.partial(fn, seed=seed) for fn in _check_sections(sections)]
+    studies = load_studies(include)
     out_dir = check_output_path("--out", out, kind="dir", files=REPORT_FILES, force=force)
+    if studies:
+        fns.append(functools.partial(beyond_the_essay, studies))
     from attnscale import __version__
-    fns = [functools.partial(_load(s), seed=seed) for s in sections]
     meta = {"attnscale": __version__, "torch": torch.__version__,
             "python": platform.python_version(), "seed": seed}
     return write_report(out_dir, fns, meta, force=force)

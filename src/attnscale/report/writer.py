@@ -13,7 +13,7 @@ from pathlib import Path
 
 from attnscale.constants import Z95
 from attnscale.io import staged_dir
-from attnscale.report.claims import CLAIMS
+from attnscale.report.claims import CLAIMS, check_claim_ids
 from attnscale.report.model import Measurement, Section, judge
 
 SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
@@ -37,7 +37,11 @@ def _ours(m: Measurement) -> str:
 
 
 def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]:
-    """Markdown table with one row per claim, and the same rows as records."""
+    """Markdown table with one row per measured claim, and the same rows as records.
+
+    A measurement whose id is not in :data:`~attnscale.report.claims.CLAIMS` raises ``ValueError``.
+    """
+    check_claim_ids(measurements, "claims_table")
     lines = ["| section | quantity | essay | ours [95% CI] | verdict |",
              "|---|---|---|---|---|"]
     records = []
@@ -65,7 +69,11 @@ def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict, *,
     with staged_dir(out_dir, force=force) as staging:
         sections = [fn(staging) for fn in section_fns]
         measurements: dict[str, Measurement] = {}
-        for s in sections:
+        for i, s in enumerate(sections):
+            twice = sorted(s.measurements.keys() & measurements.keys())
+            if twice or s.name in (t.name for t in sections[:i]):
+                raise ValueError(f"section {s.name!r} repeats another section's "
+                                 f"{'claim ' + repr(twice[0]) if twice else 'name'}")
             measurements.update(s.measurements)
         table, verdicts = claims_table(measurements)
         n_ok = sum(v["agrees"] for v in verdicts)

@@ -13,36 +13,36 @@ import numpy as np
 
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.trainer import RunResult
-from attnscale.report.figures import color_for, new_figure
+from attnscale.report.figures import new_figure
+from attnscale.styles import style
 
-
-def mechanism_color(name: str) -> str:
-    """One colour per mechanism in every recall figure (registry order; scaled blue, unscaled
-    green as in the essay)."""
-    from attnscale.mechanisms import MECHANISMS
-    names = list(MECHANISMS)
-    return color_for(name, names.index(name) if name in names else len(names))
+# Loss curves have one point per step: mark every tenth of the axis so the marker names the line.
+MARKEVERY = 0.1
 
 
 def plot_loss_curves(ax, runs: Sequence[RunResult], *, mark_milestones: bool = True) -> None:
-    """Smoothed training loss against step, log y, one colour per mechanism.
+    """Smoothed training loss against step, log y, each mechanism in its own
+    :func:`~attnscale.styles.style`.
 
-    The first run of each mechanism is drawn solid, further seeds thin and faint.  Milestone
-    crossings (smoothed loss 1.0 and 0.1) are marked with dots, plateaus with a shaded band.
+    The first run of each mechanism is drawn bold, further seeds thin and faint.  Milestone
+    crossings (smoothed loss 1.0 and 0.1) are marked with hollow dots, plateaus with a shaded band.
     """
     seen: set[str] = set()
     for r in runs:
-        color = mechanism_color(r.mechanism)
+        line = style(r.mechanism, markevery=MARKEVERY, ms=4)
+        color = line["color"]
         first = r.mechanism not in seen
         seen.add(r.mechanism)
-        ax.plot(r.smoothed, color=color, lw=1.6 if first else 0.8, alpha=1.0 if first else 0.35,
-                label=r.mechanism if first else None)
+        if not first:
+            line.update(marker="None")   # further seeds: thin and faint, no markers
+        ax.plot(r.smoothed, lw=1.6 if first else 0.8, alpha=1.0 if first else 0.35,
+                label=r.mechanism if first else None, **line)
         if not first:
             continue
         if mark_milestones:
             for level, step in zip(metrics.MILESTONES, (r.steps_to_loss_1, r.steps_to_loss_0_1)):
                 if step is not None:
-                    ax.plot([step], [r.smoothed[step]], "o", color=color, ms=4)
+                    ax.plot([step], [r.smoothed[step]], "o", color=color, ms=6, mfc="white")
         for p in r.plateaus:
             ax.axvspan(p["start"], p["end"], color=color, alpha=0.08, lw=0)
     for level in metrics.MILESTONES:

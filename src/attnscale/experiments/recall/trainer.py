@@ -27,6 +27,7 @@ from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
+from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
 from attnscale.stats import columns, logit_std, row_stats
 
@@ -106,6 +107,28 @@ def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
     if c.optimizer == "adam":
         return torch.optim.Adam(groups, lr=c.lr, fused=True)
     return torch.optim.SGD(groups, lr=c.lr)
+
+
+def _install_qk_clip(opt: torch.optim.Optimizer, model: StackedRecall) -> None:
+    """QK-Clip for real in the qk-clip runs: each run's S_max comes from its logits z in every
+    training forward, and after every optimiser step (:func:`qk_clip.install`'s hook) the run's
+    slices of the stacked W_Q^T and W_K^T are clipped.  No-op without qk-clip runs."""
+    runs = [(m, mech) for m, mech in enumerate(model.mechanisms)
+            if isinstance(mech, qk_clip.QKClip)]
+    if not runs:
+        return
+    with torch.no_grad():  # views of run m's weights; the optimiser updates them in place
+        for m, mech in runs:
+            # W^T: a head's features are columns.  track=False: prepare() sees the score tables
+            # here, not the batch; the hook below feeds the batch's logits instead.
+            mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1, track=False)
+
+    def observe(module: StackedRecall, args, out) -> None:
+        if module.training:
+            for m, mech in runs:
+                mech.observe(out.z[m][:, None, None, :])  # (B, P) as (B, 1 head, 1 query, P)
+    model.register_forward_hook(observe)
+    qk_clip.install(opt, model)
 
 
 def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
@@ -189,6 +212,7 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
         start = time.perf_counter()
         model = StackedRecall([RecallNet(cfg) for cfg in configs]).train()
         opt = _optimizer(model)
+        _install_qk_clip(opt, model)
         losses = torch.empty(c.steps, M)
         trace_steps, trace = [], []
         label = desc or ",".join(dict.fromkeys(cfg.mechanism for cfg in configs))

@@ -1,1 +1,12 @@
-"""Report sections: one module per experiment, each exposing ``report_section(fig_dir, *, seed)``."""
+"""Report sections: one module per experiment.
+
+A section is a function ``fn(fig_dir: Path, *, seed: int) -> attnscale.report.Section`` that runs
+its experiment, saves its PNG figures into ``fig_dir`` and returns its rows, its measurements (keyed
+by claim ids of :mod:`attnscale.report.claims`) and its figure captions.  The report lists them, in
+order, in :data:`attnscale.report.reproduce.SECTIONS`:
+
+- :mod:`~attnscale.report.sections.montecarlo`: the variance check, Figures 1-2, the small-head
+  thresholds, and saturation at init for every mechanism;
+- :mod:`~attnscale.report.sections.gradient`: the two gradient paths and init-reparam;
+- :mod:`~attnscale.report.sections.recall`: the training demo (Figure 3).
+"""

@@ -13,6 +13,7 @@ from attnscale.measure.montecarlo import (
     small_head_thresholds, variance,
 )
 from attnscale.report import Measurement, Section
+from attnscale.report.claims import essay
 from attnscale.report.figures import new_figure, plot_vs_dk, save
 from attnscale.stats import entropy
 
@@ -129,7 +130,7 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     md = (f"Settings: {ESSAY_PAIRS:,} pairs per d_k for the variance check; n = {ESSAY_N} keys and "
           f"{ESSAY_TRIALS} trials per d_k for the figures; seed {seed}. Logits are sampled with the "
           "exact chi-square shortcut (|q|^2 ~ chi2(d_k), q.k_i = |q| g_i).\n\n"
-          "### Keep the head small\n\n" + small_md )
+          "### Keep the head small\n\n" + small_md)
     return Section(
         name="Monte Carlo: variance, saturation and the softmax Jacobian",
         rows=[dict(r, experiment="variance") for r in var_rows]
@@ -138,9 +139,10 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
         + [dict(r, experiment="small_head") for r in small_rows],
         measurements=m,
         figures=[("figure1_saturation.png", "Figure 1. Mean max attention weight and entropy vs "
-                  "d_k, n = 256 keys: scaled (blue) is flat, unscaled (green) saturates."),
+                  f"d_k, n = {ESSAY_N} keys: scaled (blue) is flat, unscaled (green) saturates."),
                  ("figure2_jacobian.png", "Figure 2. Mean softmax-Jacobian Frobenius norm vs d_k: "
-                  "unscaled peaks at d_k = 16 and crosses below scaled.")],
+                  f"unscaled peaks at d_k = {essay('jacobian.unscaled.peak_dk')} and crosses "
+                  "below scaled.")],
         markdown=md,
     )
 

@@ -21,10 +21,12 @@ from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.experiments import (
     adam_separation, grad_decomposition, init_reparam_sgd, logit_scaling, milestone_ratios,
 )
-from attnscale.experiments.recall.figures import mechanism_color, plot_loss_curves
+from attnscale.experiments.recall.figures import MARKEVERY, plot_loss_curves
 from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.report import Measurement, Section
+from attnscale.report.claims import essay
 from attnscale.report.figures import new_figure, save
+from attnscale.styles import style
 
 SECTION_SEEDS = 3              # seeds seed, seed+1, ...: the issue's ">= 3 seeds"
 SGD_STEPS = 300                # the SGD pair reaches loss 0.1 by ~200 steps at SGD_LR
@@ -70,55 +72,61 @@ def _spread(values: list[float | None], fmt: str) -> str:
 
 def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: dict,
            seeds: list[int]) -> str:
-    """Markdown: every training number of the essay next to ours, per seed."""
+    """Markdown: every training number of the essay next to ours, per seed (the essay's column
+    read from :mod:`attnscale.report.claims`)."""
     sc, un = demo["scaled"], demo["unscaled"]
     i, f3, f4, f5, pct = "{:.0f}", "{:.3g}", "{:.4g}", "{:.5f}", "{:.2%}"
 
-    def row(what: str, essay: str, values: list, fmt: str) -> str:
-        return f"| {what} | {essay} | {_spread(values, fmt)} |"
+    def row(what: str, key: str | None, values: list, fmt: str) -> str:
+        """One table row; ``key`` names the essay's number in the claims table (None: none)."""
+        return f"| {what} | {'—' if key is None else essay(key)} | {_spread(values, fmt)} |"
+
+    def pair(what: str, field: str, fmt: str) -> list[str]:
+        """Rows for scaled and unscaled of run field ``field`` (essay keys recall.<field>.<m>)."""
+        return [row(f"{what}, {m}", f"recall.{field}.{m}", [getattr(r, field) for r in demo[m]],
+                    fmt) for m in ("scaled", "unscaled")]
 
     lines = [f"Seeds {', '.join(map(str, seeds))}; identical init and data for every mechanism "
              f"of a seed. Smoothed loss = EMA with decay {metrics.EMA_DECAY}. Step counts, losses "
              "and gradient norms depend on choices the essay does not state (batch size, d_model, "
              "smoothing), so the verdicts above judge ratios; the absolute values are here.", "",
              "| quantity | essay | ours, per seed (mean ± std) |", "|---|---|---|",
-             row("steps to smoothed loss 1.0, scaled", "224", [r.steps_to_loss_1 for r in sc], i),
-             row("steps to smoothed loss 1.0, unscaled", "424", [r.steps_to_loss_1 for r in un], i),
-             row("steps to smoothed loss 0.1, scaled", "436", [r.steps_to_loss_0_1 for r in sc], i),
-             row("steps to smoothed loss 0.1, unscaled", "822",
-                 [r.steps_to_loss_0_1 for r in un], i),
-             f"| unscaled plateaus (level at steps) | ~0.3 at ~530-820 | "
+             *pair("steps to smoothed loss 1.0", "steps_to_loss_1", i),
+             *pair("steps to smoothed loss 0.1", "steps_to_loss_0_1", i),
+             f"| unscaled plateaus (level at steps) | ~{essay('recall.plateau.unscaled.level')} at "
+             f"{essay('recall.plateau.unscaled.steps')} | "
              f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in un)} |",
              f"| scaled plateaus | none | "
              f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in sc)} |",
-             row("final smoothed loss, scaled", "0.00562", [r.final_loss for r in sc], f5),
-             row("final smoothed loss, unscaled", "0.01374", [r.final_loss for r in un], f5),
-             row("held-out accuracy, scaled", "100.0%", [r.eval_accuracy for r in sc], pct),
-             row("held-out accuracy, unscaled", "100.0%", [r.eval_accuracy for r in un], pct),
-             row("‖∇W_Q‖_F at step 0, scaled", "0.1085", [g["grad_wq_scaled"] for g in grads], f4),
-             row("‖∇W_Q‖_F at step 0, unscaled", "1.0610", [g["grad_wq_unscaled"] for g in grads],
-                 f4),
-             row("ratio unscaled / scaled", "9.8", [g["ratio"] for g in grads], f3),
-             row("= sqrt(d_k) × saturation factor: saturation", "16 × 0.61",
-                 [g["saturation"] for g in grads], f3),
-             row("‖dL/dz‖ ratio at step 0 (saturation read at the logits)", "—",
+             *pair("final smoothed loss", "final_loss", f5),
+             *pair("held-out accuracy", "eval_accuracy", pct),
+             row("‖∇W_Q‖_F at step 0, scaled", "recall.grad_wq.scaled",
+                 [g["grad_wq_scaled"] for g in grads], f4),
+             row("‖∇W_Q‖_F at step 0, unscaled", "recall.grad_wq.unscaled",
+                 [g["grad_wq_unscaled"] for g in grads], f4),
+             row("ratio unscaled / scaled", "recall.grad_wq.ratio", [g["ratio"] for g in grads], f3),
+             f"| = sqrt(d_k) × saturation factor: saturation | {essay('recall.sqrt_d_k')} × "
+             f"{essay('recall.grad_wq.saturation')} | "
+             f"{_spread([g['saturation'] for g in grads], f3)} |",
+             row("‖dL/dz‖ ratio at step 0 (saturation read at the logits)", None,
                  [g["logit_grad_ratio"] for g in grads], f3),
-             row("mean ‖J‖_F ratio at step 0 (softmax Jacobian)", "—",
+             row("mean ‖J‖_F ratio at step 0 (softmax Jacobian)", None,
                  [g["jacobian_ratio"] for g in grads], f3),
-             row("final attention entropy (nats), scaled", "—",
+             row("final attention entropy (nats), scaled", None,
                  [r.eval_stats["entropy"] for r in sc], f3),
-             row("final attention entropy (nats), unscaled", "—",
+             row("final attention entropy (nats), unscaled", None,
                  [r.eval_stats["entropy"] for r in un], f3),
-             row("final max attention weight, unscaled", "—",
+             row("final max attention weight, unscaled", None,
                  [r.eval_stats["max_weight"] for r in un], f4),
-             row("init-reparam, Adam: loss gap at step 0", "identical",
+             row("init-reparam, Adam: loss gap at step 0", "init_reparam.step0.max_abs_diff",
                  [a["step0_rel_gap"] for a in adam], f3),
-             row("init-reparam, Adam: first step with > 1% loss gap", "< 10,000",
-                 [a["separation_step"] for a in adam], i),
-             row("init-reparam, Adam: steps to loss 0.1 (scaled: above)", "—",
+             row("init-reparam, Adam: first step with > 1% loss gap",
+                 "recall.init_reparam.adam_separation", [a["separation_step"] for a in adam], i),
+             row("init-reparam, Adam: steps to loss 0.1 (scaled: above)", None,
                  [a["reparam_steps_to_loss_0_1"] for a in adam], i),
              f"| init-reparam, SGD lr {sgd['lr']:g} vs scaled with {sgd['qk_lr_mult']:g} × lr on "
-             f"W_Q, W_K: max relative loss gap over {SGD_STEPS} steps | equivalent | "
+             f"W_Q, W_K: max relative loss gap over {SGD_STEPS} steps | "
+             f"{essay('init_reparam.sgd.max_abs_diff')} | "
              f"{sgd['tracking_max_rel_gap']:.3g} (seed {sgd['seed']}) |",
              f"| init-reparam vs plain scaled, SGD: first step with > 1% gap | — | "
              f"{sgd['plain_separation_step']} |"]
@@ -126,7 +134,9 @@ def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: 
         lines.append(f"| std(q.k) at d_k={r['d_k']}: init → trained (scaled); trained logit std | "
                      f"√d_k → ~d_k | {r['qk_std_init']:.3g} → {r['qk_std_trained']:.3g}; "
                      f"{r['logit_std_trained']:.3g} |")
-    lines.append(f"| exponent a in std(q.k) ~ d_k^a: init → trained | 0.5 → 1 | "
+    lines.append(f"| exponent a in std(q.k) ~ d_k^a: init → trained | "
+                 f"{essay('recall.logit_std.exponent_init')} → "
+                 f"{essay('recall.logit_std.exponent_trained')} | "
                  f"{scaling['exponent_init']:.3f} → {scaling['exponent_trained']:.3f} |")
     lines += ["", "The recall loss pins the *post-temperature* logit scale that confident retrieval "
               "needs (trained logit std ≈ 3 at every d_k), so behind the 1/sqrt(d_k) divisor the "
@@ -146,8 +156,8 @@ def _figure_attention(fig_dir: Path, runs: list[RunResult]) -> str:
              ("logit_std", "logit std over keys (after temperature)"))
     for ax, (key, label) in zip(axes, stats):
         for r in runs:
-            ax.plot([t["step"] for t in r.trace], [t[key] for t in r.trace],
-                    color=mechanism_color(r.mechanism), label=r.mechanism)
+            ax.plot([t["step"] for t in r.trace], [t[key] for t in r.trace], label=r.mechanism,
+                    ms=4, **style(r.mechanism, markevery=MARKEVERY))
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.25)
@@ -163,10 +173,12 @@ def _figure_init_reparam(fig_dir: Path, adam_runs: list[RunResult], sgd: dict) -
     plot_loss_curves(ax1, adam_runs, mark_milestones=False)
     ax1.set_title("Adam, lr 3e-4: same init, same data", fontsize=9)
     reparam, boosted, plain = sgd["runs"]
-    for r, label, style in ((reparam, "init-reparam, lr", "-"),
-                            (boosted, f"scaled, {sgd['qk_lr_mult']:g}x lr on W_Q, W_K", "--"),
-                            (plain, "scaled, lr", ":")):
-        ax2.plot(r.smoothed, style, color=mechanism_color(r.mechanism), label=label)
+    # The two scaled runs share scaled's style, told apart by their line style.
+    for r, label, dash in ((reparam, "init-reparam, lr", None),
+                           (boosted, f"scaled, {sgd['qk_lr_mult']:g}x lr on W_Q, W_K", "--"),
+                           (plain, "scaled, lr", ":")):
+        line = style(r.mechanism, markevery=MARKEVERY, ms=4)
+        ax2.plot(r.smoothed, label=label, **(line if dash is None else {**line, "linestyle": dash}))
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.set_title(f"SGD, lr {sgd['lr']:g}", fontsize=9)
