@@ -1,8 +1,8 @@
 """Blockwise attention statistics per head, without the (B, H, Nq, Nk) attention matrix.
 
-:func:`head_stats` scores ``block`` queries at a time against their keys and reduces each row to
-the statistics of :mod:`attnscale.stats` (by the compiled kernel of :mod:`attnscale.kernels.rowstats`
-where it runs, by :mod:`attnscale.stats` itself elsewhere); :class:`HeadStats` holds per-head sums,
+:func:`head_stats` scores ``block`` queries at a time against their keys and reduces each row with
+:func:`attnscale.stats.row_stats` (the compiled kernel where it runs, PyTorch elsewhere);
+:class:`HeadStats` holds per-head sums,
 so blocks, calls and forward passes merge exactly.  Masked keys are excluded and a query with no
 key is not counted; an additive float mask's entries at or below
 :data:`~attnscale.pipeline.MASKED_BIAS` mark masked keys, finite entries above it are logit biases.
@@ -17,11 +17,10 @@ import torch
 from torch import Tensor
 
 from attnscale.errors import check_int
-from attnscale.kernels import native, rowstats
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
 from attnscale.precision import work_dtype
-from attnscale.stats import logit_std, softmax_stats
+from attnscale.stats import columns, row_stats
 from attnscale.workers import parallel_map, workers_for
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
@@ -155,7 +154,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None) -> Tensor | None:
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
-    of :data:`attnscale.kernels.native.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
+    of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
     keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel.
@@ -188,33 +187,18 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         else:  # the mask has a batch the logits broadcast over
             z = torch.where(keep, z, -math.inf)
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
-    if z.dtype == torch.float32 and z.device.type == "cpu" and native.available():
-        # The compiled kernel reads causality as a per-row key count: no mask is written.
-        limit = None
-        if causal and first_hidden < hi - lo:
-            limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64)
-        return rowstats.row_stats(z, limit=limit, threads=threads)
+    # Causality as a per-row key count (no mask is written): query i0 + r sees the first
+    # first_hidden + r columns of the block.
+    limit = None
     if causal and first_hidden < hi - lo:
-        # Query i0 + r hides keys j > i0 + r + offset: only this corner of the block.
-        corner = z[..., max(first_hidden, 0):]
-        j = torch.arange(corner.shape[-1], device=z.device) + max(first_hidden, 0)
-        r = torch.arange(n_b, device=z.device).unsqueeze(-1)
-        corner.masked_fill_(j > r + first_hidden - 1, -math.inf)
-
-    s = softmax_stats(z)                                     # each (B, H, Nb)
-    std = logit_std(z)
-    absmax = z.masked_fill_(torch.isneginf(z), 0.0).abs_().amax(dim=-1)  # masked -> 0; z is done
-    # A row with no key has max weight 0 (every valid row has max weight >= 1 / Nk); a row with
-    # a NaN logit has NaN statistics and is counted, so the NaN reaches its head's record.
-    count = (s["max_weight"] != 0).to(s["max_weight"].dtype)
-    return torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], std, absmax],
-                       dim=-1).double()
+        limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64, device=z.device)
+    return row_stats(z, limit=limit, threads=threads)
 
 
 def _totals(rows: Tensor) -> HeadStats:
-    """Per-head sums of per-row statistics (B, H, Nb, len(ROW_STATS_COLUMNS)); rows whose
+    """Per-head sums of per-row statistics (B, H, Nb, 6)); rows whose
     count is 0 (no key to attend) are left out."""
-    col = {name: rows[..., i] for i, name in enumerate(native.ROW_STATS_COLUMNS)}
+    col = columns(rows)
     ok = col["count"] > 0
 
     def total(x: Tensor) -> Tensor:
