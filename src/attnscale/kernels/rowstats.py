@@ -1,14 +1,15 @@
-"""Fused per-row softmax statistics: the compiled kernel behind :mod:`attnscale.measure.monitor`.
+"""Fused per-row softmax statistics: the compiled kernel behind :func:`attnscale.stats.row_stats`.
 
 :func:`row_stats` reduces float32 logits of shape (..., n) to the statistics of
 :mod:`attnscale.stats` for every row -- number of unmasked keys, max weight, entropy,
 ``||J||_F``, logit std and ``max |z|`` -- reading each logit twice in one C kernel instead
-of the ~20 tensor passes of the PyTorch formulation.  The numerics are those of
-:mod:`attnscale.stats` (centred on the top key, nothing cancels or underflows near one-hot);
-sums are taken in float32 over runs of 512 keys and in float64 across them.
+of the ~20 tensor passes of the PyTorch formulation.  The numerics and the answers for special
+rows (no key: 0; NaN or ``+inf``: NaN) are those of :mod:`attnscale.stats` (centred on the top
+key, nothing cancels or underflows near one-hot); sums are taken in float32 over runs of 512 keys
+and in float64 across them.
 
-The kernel is part of attnscale's compiled kernels (:mod:`attnscale.kernels.native`); where they are not
-available (:func:`attnscale.kernels.native.available`), callers use :mod:`attnscale.stats` instead.
+Call it through :func:`attnscale.stats.row_stats`, which validates the input and falls back to the
+PyTorch formulation where the compiled kernels (:mod:`attnscale.kernels.native`) are not available.
 """
 
 from __future__ import annotations
