@@ -135,8 +135,10 @@ def test_softmax_stats_agrees_with_single_functions():
 
 
 def test_public_api_exports_the_statistics():
-    for name in ("max_weight", "entropy", "jacobian_fro", "logit_std", "softmax_stats"):
+    for name in ("max_weight", "entropy", "jacobian_fro", "logit_std", "softmax_stats",
+                 "row_stats"):
         assert getattr(attnscale, name) is getattr(stats, name)
+        assert name in attnscale.__all__
 
 
 def test_integer_logits_are_rejected():
