@@ -22,7 +22,7 @@ STUDY_MODULES = (
 )
 
 EXAMPLES = """
-  attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds, one per core
+  attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds
   attnscale study recall --out study/ --mechanisms scaled,unscaled,qknorm --d-k 16,64 --seed 0
   attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json --workers 2
   attnscale study recall --resume study/            # after Ctrl-C or a crash: the rest only

@@ -20,7 +20,7 @@ EXAMPLES = """
   attnscale sweep --resume runs/recall --extend --grid seed=0,1,2,3,4   # add seeds 3 and 4
   attnscale sweep --show runs/recall                        # finished, failed, pending
   attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray          # a local Ray instance
-  attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray auto     # the cluster of 'ray start'
+  attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray auto     # 'ray start' cluster
 """
 
 # Characters of an error's first line shown in the --show table.

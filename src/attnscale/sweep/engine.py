@@ -113,7 +113,8 @@ def experiment_of(spec: SweepSpec) -> registry.Experiment:
             importlib.import_module(spec.module)
         except ImportError as err:
             raise ConfigError(f"the sweep's experiment {spec.experiment!r} is registered by "
-                              f"module {spec.module!r}, which cannot be imported ({err}).") from None
+                              f"module {spec.module!r}, which cannot be imported "
+                              f"({err}).") from None
     return registry.get(spec.experiment)
 
 
