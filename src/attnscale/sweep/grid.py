@@ -13,6 +13,7 @@ CLI syntax (:func:`parse_grid`, :func:`parse_fixed`)::
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Mapping, Sequence
@@ -131,7 +132,8 @@ class SweepSpec:
         keys = list(self.grid)
         out = []
         for combo in itertools.product(*(self.grid[k] for k in keys)):
-            config = {**dict(zip(keys, combo)), **self.base}  # what varies first
+            # what varies first; a copy each, so no two trials share a mutable value
+            config = copy.deepcopy({**dict(zip(keys, combo)), **self.base})
             out.append(Trial(trial_id(self.experiment, config), config))
         return out
 
