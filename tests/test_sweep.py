@@ -503,3 +503,23 @@ def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
     assert code == 2 and "holds a 'saturation' sweep, not a recall study" in err
     code, _, err = cli("study", "recall", "--from", str(out), "--out", str(out))
     assert code == 2 and "give one of --out DIR" in err
+
+
+def test_the_readme_sweep_commands_parse_and_check(tmp_path):
+    """Every ``attnscale sweep`` line of the README parses, and its grid passes every check a
+    sweep makes before running (nothing is trained here)."""
+    import shlex
+    from attnscale.cli import build_parser
+    from attnscale.sweep.engine import _check_trials
+    text = (TESTS.parent / "README.md").read_text()
+    section = text.split("## Sweeps:", 1)[1].split("\n## ", 1)[0]
+    lines = [line.split("  #", 1)[0] for line in section.splitlines()
+             if line.startswith("attnscale sweep ")]
+    assert len(lines) >= 5
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        if args.experiment is not None:
+            exp = registry.get(args.experiment)
+            spec = SweepSpec.build(exp, parse_grid(exp, args.grid), parse_fixed(exp, args.set))
+            _check_trials(exp, spec.trials())
+            assert spec.trials()
