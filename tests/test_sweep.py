@@ -19,7 +19,7 @@ import sweep_experiments
 from attnscale import sweep
 from attnscale.errors import ConfigError
 from attnscale.io import MANIFEST
-from attnscale.sweep import registry
+from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
 from attnscale.sweep.local import threads_per_worker
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE

@@ -27,7 +27,7 @@ from typing import Any
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.io import sigterm_as_exit
 from attnscale.progress import progress
-from attnscale.sweep import registry
+from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, check_grid, differences, extended
 from attnscale.sweep.local import cpu_count, run_local, threads_per_worker
 from attnscale.sweep.results import SweepResults, load

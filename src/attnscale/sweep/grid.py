@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnscale.errors import ConfigError
-from attnscale.sweep.registry import Experiment
+from attnscale.experiments.registry import Experiment
 from attnscale.sweep.trial import Trial, canonical_json, trial_id
 
 
