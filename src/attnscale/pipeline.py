@@ -227,6 +227,10 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         n_keys = key_counts(None, causal, q, k)
     qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)          # mechanism
     cap = mechanism.cap
+    if torch.compiler.is_compiling():
+        # Observers are Python state outside the graph: compiled and exported graphs are not
+        # observed (the monitor documents this), and their contextvars would break the trace.
+        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
     watchers = _OBSERVERS.get()
     if watchers:
         seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism)
@@ -234,20 +238,27 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
             observer(seen)
     token = _RUNNING.set(True)
     try:
-        if trace:
-            if full_mask is None and causal:
-                full_mask = key_mask(None, True, q, k)
-            return _materialised(qs, ks, v, scale, cap, full_mask, n_keys)
-        if full_mask is None:
-            # Causality alone never leaves a query without keys, and the kernels skip the keys
-            # above the diagonal themselves (SDPA's is_causal).
-            return _fused(qs, ks, v, scale, cap, None, causal)
-        # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
-        # which also zeroes their gradients.  O(mask) work, only when a mask is given.
-        empty = n_keys == 0  # (..., Nq, 1)
-        return _fused(qs, ks, v, scale, cap, full_mask | empty, False).masked_fill(empty, 0.0)
+        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
     finally:
         _RUNNING.reset(token)
+
+
+def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, scale: Scale,
+             cap: float | None, full_mask: Tensor | None, n_keys: int | Tensor, causal: bool,
+             trace: bool) -> Tensor | AttentionTrace:
+    """The steps after ``prepare``: materialised (``trace``) or on the fused kernels."""
+    if trace:
+        if full_mask is None and causal:
+            full_mask = key_mask(None, True, q, k)
+        return _materialised(qs, ks, v, scale, cap, full_mask, n_keys)
+    if full_mask is None:
+        # Causality alone never leaves a query without keys, and the kernels skip the keys
+        # above the diagonal themselves (SDPA's is_causal).
+        return _fused(qs, ks, v, scale, cap, None, causal)
+    # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
+    # which also zeroes their gradients.  O(mask) work, only when a mask is given.
+    empty = n_keys == 0  # (..., Nq, 1)
+    return _fused(qs, ks, v, scale, cap, full_mask | empty, False).masked_fill(empty, 0.0)
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
