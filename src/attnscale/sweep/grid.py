@@ -63,6 +63,8 @@ def check_grid(exp: Experiment, grid: Mapping[str, Sequence[Any]]) -> dict[str, 
 def check_fixed(exp: Experiment, fixed: Mapping[str, Any] | None,
                 grid: Mapping[str, Any]) -> dict[str, Any]:
     """Check fixed settings; a key may not be both fixed and in the grid."""
+    if fixed is not None and not isinstance(fixed, Mapping):
+        raise ConfigError(f"fixed must be a mapping of key to value, got {fixed!r}.")
     fixed = dict(fixed or {})
     out = {}
     for key, value in fixed.items():
