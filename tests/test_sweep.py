@@ -109,6 +109,14 @@ def test_bad_grid_values_name_the_key(items, message):
         parse_grid(registry.get("recall"), items)
 
 
+def test_api_grid_takes_numpy_values_as_plain_numbers():
+    import numpy as np
+    spec = SweepSpec.build(registry.get("recall"),
+                           {"seed": np.arange(2), "lr": np.array([1e-3, 1e-2])})
+    assert spec.grid == {"seed": [0, 1], "lr": [1e-3, 1e-2]}
+    assert [type(v) for v in (*spec.grid["seed"], *spec.grid["lr"])] == [int, int, float, float]
+
+
 def test_api_grid_values_are_checked():
     with pytest.raises(ConfigError, match="grid seed must be a list"):
         SweepSpec.build(registry.get("recall"), {"seed": 3})

@@ -52,6 +52,8 @@ def check_grid(exp: Experiment, grid: Mapping[str, Sequence[Any]]) -> dict[str, 
     for key, values in grid.items():
         p = exp.key(key)
         label = f"grid {key}"
+        if hasattr(values, "tolist") and not isinstance(values, Sequence):  # a numpy array
+            values = values.tolist()
         if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
             raise ConfigError(f"{label} must be a list of values, got {values!r}.")
         if not values:
