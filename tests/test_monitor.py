@@ -13,13 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.testing import assert_close
 
 import attnscale
 from attnscale.kernels import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
-from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
-                               monitor)
+from attnscale.errors import ConfigError
+from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, colour_limits, head_stats,
+                                       layer_summary, monitor, plot_entropy)
+from attnscale import pipeline, stats
+from attnscale.kernels import softcap
 from attnscale.stats import logit_std, softmax_stats
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
@@ -487,3 +491,212 @@ def test_package_level_attention_calls_are_observed_once():
         model(q)
     assert [r["queries"] for r in mon.records] == [9, 9]
     assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------
+# The observer hook: nothing attnscale defines is replaced, nothing is recomputed
+
+def test_attention_is_the_same_object_while_a_monitor_is_active():
+    mha = MultiHeadAttention(16, 2)
+    with monitor(mha) as mon:
+        assert attention_module.attention is ORIGINAL_ATTENTION
+        assert attnscale.attention is ORIGINAL_ATTENTION
+        assert attention_module.observers() == (mon._observe,)
+        mha(torch.randn(1, 5, 16))
+    assert attention_module.observers() == ()
+    assert len(mon.records) == 2
+    assert_clean()
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_the_monitor_does_not_run_the_mechanism_again(name):
+    mha = MultiHeadAttention(16, 2, name).eval()
+    calls = []
+    prepare = mha.mechanism.prepare
+
+    def counted(*args):
+        calls.append(1)
+        return prepare(*args)
+
+    mha.mechanism.prepare = counted
+    x = torch.randn(1, 6, 16)
+    mha(x, causal=True)
+    plain = len(calls)
+    with monitor(mha) as mon:
+        mha(x, causal=True)
+    assert plain == 1 and len(calls) == 2 and len(mon.records) == 2
+
+
+@pytest.mark.parametrize("param,value", [("block", True), ("block", 0), ("step", -1),
+                                         ("step", False), ("every", 0), ("every", True)])
+def test_monitor_refuses_bad_arguments_naming_them(param, value):
+    with pytest.raises(ConfigError, match=f"^{param} must"):
+        monitor(MultiHeadAttention(16, 2), **{param: value})
+
+
+def test_block_is_validated_once_where_it_enters(monkeypatch):
+    import attnscale.measure.monitor.blocks as blocks
+
+    checked = []
+    real = blocks.check_int
+    monkeypatch.setattr(blocks, "check_int", lambda *a, **k: checked.append(a) or real(*a, **k))
+    mha = MultiHeadAttention(16, 2)
+    with monitor(mha, block=3):
+        for _ in range(3):
+            mha(torch.randn(1, 5, 16))
+    assert checked == []  # the monitor checked block once, at construction
+    head_stats(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), block=2)
+    assert len(checked) == 1
+
+
+def test_a_forward_pass_with_nothing_observed_warns_once():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match="observed no attention call in a forward pass") as got:
+        with monitor(model) as mon:
+            model(torch.randn(2, 4))
+            model(torch.randn(2, 4))
+    assert len([w for w in got if "no attention call" in str(w.message)]) == 1
+    assert mon.records == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The entropy heatmap: one fixed colour scale
+
+def _records(entropies):
+    return [{"layer": i // 2, "head": i % 2, "entropy_mean": e, "max_weight_mean": 0.5}
+            for i, e in enumerate(entropies)]
+
+
+@pytest.mark.parametrize("entropies", [[1.91668, 1.91670, 1.91675, 1.91680], [0.1, 3.0, 2.0, 0.0]])
+def test_entropy_heatmap_uses_the_fixed_scale_zero_to_ln_n(entropies):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    try:
+        plot_entropy(_records(entropies), ax, n_keys=64)
+        image = ax.images[0]
+        assert_close(torch.tensor(image.get_clim()), torch.tensor([0.0, math.log(64)]))
+        label = fig.axes[-1].get_ylabel()
+        assert "ln 64" in label and "nats" in label
+        ax.clear()
+        plot_entropy(_records(entropies), ax, stat="max_weight_mean", n_keys=64)
+        assert_close(torch.tensor(ax.images[0].get_clim()), torch.tensor([0.0, 1.0]))
+    finally:
+        plt.close(fig)
+    with pytest.raises(ConfigError, match="n_keys"):
+        colour_limits("entropy_mean")
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft-cap: the statistics come from the kernel that forms the logits (Observation.request_rows)
+
+class _Rule:
+    """A capped rule with a per-row tensor scale (no registry mechanism has both)."""
+
+    def __init__(self, cap: float, scale):
+        self.cap, self.scale = cap, scale
+
+    def prepare(self, q, k, n_keys):
+        return q, k, self.scale
+
+
+class _Attend(nn.Module):
+    """A module whose forward is one pipeline call, so a monitor can attribute it."""
+
+    def __init__(self, rule, mask, causal, trace=False):
+        super().__init__()
+        self.rule, self.mask, self.causal, self.trace = rule, mask, causal, trace
+
+    def forward(self, q, k, v):
+        out = pipeline.run(q, k, v, self.rule, mask=self.mask, causal=self.causal,
+                           trace=self.trace)
+        return out.out if self.trace else out
+
+
+def _capped_case(name: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(3)
+    b, h, n_q, n_k, d = 2, 3, 70, 70, 8
+    q, k, v = (3 * torch.randn(b, h, n, d, generator=gen) for n in (n_q, n_k, n_k))
+    mask, causal, scale = None, False, 0.4
+    if name == "causal":
+        causal = True
+    elif name == "mask-empty-rows-row-scale":
+        mask = torch.rand(b, 1, n_q, n_k, generator=gen) > 0.5
+        mask[0, 0, 4] = False                     # a query with no key: not a row
+        mask[1, 0, 9:12] = False
+        scale = torch.rand(b, h, n_q, 1, generator=gen)
+        causal = True
+    return (q.to(dtype), k.to(dtype), v.to(dtype)), _Rule(2.5, scale), mask, causal
+
+
+CAPPED_CASES = ["plain", "causal", "mask-empty-rows-row-scale"]
+
+
+def _capped_records(module, qkv, monkeypatch, *, from_kernel: bool, block: int = 16):
+    with monkeypatch.context() as patch:
+        if not from_kernel:  # the monitor's own blockwise recomputation, as before
+            patch.setattr(pipeline.Observation, "request_rows", lambda self, sink: False)
+        with monitor(module, block=block) as mon:
+            out = module(*qkv)
+    return mon.records, out
+
+
+@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", CAPPED_CASES)
+def test_softcap_records_from_the_kernel_equal_the_recomputed_ones(name, dtype, small_blocks,
+                                                                   backend, monkeypatch):
+    qkv, rule, mask, causal = _capped_case(name, dtype)
+    if small_blocks:  # several kernel blocks of 24 queries, statistics in chunks of 10
+        monkeypatch.setattr(softcap, "CAPPED_BLOCK_ELEMENTS", 24 * qkv[1].shape[-2])
+        monkeypatch.setattr(softcap, "STATS_ROWS", 10)
+    for trace in (False, True):   # the blockwise kernel, and the materialised path
+        module = _Attend(rule, mask, causal, trace)
+        got, out = _capped_records(module, qkv, monkeypatch, from_kernel=True)
+        want, out_recomputed = _capped_records(module, qkv, monkeypatch, from_kernel=False)
+        assert torch.equal(out, out_recomputed) and torch.equal(out, module(*qkv))
+        assert [r["queries"] for r in got] == [r["queries"] for r in want]
+        for key in RECORD_KEYS[4:]:
+            assert_close(torch.tensor([r[key] for r in got]),
+                         torch.tensor([r[key] for r in want]), rtol=2e-5, atol=2e-6, msg=key)
+
+
+def test_softcap_monitor_does_not_score_the_logits_again(monkeypatch):
+    import attnscale.measure.monitor.observer as observer
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the monitor recomputed logits the kernel had formed")
+
+    monkeypatch.setattr(observer, "_head_stats", recompute)
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)
+    x = torch.randn(2, 24, 32)
+    with monitor(mha) as mon:
+        mha(x, causal=True)
+    assert len(mon.records) == 4 and all(r["queries"] == 48 for r in mon.records)
+    traced = _Attend(mha.mechanism, None, True, trace=True)   # the materialised path
+    with torch.no_grad(), monitor(traced) as mon:
+        traced(*_mha_qkv(mha, x))
+    assert len(mon.records) == 4 and all(r["queries"] == 48 for r in mon.records)
+    with pytest.raises(AssertionError, match="recomputed"):  # SDPA forms no logits
+        with monitor(MultiHeadAttention(32, 4, "scaled")) as mon:
+            mon.model(x)
+
+
+def test_request_rows_only_where_the_computation_forms_the_logits():
+    offered = []
+
+    def observer(seen: pipeline.Observation) -> None:
+        offered.append((seen.offers_rows, seen.request_rows(lambda rows: offered.append(rows))))
+
+    q = k = v = torch.randn(1, 2, 5, 4)
+    with pipeline.observe(observer):
+        pipeline.run(q, k, v, _Rule(None, 0.5))               # SDPA
+        pipeline.run(q, k, v, _Rule(3.0, 0.5))                # blockwise soft-cap kernel
+    assert offered[0] == (False, False)
+    assert offered[1] == (True, True)
+    rows = offered[2]
+    assert rows.shape == (1, 2, 5, len(stats.ROW_STATS_COLUMNS)) and rows.dtype == torch.float64
+    assert_close(rows, stats.row_stats(pipeline.logits(q, k, 0.5, 3.0)), rtol=1e-6, atol=1e-6)

@@ -295,6 +295,9 @@ def test_small_heads_stay_unsaturated_below_the_threshold():
     (lambda: saturation([4, -4], 8, 4, 0), "d_ks"),
     (lambda: saturation([], 8, 4, 0), "d_ks"),
     (lambda: saturation([4.5], 8, 4, 0), "d_ks"),
+    (lambda: saturation([True], 8, 4, 0), "d_ks"),
+    (lambda: saturation([4], True, 4, 0), "n"),
+    (lambda: variance([4], True, 0), "pairs"),
     (lambda: saturation([4], 0, 4, 0), "n"),
     (lambda: saturation([4], [8, 0], 4, 0), "n"),
     (lambda: saturation([4], [], 4, 0), "n"),
@@ -325,6 +328,15 @@ def test_unknown_mechanism_suggests_a_close_name():
         saturation([4], 8, 4, 0, mechanisms=("scaled", "unscled"))
     assert "mechanism" in str(err.value) and "'unscled'" in str(err.value)
     with pytest.raises(ValueError, match="Did you mean: scaled"):
+        saturation_direct(4, 8, 4, 0, mechanism="scaeld")
+
+
+def test_mechanism_names_are_checked_by_the_registry_check():
+    # The one name check (attnscale.mechanisms.check_mechanism), prefixed by the parameter.
+    with pytest.raises(ConfigError, match=r"^mechanisms: Unknown mechanism 'unscled'\. "
+                                          r"Did you mean: unscaled\? Choices: "):
+        saturation([4], 8, 4, 0, mechanisms=("scaled", "unscled"))
+    with pytest.raises(ConfigError, match=r"^mechanism: Unknown mechanism 'scaeld'\. "):
         saturation_direct(4, 8, 4, 0, mechanism="scaeld")
 
 

@@ -19,7 +19,7 @@ import sweep_experiments
 from attnscale import sweep
 from attnscale.errors import ConfigError
 from attnscale.io import MANIFEST
-from attnscale.sweep import registry
+from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
 from attnscale.sweep.local import threads_per_worker
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
@@ -107,6 +107,14 @@ def test_cli_values_are_typed_by_the_parameter():
 def test_bad_grid_values_name_the_key(items, message):
     with pytest.raises(ConfigError, match=message):
         parse_grid(registry.get("recall"), items)
+
+
+def test_api_grid_takes_numpy_values_as_plain_numbers():
+    import numpy as np
+    spec = SweepSpec.build(registry.get("recall"),
+                           {"seed": np.arange(2), "lr": np.array([1e-3, 1e-2])})
+    assert spec.grid == {"seed": [0, 1], "lr": [1e-3, 1e-2]}
+    assert [type(v) for v in (*spec.grid["seed"], *spec.grid["lr"])] == [int, int, float, float]
 
 
 def test_api_grid_values_are_checked():
@@ -503,3 +511,23 @@ def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
     assert code == 2 and "holds a 'saturation' sweep, not a recall study" in err
     code, _, err = cli("study", "recall", "--from", str(out), "--out", str(out))
     assert code == 2 and "give one of --out DIR" in err
+
+
+def test_the_readme_sweep_commands_parse_and_check(tmp_path):
+    """Every ``attnscale sweep`` line of the README parses, and its grid passes every check a
+    sweep makes before running (nothing is trained here)."""
+    import shlex
+    from attnscale.cli import build_parser
+    from attnscale.sweep.engine import _check_trials
+    text = (TESTS.parent / "README.md").read_text()
+    section = text.split("## Sweeps:", 1)[1].split("\n## ", 1)[0]
+    lines = [line.split("  #", 1)[0] for line in section.splitlines()
+             if line.startswith("attnscale sweep ")]
+    assert len(lines) >= 5
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        if args.experiment is not None:
+            exp = registry.get(args.experiment)
+            spec = SweepSpec.build(exp, parse_grid(exp, args.grid), parse_fixed(exp, args.set))
+            _check_trials(exp, spec.trials())
+            assert spec.trials()

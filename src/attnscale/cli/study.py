@@ -23,7 +23,7 @@ STUDY_MODULES = (
 )
 
 EXAMPLES = """
-  attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds, one per core
+  attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds
   attnscale study recall --out study/ --mechanisms scaled,unscaled,qknorm --d-k 16,64 --seed 0
   attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json --workers 2
   attnscale study recall --resume study/            # after Ctrl-C or a crash: the rest only
@@ -41,6 +41,11 @@ def _recall_study(args) -> int:
     from attnscale import sweep
     from attnscale.experiments.recall.outputs import write_study
     from attnscale.experiments.recall.trial import run_result
+    mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
+        [check_mechanism(m, param="--mechanisms")
+         for m in parse_name_list("--mechanisms", args.mechanisms)]
+    grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
+            "seed": parse_int_list("--seed", args.seed, minimum=0)}
     if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
         raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
     executor = {"workers": args.workers, "ray_address": args.ray}
@@ -49,11 +54,6 @@ def _recall_study(args) -> int:
     elif args.resume is not None:
         out, results = args.resume, sweep.resume(args.resume, **executor)
     else:
-        mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
-            [check_mechanism(m, param="--mechanisms")
-             for m in parse_name_list("--mechanisms", args.mechanisms)]
-        grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
-                "seed": parse_int_list("--seed", args.seed, minimum=0)}
         base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
         fixed = {k: getattr(base, k) for k in ("pairs", "steps", "lr", "batch_size", "optimizer")}
         out = args.out

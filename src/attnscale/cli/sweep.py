@@ -20,7 +20,7 @@ EXAMPLES = """
   attnscale sweep --resume runs/recall --extend --grid seed=0,1,2,3,4   # add seeds 3 and 4
   attnscale sweep --show runs/recall                        # finished, failed, pending
   attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray          # a local Ray instance
-  attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray auto     # the cluster of 'ray start'
+  attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray auto     # 'ray start' cluster
 """
 
 # Characters of an error's first line shown in the --show table.
@@ -81,6 +81,7 @@ def _executor_options(args) -> dict:
 
 def _sweep(args) -> int:
     from attnscale import sweep
+    from attnscale.experiments.registry import get as get_experiment
     from attnscale.sweep.grid import parse_fixed, parse_grid
     modes = [m for m, on in (("EXPERIMENT", args.experiment), ("--resume", args.resume),
                              ("--show", args.show), ("--list", args.list)) if on is not None
@@ -107,7 +108,7 @@ def _sweep(args) -> int:
         return _report(results, args, show=False)
     if args.out is None:
         raise ConfigError("--out DIR is required: the folder that holds the sweep.")
-    exp = sweep.registry.get(args.experiment)
+    exp = get_experiment(args.experiment)
     results = sweep.run(exp.name, parse_grid(exp, args.grid), args.out,
                         fixed=parse_fixed(exp, args.set), extend=args.extend,
                         retry_errors=args.retry_errors, force=args.force,

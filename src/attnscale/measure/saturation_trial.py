@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from attnscale.errors import check_int
 from attnscale.measure.montecarlo import ESSAY_N, ESSAY_TRIALS, _check_mechanisms, saturation
-from attnscale.sweep.registry import experiment
+from attnscale.experiments.registry import experiment
 
 
 def _check(config: dict) -> None:

@@ -1,6 +1,7 @@
 """The sweep engine: every study runs as a resumable grid of trials, locally or on Ray.
 
-* :mod:`~attnscale.sweep.registry`: experiments, registered by name with typed parameters;
+* :mod:`attnscale.experiments.registry`: experiments, registered by name with typed parameters
+  (a leaf module, so that an experiment anywhere can register without importing the engine);
 * :mod:`~attnscale.sweep.grid`: grids and the trials they expand to;
 * :mod:`~attnscale.sweep.trial`: trial ids and running one trial in a worker;
 * :mod:`~attnscale.sweep.store`: ``sweep.json`` and ``results.jsonl``;
@@ -18,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from attnscale.sweep.registry import EXPERIMENTS, Experiment, Param, experiment, \
+from attnscale.experiments.registry import EXPERIMENTS, Experiment, Param, experiment, \
     params_from_dataclass
 from attnscale.sweep.results import SweepResults, load
 from attnscale.sweep.engine import resume, run

@@ -1,7 +1,8 @@
 """The experiments attnscale ships, one import each (importing a module registers it).
 
 A new experiment is a module that decorates its trial function with
-:func:`attnscale.sweep.experiment`, and one line here.
+:func:`attnscale.experiments.registry.experiment` (import it from there, not from
+:mod:`attnscale.sweep`, which imports this list), and one line here.
 """
 
 from attnscale.experiments.recall import trial as recall_trial  # noqa: F401  "recall"

@@ -27,7 +27,7 @@ from typing import Any
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.io import sigterm_as_exit
 from attnscale.progress import progress
-from attnscale.sweep import registry
+from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, check_grid, differences, extended
 from attnscale.sweep.local import cpu_count, run_local, threads_per_worker
 from attnscale.sweep.results import SweepResults, load
@@ -113,7 +113,8 @@ def experiment_of(spec: SweepSpec) -> registry.Experiment:
             importlib.import_module(spec.module)
         except ImportError as err:
             raise ConfigError(f"the sweep's experiment {spec.experiment!r} is registered by "
-                              f"module {spec.module!r}, which cannot be imported ({err}).") from None
+                              f"module {spec.module!r}, which cannot be imported "
+                              f"({err}).") from None
     return registry.get(spec.experiment)
 
 

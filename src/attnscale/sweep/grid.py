@@ -13,6 +13,7 @@ CLI syntax (:func:`parse_grid`, :func:`parse_fixed`)::
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnscale.errors import ConfigError
-from attnscale.sweep.registry import Experiment
+from attnscale.experiments.registry import Experiment
 from attnscale.sweep.trial import Trial, canonical_json, trial_id
 
 
@@ -51,6 +52,8 @@ def check_grid(exp: Experiment, grid: Mapping[str, Sequence[Any]]) -> dict[str, 
     for key, values in grid.items():
         p = exp.key(key)
         label = f"grid {key}"
+        if hasattr(values, "tolist") and not isinstance(values, Sequence):  # a numpy array
+            values = values.tolist()
         if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
             raise ConfigError(f"{label} must be a list of values, got {values!r}.")
         if not values:
@@ -62,6 +65,8 @@ def check_grid(exp: Experiment, grid: Mapping[str, Sequence[Any]]) -> dict[str, 
 def check_fixed(exp: Experiment, fixed: Mapping[str, Any] | None,
                 grid: Mapping[str, Any]) -> dict[str, Any]:
     """Check fixed settings; a key may not be both fixed and in the grid."""
+    if fixed is not None and not isinstance(fixed, Mapping):
+        raise ConfigError(f"fixed must be a mapping of key to value, got {fixed!r}.")
     fixed = dict(fixed or {})
     out = {}
     for key, value in fixed.items():
@@ -131,7 +136,8 @@ class SweepSpec:
         keys = list(self.grid)
         out = []
         for combo in itertools.product(*(self.grid[k] for k in keys)):
-            config = {**dict(zip(keys, combo)), **self.base}  # what varies first
+            # what varies first; a copy each, so no two trials share a mutable value
+            config = copy.deepcopy({**dict(zip(keys, combo)), **self.base})
             out.append(Trial(trial_id(self.experiment, config), config))
         return out
 

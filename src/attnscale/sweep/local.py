@@ -191,7 +191,10 @@ def _context():
     """The fork server, preloaded with attnscale's experiments; spawn where there is none."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["__main__", "attnscale.sweep"])  # a script's experiments
+        # The driver's script (experiments it defines), attnscale's experiments, and
+        # torch._dynamo, which torch.optim imports at the first optimizer (about 1 s, once here
+        # rather than once per worker).
+        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo"])
         return ctx
     return multiprocessing.get_context("spawn")
 

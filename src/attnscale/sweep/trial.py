@@ -18,6 +18,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from attnscale.experiments import registry
+
 # Hex digits of the trial id: 64 bits, so a collision within any sweep is negligible.
 ID_CHARS = 16
 
@@ -69,8 +71,6 @@ def run_trial(task: Task) -> dict:
     number); it is round-tripped through JSON here so every executor returns the same values.
     """
     import torch  # every experiment is torch code; the thread count must be set before it runs
-
-    from attnscale.sweep import registry
     start = time.perf_counter()
     before = torch.get_num_threads()
     try:

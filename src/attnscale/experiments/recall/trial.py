@@ -12,7 +12,7 @@ from __future__ import annotations
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train
-from attnscale.sweep.registry import experiment, params_from_dataclass
+from attnscale.experiments.registry import experiment, params_from_dataclass
 
 
 def _check(config: dict) -> None:

@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 import json
 import math
+import numbers
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -64,13 +65,14 @@ class Param:
         if t is bool:
             if isinstance(value, bool):
                 return value
-        elif t is int:
-            if isinstance(value, int) and not isinstance(value, bool):
+        elif t is int:  # numbers.Integral: numpy integers too
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 return int(value)
             if isinstance(value, float) and value.is_integer():
                 return int(value)
         elif t is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                value = float(value)
                 if not math.isfinite(value):
                     raise ConfigError(f"{key} must be finite, got {value!r}.")
                 return float(value)
