@@ -1,4 +1,5 @@
-"""Build hook for attnscale's one compiled part, ``attnscale._kernels`` (see attnscale.native).
+"""Build hook for attnscale's one compiled part, ``attnscale._kernels`` (see
+attnscale.kernels.native).
 
 Everything else is declared in pyproject.toml.  The kernels are plain C (no Python or PyTorch
 headers) loaded with ctypes; ``optional=True`` means a machine without a C compiler still

@@ -4,6 +4,7 @@
     python benchmarks/bench_mechanisms.py --rounds 3      # quicker
     python benchmarks/bench_mechanisms.py --mechanisms softcap,scaled --no-memory
     python benchmarks/bench_mechanisms.py --threads 1     # less sensitive to other load
+    python benchmarks/bench_mechanisms.py --device cuda --mechanisms scaled,softcap   # on a GPU
 
 Each round times plain ``scaled_dot_product_attention`` and every mechanism once each, interleaved,
 so machine load hits all of them alike; a mechanism's ratio is the median over rounds of its time
@@ -17,7 +18,11 @@ taken (SDPA is one op).
 
 Peak extra memory of one forward + backward is measured in a fresh subprocess per variant, as the
 growth of the peak resident set size (Linux /proc/self/status) over the inputs already allocated;
-it includes the gradients of q, k and v (24 MiB at the default shape).
+it includes the gradients of q, k and v (24 MiB at the default shape).  On CUDA it is the growth
+of torch's peak allocated device memory, in this process.
+
+On CUDA, softcap runs on compiled FlexAttention (attnscale.kernels.flex): the warm-up step
+compiles its forward and backward kernels, which takes a while once.
 """
 
 from __future__ import annotations
@@ -42,11 +47,11 @@ GOAL = {"softcap": 1.5, MATERIALISED: None}  # everything else: 1.15
 DEFAULT_GOAL = 1.15
 
 
-def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0):
+def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device: str = "cpu"):
     """A zero-argument function running one forward + backward of variant ``name``."""
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, g = (torch.randn(b, h, n, d, generator=gen) for _ in range(4))
+    q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to(device) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if name == SDPA:
         def forward():
@@ -57,7 +62,7 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0):
         def forward():
             return attention_reference(q, k, v, mech).out, ()
     else:
-        mech = build_mechanism(name, d, h)
+        mech = build_mechanism(name, d, h).to(device)
 
         def forward():
             return mech(q, k, v), tuple(mech.parameters())
@@ -65,12 +70,32 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0):
     def step():
         out, params = forward()
         torch.autograd.grad(out, (q, k, v, *params), g)
+        if q.is_cuda:
+            torch.cuda.synchronize()
     return step
 
 
-def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def softcap_error(shape, device: str = "cpu") -> tuple[float, float]:
+    """Max |difference| of softcap's output and of its q, k, v gradients from the materialised
+    float64 reference (the kernel under timing is only worth timing if this is at rounding)."""
+    b, h, n, d = shape
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to(device) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mech = build_mechanism("softcap", d, h).to(device)
+    out = mech(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ref_in, mech.double(), causal=True).out
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    grad_err = max((a.double() - r).abs().max().item() for a, r in zip(grads, ref_grads))
+    return (out.double() - ref).abs().max().item(), grad_err
+
+
+def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
+                device: str = "cpu") -> dict[str, list[float]]:
     """Seconds per forward + backward, one list per variant, measured interleaved."""
-    steps = {name: make_step(name, shape) for name in [SDPA, *names]}
+    steps = {name: make_step(name, shape, device=device) for name in [SDPA, *names]}
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -83,8 +108,16 @@ def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1) -> dict[s
     return times
 
 
-def peak_extra_mib(name: str, shape) -> float:
-    """Peak RSS growth of one forward + backward of ``name``, in a fresh process (MiB)."""
+def peak_extra_mib(name: str, shape, device: str = "cpu") -> float:
+    """Peak RSS growth of one forward + backward of ``name``, in a fresh process (MiB); on CUDA
+    the growth of peak allocated device memory, in this process."""
+    if device != "cpu":
+        step = make_step(name, shape, device=device)
+        step()  # compiled kernels and workspaces first
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--shape", ",".join(map(str, shape))]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return float(done.stdout.strip())
@@ -122,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the slow materialised-softcap reference row")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where to run (default cpu); cuda runs softcap on FlexAttention")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.memory_child:
         _memory_child(args.memory_child, shape)
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
     names = parse_name_list("--mechanisms", args.mechanisms)
@@ -136,14 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_materialised:
         names.append(MATERIALISED)
 
-    print(f"B,H,N,d = {shape}, float32, torch {torch.__version__}, "
+    print(f"B,H,N,d = {shape}, float32 on {args.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds, forward + backward")
     # Other processes on the same cores distort everything, most of all kernels made of many torch
     # ops: each op is an OpenMP team, and with the default spin-waiting (OMP_WAIT_POLICY unset) a
     # team whose second thread is descheduled stalls for a scheduler slice.
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    times = time_rounds(names, shape, args.rounds)
+    out_err, grad_err = softcap_error(shape, args.device)
+    print(f"softcap (causal) vs float64 reference: max |Δ out| {out_err:.1e}, "
+          f"max |Δ grad| {grad_err:.1e}")
+    times = time_rounds(names, shape, args.rounds, warmup=2 if args.device == "cuda" else 1,
+                        device=args.device)
     sdpa = times[SDPA]
     print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms, best "
           f"{min(sdpa) * 1e3:.0f} ms")
@@ -162,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_memory:
         print("\npeak extra memory of one forward + backward (peak RSS growth, MiB)")
         for name in [SDPA, "softcap"] + ([] if args.no_materialised else [MATERIALISED]):
-            print(f"{name:<22}{peak_extra_mib(name, shape):>8.1f}")
+            print(f"{name:<22}{peak_extra_mib(name, shape, args.device):>8.1f}")
     return 0
 
 

@@ -5,6 +5,11 @@ take <= 1 s in-process and run >= 20x faster than sampling q and K vectors direc
 
     python benchmarks/bench_montecarlo.py            # full essay settings (baseline takes ~30 s)
     python benchmarks/bench_montecarlo.py --scale 0.1  # fewer trials/pairs for a quick look
+    python benchmarks/bench_montecarlo.py --length --trials 100  # entropy vs n (issue 13 section 2)
+
+``--length`` times the entropy-vs-n grid instead: every mechanism defined at init at d_k = 64
+over n = 16, 64, ..., 65536, and prints seconds per mechanism and sampling method, to size the
+report section that draws it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ import time
 
 import numpy as np
 
-from attnscale.measure.montecarlo import ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance
+from attnscale.measure.montecarlo import (
+    ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance,
+)
+from attnscale.mechanisms import MECHANISMS
+
+LENGTH_NS = tuple(4 ** i for i in range(2, 9))   # 16 .. 65536
 
 
 def direct_numpy(d_ks, n, trials, pairs, seed=0, chunk=1 << 23):
@@ -51,13 +61,30 @@ def direct_numpy(d_ks, n, trials, pairs, seed=0, chunk=1 << 23):
     return out
 
 
+def length_grid(trials: int) -> None:
+    """Seconds of saturation(d_k=64, n=LENGTH_NS) per mechanism defined at init."""
+    for name, cls in MECHANISMS.items():
+        if not cls.defined_at_init:
+            continue
+        t0 = time.perf_counter()
+        rows = saturation([64], LENGTH_NS, trials, 0, [name])
+        print(f"{name:14s} {rows[0]['method']:15s} {time.perf_counter() - t0:8.2f} s "
+              f"({trials} trials x {len(LENGTH_NS)} n)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply trials and pairs by this factor (default 1 = essay settings)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of the fast path (median)")
+    ap.add_argument("--length", action="store_true",
+                    help="time the entropy-vs-n grid (d_k=64, n=16..65536) per mechanism instead")
+    ap.add_argument("--trials", type=int, default=100, help="trials per n for --length")
     args = ap.parse_args()
+    if args.length:
+        length_grid(args.trials)
+        return
     trials = max(2, int(ESSAY_TRIALS * args.scale))
     pairs = max(2, int(ESSAY_PAIRS * args.scale))
 

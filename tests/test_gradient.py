@@ -42,8 +42,10 @@ def test_one_hot_kills_routing_and_keeps_the_value_path():
     assert torch.equal(paths.routing, torch.zeros(4, dtype=torch.float64))  # exactly zero
     assert_close(paths.value[1], g)                                        # selected key gets g
     rows = one_hot_limit(d_k=64, n=32)
-    routing = [r["routing_norm"] for r in rows]
-    assert all(b <= a for a, b in zip(routing[1:], routing[2:]))  # shrinks once p saturates
+    assert rows[0]["max_weight"] < 0.5                    # the scaled temperature: diffuse
+    saturated = [r["routing_norm"] for r in rows if r["max_weight"] > 0.9]
+    assert len(saturated) >= 3
+    assert all(b <= a for a, b in zip(saturated, saturated[1:]))  # shrinks once p saturates
     assert rows[-1]["routing_norm"] == 0.0 and rows[-1]["max_weight"] == 1.0
     assert abs(rows[-1]["value_over_g"] - 1.0) < 1e-12
 
@@ -127,6 +129,7 @@ def test_repeated_list_entries_are_refused(call, param):
     (lambda: gradient_path_sweep(d_ks=(4,), n=8, trials=4, seed=-1), "seed"),
     (lambda: gradient_path_sweep(d_ks=(4,), n=10 ** 12, trials=4), "n="),
     (lambda: one_hot_limit(d_k=8, n=10 ** 12), "n="),
+    (lambda: gradient_path_sweep(d_ks=(4,), n=8, trials=10 ** 14), "trials="),
 ])
 def test_bad_arguments_are_one_line_config_errors(call, param):
     with pytest.raises(ConfigError) as err:

@@ -244,8 +244,8 @@ def test_cli_without_tokenizer_uses_random_ids(cli, model_dirs, tmp_path):
     result = json.loads((out / "records.json").read_text())
     assert result["meta"]["input"] == "random" and result["meta"]["seq_len"] == 24
     assert result["meta"]["mechanism"] == "native"
-    assert result["meta"]["statistics_kernel"] == native.isa()
-    assert "kernel is not installed" not in stderr
+    assert result["meta"]["statistics_kernel"] == (native.isa() or "pytorch")
+    assert ("kernel is not installed" in stderr) != native.available()
     assert len(result["records"]) == 2 * 4
     assert all(r["queries"] == 24 for r in result["records"])
     assert (out / "entropy_heatmap.png").read_bytes()[:4] == b"\x89PNG"

@@ -374,7 +374,8 @@ def test_entropy_grows_with_ln_n_for_scaled():
     (lambda: saturation_direct(4, 10 ** 11, 4, 0), "n=100000000000"),
 ])
 def test_requests_too_large_for_memory_are_refused_up_front(call, what):
-    with pytest.raises(ConfigError, match=rf"{what}.* would need about [\d,.]+ GiB of memory") as err:
+    pattern = rf"{what}.* would need about [\d,.]+ GiB of memory"
+    with pytest.raises(ConfigError, match=pattern) as err:
         call()
     assert "\n" not in str(err.value)
 

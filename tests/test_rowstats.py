@@ -31,6 +31,12 @@ ATOL = 0.0    # all errors are relative: the statistics are sums of same-signed 
 # of 1.0 on either side (2 * 2^-53), so 1 - p_t is only known to ~4 * 2^-53 absolutely.
 ONE_MINUS_ATOL = 4 * 2.0**-53
 
+# Every test here runs the compiled kernel: where it is not built (no C compiler at install time,
+# or ATTNSCALE_NATIVE=0) the module is reported skipped with this reason; the PyTorch formulation
+# callers use instead is tested in test_stats.py and, for the monitor, through the backend fixture.
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="attnscale's compiled kernels are not built or disabled")
+
 WIDTHS = (1, 2, 3, 7, 8, 9, 511, 513, 1025, 2051)
 ISA = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 

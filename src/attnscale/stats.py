@@ -17,10 +17,11 @@ Special rows, the same answer in every function and on every backend:
 * an empty last dimension is a :class:`~attnscale.errors.ConfigError`.
 
 The essay's regime is near one-hot attention, where textbook formulas cancel catastrophically.
-All statistics are therefore written around the top key ``t``: with ``S = sum_{i != t} exp(z_i - z_t)``
-(each term <= 1, no overflow) we have ``p_t = 1 / (1 + S)``, ``1 - p_t = S / (1 + S)`` and
-``log p_i = (z_i - z_t) - log1p(S)``, so no quantity is ever formed as a difference of two numbers
-close to 1.  Half-precision inputs are computed in float32 (:func:`upcast`).
+All statistics are therefore written around the top key ``t``: with
+``S = sum_{i != t} exp(z_i - z_t)`` (each term <= 1, no overflow) we have ``p_t = 1 / (1 + S)``,
+``1 - p_t = S / (1 + S)`` and ``log p_i = (z_i - z_t) - log1p(S)``, so no quantity is ever formed
+as a difference of two numbers close to 1.  Half-precision inputs are computed in float32
+(:func:`upcast`).
 """
 
 from __future__ import annotations

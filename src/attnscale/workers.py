@@ -1,14 +1,23 @@
 """Worker threads for independent pieces of CPU work that release the GIL (torch ops, the
-compiled row kernel).
+compiled kernels).
 
 Used where a loop runs many small torch ops whose own intra-op parallelism is poor: running the
 pieces side by side on ``torch.get_num_threads()`` threads keeps every core busy.
+
+Each worker runs its torch ops on one intra-op thread.  Without that, every worker's ops would
+open their own OpenMP team of ``torch.get_num_threads()`` threads (the OpenMP thread count is
+per calling thread), so W workers on W cores ran W² spinning threads: soft-cap attention on 2
+threads was no faster than on 1 (issue 9).  The setting is per thread and made once, when the
+pool starts its workers; the process-wide default that other threads start from is restored
+before the pool is returned (a thread making its first torch op during those microseconds could
+adopt 1 thread).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -18,9 +27,13 @@ import torch
 T = TypeVar("T")
 R = TypeVar("R")
 
+# Serialises the brief change of torch's process-wide thread count while a worker starts.
+_THREADS_LOCK = threading.Lock()
+
 
 def worker_pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads (one per size).
+    """A process-wide pool of ``workers`` threads (one per size), each running torch ops on one
+    intra-op thread.
 
     Keyed by process id too: a forked child (a DataLoader worker) inherits the parent's pool
     object but not its threads, and gets a pool of its own."""
@@ -29,7 +42,29 @@ def worker_pool(workers: int) -> ThreadPoolExecutor:
 
 @functools.lru_cache(maxsize=8)
 def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale")
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnscale",
+                              initializer=_single_threaded)
+    # Start every worker now, while the caller waits: ``workers`` tasks that meet at a barrier
+    # run on as many threads, so each has made its one-thread setting before the pool is used.
+    barrier = threading.Barrier(workers)
+    for started in [pool.submit(barrier.wait, 60.0) for _ in range(workers)]:
+        started.result()
+    return pool
+
+
+def _single_threaded() -> None:
+    """Make this (new worker) thread run torch ops on one intra-op thread.
+
+    torch.set_num_threads sets this thread's OpenMP and MKL counts and a process-wide default;
+    the default is what a thread adopts at its first torch op, so this thread adopts it first
+    (get_num_threads), then sets 1, and the process-wide default is put back (by setting it on
+    a short-lived helper thread, so that this thread keeps 1)."""
+    with _THREADS_LOCK:
+        before = torch.get_num_threads()    # adopt the default now, not at the first op
+        torch.set_num_threads(1)
+        restore = threading.Thread(target=torch.set_num_threads, args=(before,))
+        restore.start()
+        restore.join()
 
 
 def workers_for(device: torch.device, pieces: int) -> int:
@@ -41,7 +76,8 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
     """``[fn(x) for x in items]`` in order, on ``workers`` threads when it is above 1.
 
     Each call runs under ``torch.no_grad()`` (grad mode is per thread, and the pieces are
-    computations whose gradients are written by hand)."""
+    computations whose gradients are written by hand); on worker threads, torch ops use one
+    intra-op thread each (see the module docstring)."""
     def call(x: T) -> R:
         with torch.no_grad():
             return fn(x)

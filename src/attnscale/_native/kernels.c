@@ -2,8 +2,8 @@
  * (rowstats_kernel.h) and the elementwise part of the soft-cap attention kernel
  * (softcap_kernel.h).
  *
- * Row statistics: one call reduces a block of attention logits (rows x width, float32, row stride ld) to the
- * per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
+ * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
+ * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
  * twenty-odd whole-tensor passes of the PyTorch formulation.  The numerics are those of
  * attnscale.stats: everything is centred on the top logit z_t, with
  *     u_i = exp(z_i - z_2)  for every non-top key (z_2 = largest non-top logit, so u_i <= 1),
@@ -111,19 +111,23 @@ void attnscale_row_stats(const float *z, int64_t width, int64_t ld, const int64_
 
 int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 
-/* Soft-cap weights of rows [row0, row1): p = softmax(twoc sigmoid(s)) over the first n_r keys
- * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere.  s and p: rows of stride ld;
- * p may be s. */
+/* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
+ * on tanh with NaN propagation (1 was 2c sigmoid(2x)). */
+int attnscale_kernels_version(void) { return 2; }
+
+/* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
+ * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
+ * of them is NaN.  s and p: rows of stride ld; p may be s. */
 void attnscale_softcap_probs(const float *s, float *p, int64_t width, int64_t ld,
                              const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
-                             float twoc, int portable) {
+                             float cap, int portable) {
     probs_fn row = PICK(softcap_probs_row, portable);
     for (int64_t r = row0; r < row1; r++)
-        row(s + r * ld, row_limit(limit, period, r, width), width, twoc, p + r * ld);
+        row(s + r * ld, row_limit(limit, period, r, width), width, cap, p + r * ld);
 }
 
 /* Soft-cap backward of rows [row0, row1), in place on dp:
- * dp <- p (dp - delta[r]) sigmoid(s) (1 - sigmoid(s)).  s, p, dp: rows of stride ld. */
+ * dp <- p (dp - delta[r]) (1 - tanh^2(s)).  s, p, dp: rows of stride ld. */
 void attnscale_softcap_grad(const float *s, const float *p, float *dp, const float *delta,
                             int64_t width, int64_t ld, int64_t row0, int64_t row1, int portable) {
     grad_fn row = PICK(softcap_grad_row, portable);

@@ -37,23 +37,26 @@ static inline double KERNEL(hsum)(vf v) {
     return s;
 }
 
-/* exp(x) for x <= 0, x = -inf allowed, within ~2 ulp; 0 below -87, where exp(x) < 1.7e-38 and,
- * added to a sum >= 1, changes nothing.  x = k ln2 + r with |r| <= ln2 / 2 and the degree-5
- * minimax polynomial of Cephes' expf for exp(r). */
-static inline vf KERNEL(exp_nonpositive)(vf x) {
-    const vf lo = KERNEL(splat)(-87.0f);
-    vi tiny = x < lo;
-    vf xc = KERNEL(sel)(tiny, lo, x);
-    vf kf = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi), vf);
-    vf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
+/* For -87 <= x <= 0: x = k ln2 + r with |r| <= ln2 / 2; returns expm1(r) from the degree-5
+ * minimax polynomial of Cephes' expf, exp(r) = 1 + r + r^2 P(r), and 2^k in *two_k. */
+static inline vf KERNEL(expm1_reduced)(vf x, vf *two_k) {
+    vf kf = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
+    vf r = x - kf * 0.693359375f - kf * -2.12194440e-4f;
     vf p = KERNEL(splat)(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    vi bits = (__builtin_convertvector(kf, vi) + 127) << 23;  /* 2^k, k in [-126, 0] */
-    return KERNEL(sel)(tiny, KERNEL(splat)(0.0f), p * (vf)bits);
+    *two_k = (vf)((__builtin_convertvector(kf, vi) + 127) << 23);  /* 2^k, k in [-126, 0] */
+    return p * (r * r) + r;
 }
 
+/* exp(x) for x <= 0, x = -inf allowed, within ~2 ulp; 0 below -87, where exp(x) < 1.7e-38 and,
+ * added to a sum >= 1, changes nothing. */
+static inline vf KERNEL(exp_nonpositive)(vf x) {
+    const vf lo = KERNEL(splat)(-87.0f);
+    vi tiny = x < lo;
+    vf two_k, q = KERNEL(expm1_reduced)(KERNEL(sel)(tiny, lo, x), &two_k);
+    return KERNEL(sel)(tiny, KERNEL(splat)(0.0f), (q + 1.0f) * two_k);
+}

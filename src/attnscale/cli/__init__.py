@@ -19,7 +19,8 @@ from attnscale.io import Terminated, sigterm_as_exit
 
 # Explicit list, in the order ``attnscale --help`` shows them.
 COMMAND_MODULES = (
-    "attnscale.cli.montecarlo",
+    "attnscale.cli.variance",
+    "attnscale.cli.saturation",
     "attnscale.cli.reproduce",
     "attnscale.cli.train",
     "attnscale.cli.compare",

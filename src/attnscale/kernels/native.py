@@ -1,4 +1,5 @@
-"""attnscale's compiled kernels, ``attnscale._kernels``: loading and availability.
+"""attnscale's compiled kernels, ``attnscale._kernels``: loading, availability and one typed
+wrapper per kernel.
 
 The kernels are plain C (``src/attnscale/_native``) with an AVX2+FMA build chosen at run time and
 a portable 128-bit one, compiled by ``pip install`` and loaded here with ctypes (which releases
@@ -7,7 +8,11 @@ environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and ever
 PyTorch formulation instead:
 
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
-* the elementwise part of the soft-cap attention kernel in :mod:`attnscale.attention`.
+* the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`.
+
+Callers pass tensors to :func:`row_stats_rows`, :func:`softcap_probs` and :func:`softcap_grad`,
+which check dtype, device, layout and shapes and pass pointers and strides on; nothing else in
+attnscale touches ``data_ptr``.
 """
 
 from __future__ import annotations
@@ -17,10 +22,16 @@ import functools
 import importlib.util
 import os
 
+import torch
+from torch import Tensor
+
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
 # Output columns of the row-statistics kernel, in its order (enum OUT_* in _native/kernels.c).
 ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
+# The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
+# reporting another one is stale and not loaded.
+KERNELS_VERSION = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,7 +44,8 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(spec.origin)
-    except OSError:
+        version = lib.attnscale_kernels_version
+    except (OSError, AttributeError):  # unloadable, or a build older than the version check
         return None
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
@@ -45,7 +57,8 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_softcap_grad.restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
-    if lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
+    version.restype = ctypes.c_int
+    if version() != KERNELS_VERSION or lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
         return None  # a stale build from another version: do not trust its layout
     return lib
 
@@ -68,3 +81,104 @@ def require() -> ctypes.CDLL:
         raise RuntimeError("attnscale's compiled kernels are not available "
                            f"(built without a C compiler, or {NATIVE_ENV}=0)")
     return lib
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed wrappers
+
+
+def _rows(name: str, t: Tensor) -> tuple[int, int, int]:
+    """(rows, width, row stride) of float32 CPU ``t`` seen as rows of its last dimension, each of
+    unit stride and row r starting r · stride after the first; ValueError naming ``name`` else."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension")
+    width = t.shape[-1]
+    rows = t.numel() // width if width else 0
+    lead = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1]
+    ld = lead[-1][1] if lead else width
+    step, uniform = ld, True
+    for size, stride in reversed(lead):
+        uniform &= stride == step
+        step *= size
+    if (width > 1 and t.stride(-1) != 1) or ld < width or not uniform:
+        raise ValueError(f"{name} must be rows of unit stride, evenly spaced; got shape "
+                         f"{tuple(t.shape)} with strides {t.stride()}")
+    return rows, width, ld
+
+
+def _same_rows(name: str, t: Tensor, like: Tensor, ld: int) -> None:
+    """``t`` must have ``like``'s shape and row stride (it is read or written beside it)."""
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    if _rows(name, t)[2] != ld:
+        raise ValueError(f"{name} must have the row stride of its companion tensors ({ld})")
+
+
+def _limit(limit: Tensor | None) -> tuple[int | None, int]:
+    """Pointer and period of an optional int64 per-row key limit."""
+    if limit is None:
+        return None, 1
+    if limit.dtype != torch.int64 or limit.device.type != "cpu" or not limit.is_contiguous():
+        raise ValueError(f"limit must be a contiguous int64 CPU tensor, got {limit.dtype} on "
+                         f"{limit.device}")
+    if limit.numel() < 1:
+        raise ValueError("limit must have at least one entry")
+    return limit.data_ptr(), limit.numel()
+
+
+def row_stats_rows(z: Tensor, out: Tensor, span: tuple[int, int], *,
+                   limit: Tensor | None = None, portable: bool = False) -> None:
+    """Statistics of rows ``span = (row0, row1)`` of float32 logits ``z`` (rows, n) into float64
+    ``out`` (rows, len(ROW_STATS_COLUMNS)); row r sees its first ``limit[r % len(limit)]`` keys
+    (all when None).  See :func:`attnscale.kernels.rowstats.row_stats`."""
+    rows, width, ld = _rows("z", z)
+    if out.shape != (rows, len(ROW_STATS_COLUMNS)) or out.dtype != torch.float64 \
+            or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float64 ({rows}, {len(ROW_STATS_COLUMNS)})")
+    row0, row1 = span
+    if not 0 <= row0 <= row1 <= rows:
+        raise ValueError(f"span must lie within [0, {rows}], got {span}")
+    limit_ptr, period = _limit(limit)
+    require().attnscale_row_stats(z.data_ptr(), width, ld, limit_ptr, period, row0, row1,
+                                  out.data_ptr(), int(portable))
+
+
+def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,
+                  limit: Tensor | None = None, portable: bool = False) -> Tensor:
+    """Soft-cap attention weights p = softmax(cap · tanh(s)) of float32 logits ``s`` (..., n).
+
+    ``s = -inf`` marks a masked key; row r of the flattened rows sees only its first
+    ``limit[r % len(limit)]`` keys (causality without a mask).  Masked entries and rows without
+    a key are 0; a row holding NaN among the keys it sees is NaN there.  ``out`` (default: a new
+    tensor) may be ``s`` itself.  Returns ``out``.
+    """
+    rows, width, ld = _rows("s", s)
+    if out is None:
+        out = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype)
+    _same_rows("out", out, s, ld)
+    limit_ptr, period = _limit(limit)
+    require().attnscale_softcap_probs(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr, period,
+                                      0, rows, float(cap), int(portable))
+    return out
+
+
+def softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor, *,
+                 portable: bool = False) -> Tensor:
+    """The soft-cap backward in place on ``dp``: dp ← p ∘ (dp − δ) ∘ (1 − tanh²(s)).
+
+    ``s`` (the logits :func:`softcap_probs` was given), ``p`` (its weights) and ``dp`` (dL/dp) are
+    float32 (..., n) of one layout; ``delta`` holds one float32 per row (..., 1).  Returns ``dp``.
+    """
+    rows, width, ld = _rows("s", s)
+    _same_rows("p", p, s, ld)
+    _same_rows("dp", dp, s, ld)
+    if delta.shape != (*s.shape[:-1], 1):
+        raise ValueError(f"delta must have shape {(*s.shape[:-1], 1)}, got {tuple(delta.shape)}")
+    if delta.dtype != torch.float32 or delta.device.type != "cpu":
+        raise ValueError(f"delta must be float32 on the CPU, got {delta.dtype} on {delta.device}")
+    delta = delta.contiguous()
+    require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), delta.data_ptr(),
+                                     width, ld, 0, rows, int(portable))
+    return dp

@@ -1,14 +1,15 @@
-"""Fused per-row softmax statistics: the compiled kernel behind :mod:`attnscale.measure.monitor`.
+"""Fused per-row softmax statistics: the compiled kernel behind :func:`attnscale.stats.row_stats`.
 
 :func:`row_stats` reduces float32 logits of shape (..., n) to the statistics of
 :mod:`attnscale.stats` for every row -- number of unmasked keys, max weight, entropy,
 ``||J||_F``, logit std and ``max |z|`` -- reading each logit twice in one C kernel instead
-of the ~20 tensor passes of the PyTorch formulation.  The numerics are those of
-:mod:`attnscale.stats` (centred on the top key, nothing cancels or underflows near one-hot);
-sums are taken in float32 over runs of 512 keys and in float64 across them.
+of the ~20 tensor passes of the PyTorch formulation.  The numerics and the answers for special
+rows (no key: 0; NaN or ``+inf``: NaN) are those of :mod:`attnscale.stats` (centred on the top
+key, nothing cancels or underflows near one-hot); sums are taken in float32 over runs of 512 keys
+and in float64 across them.
 
-The kernel is part of attnscale's compiled kernels (:mod:`attnscale.kernels.native`); where they are not
-available (:func:`attnscale.kernels.native.available`), callers use :mod:`attnscale.stats` instead.
+Call it through :func:`attnscale.stats.row_stats`, which validates the input and falls back to the
+PyTorch formulation where the compiled kernels (:mod:`attnscale.kernels.native`) are not available.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         ValueError: ``z`` is not float32 on the CPU, ``limit`` is not int64, or ``threads``
             is below 1.
     """
-    lib = native.require()
+    native.require()
     if z.dtype != torch.float32 or z.device.type != "cpu":
         raise ValueError(f"z must be float32 on the CPU, got {z.dtype} on {z.device}")
     n = z.shape[-1]
@@ -67,14 +68,13 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         period = limit.numel()
         if period < 1:
             raise ValueError("limit must have at least one entry")
-    args = (flat.data_ptr(), n, flat.stride(0) if rows > 1 else n,
-            None if limit is None else limit.data_ptr(), period)
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
     workers = 1
     if rows * n >= PARALLEL_MIN_ELEMENTS:
         workers = max(1, min(threads or torch.get_num_threads(), rows))
     bounds = [rows * w // workers for w in range(workers + 1)]
-    parallel_map(lambda span: lib.attnscale_row_stats(*args, *span, out.data_ptr(), int(portable)),
+    parallel_map(lambda span: native.row_stats_rows(flat, out, span, limit=limit,
+                                                    portable=portable),
                  zip(bounds[:-1], bounds[1:]), workers)
     return out.reshape(*z.shape[:-1], len(ROW_STATS_COLUMNS))

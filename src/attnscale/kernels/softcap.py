@@ -1,5 +1,6 @@
-"""The blockwise soft-cap kernel: softmax(c · tanh(scale · q kᵀ / c) masked) v without the
-(B, H, Nq, Nk) logits, forward and backward, on attnscale's compiled kernels where available.
+"""Soft-cap attention, softmax(c · tanh(scale · q kᵀ / c) masked) v, without the (B, H, Nq, Nk)
+logits, forward and backward: a blockwise kernel on the CPU (its elementwise steps on attnscale's
+compiled kernels where available), FlexAttention on CUDA (:mod:`attnscale.kernels.flex`).
 
 :func:`attnscale.attention.attention` runs every capped mechanism (softcap) through
 :func:`capped_attention`.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnscale.kernels import native
+from attnscale.kernels import flex, native
 from attnscale.mechanisms.base import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -22,11 +23,56 @@ CAPPED_BLOCK_ELEMENTS = 2**19
 
 def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
                      mask: Tensor | None, causal: bool) -> Tensor:
-    """softmax(cap · tanh(scale · q kᵀ / cap) masked) v; q, k float32 (or float64) for half v."""
+    """softmax(cap · tanh(scale · q kᵀ / cap) masked) v; q, k float32 (or float64) for half v.
+
+    ``mask`` (broadcastable to (B, H, Nq, Nk), True = attend) must leave every query a key.
+    Runs on FlexAttention on CUDA (:mod:`attnscale.kernels.flex`), else on the blockwise kernel
+    below; under ``torch.jit.trace``, ``torch.compile`` or ``torch.export`` on the CPU it runs the
+    materialised PyTorch formulation, which those can record (the blockwise kernel hands raw
+    memory to C and runs blocks on worker threads).
+    """
+    if flex.usable(q):
+        return flex.capped_attention(q, k, v, scale, cap, mask, causal)
+    if _tracing(q):
+        return _capped_materialised(q, k, upcast(v), scale, cap, mask, causal).to(v.dtype)
     q, k = q.contiguous(), k.contiguous()
     out = _CappedAttention.apply(q, k, upcast(v).contiguous(), mask, scale, cap, causal,
                                  CAPPED_BLOCK_ELEMENTS)
     return out.to(v.dtype)
+
+
+def _tracing(q: Tensor) -> bool:
+    """Whether a tracer, compiler or exporter records this call instead of running it: then the
+    tensors may be fakes without memory, and only torch ops are recorded."""
+    return (torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or torch.compiler.is_exporting() or type(q) is not torch.Tensor)
+
+
+def _capped_materialised(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
+                         mask: Tensor | None, causal: bool) -> Tensor:
+    """The same attention with the (B, H, Nq, Nk) logits materialised, on plain torch ops."""
+    z = torch.matmul(q * (scale / cap), k.transpose(-2, -1)).tanh() * cap   # (B, H, Nq, Nk)
+    if causal:
+        tri = torch.ones(z.shape[-2:], dtype=torch.bool, device=z.device).tril()
+        mask = tri if mask is None else mask & tri
+    if mask is not None:
+        z = z.masked_fill(~mask, float("-inf"))
+    return torch.softmax(z, dim=-1) @ v
+
+
+def _capped(s: Tensor, cap: float) -> Tensor:
+    """c · tanh(x) in place on s = -2x, from one expm1: c tanh x = -c e / (e + 2), e = expm1(-2x).
+
+    As accurate as tanh (nothing cancels for small |x|; e^60 is finite in float32 and e / (e + 2)
+    is 1 to rounding well before it) and ~2x faster than torch.tanh on the CPU.  NaN stays NaN."""
+    e = s.clamp_max_(60.0).expm1_()
+    return e.div_(e + 2.0).mul_(-cap)
+
+
+def _logit_factor(fused: bool, scale: float, cap: float) -> float:
+    """What q is multiplied by so that q·k is the elementwise step's argument: x = scale q·k / c
+    for the compiled kernel, -2x for :func:`_capped`."""
+    return scale / cap if fused else -2.0 * scale / cap
 
 
 class _CappedAttention(torch.autograd.Function):
@@ -38,20 +84,20 @@ class _CappedAttention(torch.autograd.Function):
     (B, H, Nq, Nk) logits.  Blocks are sized to stay in cache while each torch op still amortises
     its dispatch, and the per-block views come from one ``split`` per head group.
 
-    Two identities keep the elementwise work to one transcendental per logit and pass:
-    c · tanh(x) = 2c · σ(2x) - c, where softmax ignores the constant -c (and torch's sigmoid is ~3x
-    faster than its tanh), so with u = σ(2x), x = scale · q·k / c, the logits are z = 2c · u; and
-    d(c tanh x)/d(q·k) = scale · (1 - tanh² x) = 4 · scale · u (1 - u).
+    With x = (scale / c) q·k, the logit is z = c tanh(x), formed with one expm1 per logit and pass
+    (:func:`_capped`, or the compiled kernel), which keeps float32's relative accuracy however
+    large c is (c tanh(x) → c x); d z / d(q·k) = scale · (1 - tanh² x).  A NaN in q, k or v reaches every
+    output it feeds, as in the materialised reference.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                 cap: float, causal: bool, block_elements: int) -> Tensor:
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
-        q_x = q * (2.0 * scale / cap)                  # q·k of q_x is 2x, (B, H, Nq, d)
+        fused = _fused_softcap(q)
+        q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
         tiles = _Tiles(q, k, mask, causal, block_elements)
-        fused = _fused_softcap(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -59,13 +105,12 @@ class _CappedAttention(torch.autograd.Function):
             rows = zip(*tiles.split(b, heads, q_x, out))
             for i, (q_blk, out_blk) in enumerate(rows):
                 n_k = tiles.n_keys(i)
-                s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # 2x, (h, r, n_k)
-                if fused:  # the compiled kernel: softmax(2c σ(s)) in place, causality as counts
-                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), s, cap,
-                                       tiles.causal_counts(i, s.shape[1]))
+                s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # x or -2x, (h, r, n_k)
+                if fused:  # the compiled kernel: softmax(c tanh(s)) in place, causality as counts
+                    p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap, out=s,
+                                             limit=tiles.causal_counts(i, s.shape[1]))
                 else:
-                    z = tiles.hide(s.sigmoid_().mul_(2.0 * cap), b, heads, i)  # c tanh(x) + c
-                    p = torch.softmax(z, dim=-1)
+                    p = torch.softmax(tiles.hide(_capped(s, cap), b, heads, i), dim=-1)
                 torch.bmm(p, v_g[:, :n_k], out=out_blk)
 
         # Head groups write disjoint slices of out: several run side by side on the CPU.
@@ -80,7 +125,8 @@ class _CappedAttention(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, out, mask = ctx.saved_tensors
         scale, cap, causal, block_elements = ctx.args
-        q_x = q * (2.0 * scale / cap)
+        fused = _fused_softcap(q)
+        q_x = q * _logit_factor(fused, scale, cap)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1, keepdim=True)  # δ = rowsum(dO ∘ O) = Σ_j p_j dP_j, (B,H,Nq,1)
         dq = torch.empty_like(q)
@@ -89,7 +135,6 @@ class _CappedAttention(torch.autograd.Function):
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
-        fused = _fused_softcap(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -97,55 +142,35 @@ class _CappedAttention(torch.autograd.Function):
             rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
             for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
                 n_k = tiles.n_keys(i)
-                s = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2))  # 2x, (h, r, n_k)
+                s = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2))  # x or -2x, (h, r, n_k)
                 if fused:
-                    p = _softcap_probs(tiles.hide_masked(s, b, heads, i), torch.empty_like(s),
-                                       cap, tiles.causal_counts(i, s.shape[1]))
+                    p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap,
+                                             limit=tiles.causal_counts(i, s.shape[1]))
                 else:
-                    u = s.sigmoid_()
-                    p = torch.softmax(tiles.hide(u * (2.0 * cap), b, heads, i), dim=-1)
+                    t = _capped(s, 1.0)                                    # tanh x
+                    p = torch.softmax(tiles.hide(t * cap, b, heads, i), dim=-1)
                 dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)         # dVᵀ += dOᵀ P
                 dz = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))       # dP = dO Vᵀ
-                if fused:  # dS = P ∘ (dP - δ) ∘ u (1 - u), in place, one pass
-                    ds = _softcap_grad(s, p, dz, delta_blk)
+                if fused:  # dS = P ∘ (dP - δ) ∘ (1 - tanh² s), in place, one pass
+                    ds = native.softcap_grad(s, p, dz, delta_blk)
                 else:
                     dz.sub_(delta_blk).mul_(p)                             # dZ = P ∘ (dP - δ)
-                    ds = torch.ops.aten.sigmoid_backward(dz, u)            # dZ ∘ u (1 - u)
+                    ds = torch.ops.aten.tanh_backward(dz, t)               # dZ ∘ (1 - t²)
                 torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
 
         # Head groups write disjoint slices of dq, dK and dV: several run side by side.
         groups = list(tiles.groups())
         parallel_map(group, groups, workers_for(q.device, len(groups)))
-        # d z / d(q·k) = scale · (1 - tanh²) = 4 · scale · u (1 - u); the 4 · scale is applied once.
-        dq.mul_(4.0 * scale)
-        dk_t.mul_(4.0 * scale)
+        # d z / d(q·k) = scale · (1 - tanh²); the scale is applied once.
+        dq.mul_(scale)
+        dk_t.mul_(scale)
         return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None, None
 
 
 def _fused_softcap(q: Tensor) -> bool:
     """Whether the soft-cap kernel's elementwise steps run in attnscale's compiled kernels."""
     return q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
-
-
-def _softcap_probs(s: Tensor, p: Tensor, cap: float, counts: Tensor | None) -> Tensor:
-    """p = softmax(2 cap σ(s)) over each row's first ``counts`` keys with s > -inf, 0 elsewhere;
-    s, p contiguous (h, r, n) float32 (p may be s); counts (r,) int64 or None.  Returns p."""
-    n = s.shape[-1]
-    native.require().attnscale_softcap_probs(
-        s.data_ptr(), p.data_ptr(), n, n, None if counts is None else counts.data_ptr(),
-        1 if counts is None else counts.numel(), 0, s.numel() // n, 2.0 * cap, 0)
-    return p
-
-
-def _softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
-    """dS = P ∘ (dP - δ) ∘ σ(s)(1 - σ(s)) in place on dp; s, p, dp contiguous (h, r, n) float32,
-    δ (h, r, 1).  Returns dp."""
-    n = s.shape[-1]
-    delta = delta.contiguous()
-    native.require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(),
-                                            delta.data_ptr(), n, n, 0, s.numel() // n, 0)
-    return dp
 
 
 class _Tiles:

@@ -13,6 +13,7 @@ g = dL/do, the output o = Σ_i p_i v_i gives two paths back:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from torch import Tensor
 from attnscale.attention import MultiHeadAttention
 from attnscale.errors import check_choice, check_float, check_int, check_int_list, check_name_list
 from attnscale.errors import check_unique
-from attnscale.measure.montecarlo import check_memory
+from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_memory, check_time
 from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.progress import progress
 from attnscale.rng import cell_seed, rng
+from attnscale.stats import max_weight
 
 # d_k swept by the gradient-path experiment (the essay's range) and its default size.
 GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
@@ -34,8 +37,10 @@ GRADIENT_TRIALS = 1000
 # Width of the values: only a_i = v_iᵀ g enters the routing path, and with g ~ N(0, I / d_v) it is
 # N(0, ~1) whatever d_v is, so a fixed small d_v keeps the sweep cheap at d_k = 1024.
 GRADIENT_DV = 64
-# Logit multipliers that drive p to one-hot; at 1e4 every non-top weight underflows to exactly 0.
-ONE_HOT_MULTIPLIERS = (1.0, 4.0, 16.0, 64.0, 256.0, 1e4)
+# Logit multipliers that drive p from diffuse to one-hot: 1/32 = 1/sqrt(1024) is the scaled
+# temperature at the default d_k, 1 the unscaled row, and at 1e4 every non-top weight underflows
+# to exactly 0.
+ONE_HOT_MULTIPLIERS = (1 / 32, 1 / 8, 1 / 2, 1.0, 4.0, 16.0, 64.0, 256.0, 1e4)
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,11 @@ def gradient_paths(z: Tensor, v: Tensor, g: Tensor) -> GradientPaths:
     return GradientPaths(weights=p, value=value, routing=routing)
 
 
-def _path_norms(paths: GradientPaths) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row: max weight, ||J a||_2 and the Frobenius norm of the value path over all keys."""
-    return (paths.weights.amax(-1), paths.routing.norm(dim=-1),
-            paths.value.flatten(-2).norm(dim=-1))
+def _path_norms(z: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of logits ``z``: max weight (:func:`attnscale.stats.max_weight`), ||J a||_2 and the
+    Frobenius norm of the value path over all keys."""
+    paths = gradient_paths(z, v, g)
+    return max_weight(z), paths.routing.norm(dim=-1), paths.value.flatten(-2).norm(dim=-1)
 
 
 def _mean_se(x: Tensor) -> tuple[float, float]:
@@ -73,7 +79,7 @@ def _mean_se(x: Tensor) -> tuple[float, float]:
 def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
                         mechanisms: Sequence[str] = ("scaled", "unscaled"), *,
                         n: int = GRADIENT_N, trials: int = GRADIENT_TRIALS, seed: int = 0,
-                        chunk: int = 100) -> list[dict]:
+                        chunk: int = 100, show_progress: bool | None = None) -> list[dict]:
     """Mean routing and value path norms vs d_k, one row per (mechanism, d_k).
 
     Row keys: ``max_weight``, ``routing_norm`` (||J a||_2) and ``value_norm`` (||(p_i g)_i||_F),
@@ -92,31 +98,44 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
                                  else mechanisms)
     for name in mechanisms:
         check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
-    for d_k in d_ks:  # q, k, v and the value path of one chunk, float32, and their copies
-        check_memory(f"n={n} keys at d_k={d_k} in chunks of {chunk} trials",
-                     16 * min(chunk, trials) * n * (d_k + 2 * GRADIENT_DV))
+    for d_k in d_ks:  # q, k, v and the value path of one chunk, float32, and their copies,
+        # plus three float32 norms per trial and mechanism kept until the row is summarised
+        check_memory(f"trials={trials} of n={n} keys at d_k={d_k} in chunks of {chunk}",
+                     16 * min(chunk, trials) * n * (d_k + 2 * GRADIENT_DV)
+                     + 12 * trials * len(mechanisms))
+    check_time(f"trials={trials}", trials * n * (sum(d_ks) + len(d_ks) * GRADIENT_DV)
+               * SECONDS_PER_KEY_COORDINATE)
+    bar = progress(None, desc="gradient paths", total=len(d_ks) * trials, enabled=show_progress)
+    with contextlib.closing(bar):
+        return [row for d_k in d_ks
+                for row in _gradient_rows(d_k, mechanisms, n, trials, seed, chunk, bar.update)]
+
+
+def _gradient_rows(d_k: int, mechanisms: list[str], n: int, trials: int, seed: int, chunk: int,
+                   advance) -> list[dict]:
+    """Rows of :func:`gradient_path_sweep` for one ``d_k``; ``advance(k)`` reports progress."""
+    gen = rng(seed, "gradient-paths", d_k)
+    mechs = {name: build_mechanism(name, d_k, 1) for name in mechanisms}  # at init
+    stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
+    for start in range(0, trials, chunk):
+        t = min(chunk, trials - start)
+        q = torch.randn(t, 1, 1, d_k, generator=gen)                  # (T, 1, 1, d)
+        k = torch.randn(t, 1, n, d_k, generator=gen)                  # (T, 1, n, d)
+        v = torch.randn(t, n, GRADIENT_DV, generator=gen)             # (T, n, d_v)
+        g = torch.randn(t, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)  # (T, d_v)
+        for name, mech in mechs.items():
+            with torch.no_grad():
+                z = mech.logits(q, k)[:, 0, 0]                        # (T, n)
+            for acc, x in zip(stats[name], _path_norms(z, v, g)):
+                acc.append(x)
+        advance(t)
     rows = []
-    for d_k in d_ks:
-        gen = rng(seed, "gradient-paths", d_k)
-        mechs = {name: build_mechanism(name, d_k, 1) for name in mechanisms}  # at init
-        stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
-        for start in range(0, trials, chunk):
-            t = min(chunk, trials - start)
-            q = torch.randn(t, 1, 1, d_k, generator=gen)                  # (T, 1, 1, d)
-            k = torch.randn(t, 1, n, d_k, generator=gen)                  # (T, 1, n, d)
-            v = torch.randn(t, n, GRADIENT_DV, generator=gen)             # (T, n, d_v)
-            g = torch.randn(t, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)  # (T, d_v)
-            for name, mech in mechs.items():
-                with torch.no_grad():
-                    z = mech.logits(q, k)[:, 0, 0]                        # (T, n)
-                for acc, x in zip(stats[name], _path_norms(gradient_paths(z, v, g))):
-                    acc.append(x)
-        for name, (mw, routing, value) in stats.items():
-            row = {"mechanism": name, "d_k": d_k, "n": n, "trials": trials}
-            for key, parts in (("max_weight", mw), ("routing_norm", routing),
-                               ("value_norm", value)):
-                row[f"{key}_mean"], row[f"{key}_se"] = _mean_se(torch.cat(parts))
-            rows.append(row)
+    for name, (mw, routing, value) in stats.items():
+        row = {"mechanism": name, "d_k": d_k, "n": n, "trials": trials}
+        for key, parts in (("max_weight", mw), ("routing_norm", routing),
+                           ("value_norm", value)):
+            row[f"{key}_mean"], row[f"{key}_se"] = _mean_se(torch.cat(parts))
+        rows.append(row)
     return rows
 
 
@@ -139,7 +158,7 @@ def one_hot_limit(d_k: int = 1024, *, n: int = GRADIENT_N,
     z = build_mechanism("unscaled", d_k, 1).logits(q.view(1, 1, 1, d_k), k.view(1, 1, n, d_k))
     rows = []
     for m in multipliers:
-        max_w, routing, value = _path_norms(gradient_paths(m * z.view(n), v, g))
+        max_w, routing, value = _path_norms(m * z.view(n), v, g)
         rows.append({"mechanism": "unscaled", "d_k": d_k, "n": n, "multiplier": m,
                      "max_weight": max_w.item(), "routing_norm": routing.item(),
                      "value_norm": value.item(), "value_over_g": (value / g.norm()).item()})

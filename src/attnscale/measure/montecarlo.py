@@ -21,7 +21,8 @@ Size
 Work is done in chunks of about :data:`CHUNK_ELEMENTS` logits, so memory does not grow with
 ``trials`` or ``pairs``; one trial's ``n`` keys (times ``d_k`` where a mechanism needs its
 vectors) must fit at once, and a request that would need more than :data:`MEMORY_FRACTION` of the
-machine's RAM is refused up front (:func:`check_memory`).  Long runs show a progress bar.
+machine's RAM is refused up front (:func:`check_memory`), and so is one that would run for
+more than a day even on a fast machine (:func:`check_time`).  Long runs show a progress bar.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -57,6 +58,13 @@ MEMORY_FRACTION = 0.5
 BYTES_PER_LOGIT = 96
 # Bytes per key coordinate on the module paths: q and k in float32 and a mechanism's copies.
 BYTES_PER_KEY_COORDINATE = 16
+# Lower bounds on the cost of the work, from the benchmark on one core (benchmarks/
+# bench_montecarlo.py measures ~100 ns per pair and ~10 ns per logit) divided by 10 for faster
+# machines: a request that needs more than MAX_SECONDS even at these rates is refused.
+SECONDS_PER_PAIR = 1e-8
+SECONDS_PER_LOGIT = 1e-9
+SECONDS_PER_KEY_COORDINATE = 1e-10
+MAX_SECONDS = 24 * 3600.0
 # The d_k grid of the essay's figures: 4, 8, ..., 1024.
 ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
 ESSAY_N = 256          # keys per query in Figures 1-2
@@ -84,6 +92,14 @@ def check_memory(what: str, need: int) -> None:
         raise ConfigError(f"{what} would need about {need / 2**30:,.1f} GiB of memory at once, "
                           f"more than {MEMORY_FRACTION:.0%} of this machine's "
                           f"{ram / 2**30:,.1f} GiB; use a smaller value.")
+
+
+def check_time(what: str, seconds: float) -> None:
+    """Refuse a request that would run longer than :data:`MAX_SECONDS` even on a fast machine
+    (``seconds`` is that lower bound); shorter long runs show a progress bar instead."""
+    if seconds > MAX_SECONDS:
+        raise ConfigError(f"{what} would take at least {seconds / 86400:,.1f} days of compute "
+                          f"(the limit is {MAX_SECONDS / 3600:.0f} h); split it into smaller runs.")
 
 
 def _chi(dof: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -166,6 +182,7 @@ def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: i
     d_ks = check_int_list("d_ks", d_ks, minimum=1)
     pairs = check_int("pairs", pairs, minimum=2)
     seed = check_int("seed", seed, minimum=0)
+    check_time(f"pairs={pairs} for {len(d_ks)} d_k", len(d_ks) * pairs * SECONDS_PER_PAIR)
     rows = []
     bar = progress(None, desc="variance", total=len(d_ks) * pairs, enabled=show_progress)
     with _one_thread(), contextlib.closing(bar):
@@ -207,8 +224,9 @@ def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) ->
 def _one_thread() -> Iterator[None]:
     """Run torch ops on one thread, restoring the caller's setting on exit.
 
-    The chunks here are ~64k elements: an OpenMP fork-join per op costs more than it saves, and
-    on a loaded machine spinning threads slow it down by an order of magnitude.
+    The chunks here are 64k logits (8M key coordinates on the module paths): an OpenMP fork-join
+    per op costs more than it saves, and on a loaded machine spinning threads slow it down by an
+    order of magnitude (3x measured for the rotated-frame path at n = 65536 on 2 busy cores).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -272,25 +290,28 @@ def _check_mechanisms(mechanisms: object) -> list[str]:
 
 def _int_list(param: str, values: object, minimum: int) -> list[int]:
     """An int or a list of distinct ints, as a list."""
-    if isinstance(values, (int, str)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         return [check_int(param, values, minimum)]
     return check_int_list(param, values, minimum)
 
 
-def _plan(d_ks: list[int], ns: list[int], mechanisms: list[str]) -> dict:
+def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) -> dict:
     """How each (d_k, n) cell samples each mechanism: ``{(d_k, n): {method: {name: how}}}`` with
-    ``how`` the shortcut's scale or the mechanism module.  Every cell's memory is checked before
-    any mechanism is built at its ``d_k``."""
-    plan, shortcut = {}, {}
+    ``how`` the shortcut's scale or the mechanism module.  Every cell's memory, and the time of
+    the whole request, are checked before any mechanism is built at its ``d_k``."""
+    plan, shortcut, seconds = {}, {}, 0.0
     for n in ns:
         # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
         shortcut[n] = {m for m in mechanisms
                        if _shortcut_scale(build_mechanism(m, 1, 1), n) is not None}
         for d_k in d_ks:
             need = max(CHUNK_ELEMENTS, n) * BYTES_PER_LOGIT + d_k * BYTES_PER_KEY_COORDINATE
+            seconds += n * len(mechanisms) * SECONDS_PER_LOGIT
             if len(shortcut[n]) < len(mechanisms):
                 need += max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE
+                seconds += n * d_k * SECONDS_PER_KEY_COORDINATE
             check_memory(f"n={n} keys per query at d_k={d_k}", need)
+    check_time(f"trials={trials} over {len(d_ks) * len(ns)} (d_k, n) cells", trials * seconds)
     for d_k in d_ks:
         modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms}
         for n in ns:
@@ -328,11 +349,11 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     mechanisms = _check_mechanisms(mechanisms)
-    plan = _plan(d_ks, ns, mechanisms)
+    plan = _plan(d_ks, ns, trials, mechanisms)
     bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
                    enabled=show_progress)
     rows = []
-    with contextlib.closing(bar):
+    with _one_thread(), contextlib.closing(bar):
         for (d_k, n_keys), cell in plan.items():
             rows += _saturation_cell(d_k, n_keys, trials, seed, mechanisms, cell, bar.update)
     return rows
@@ -346,8 +367,7 @@ def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[
     for how, group in cell.items():
         gen = rng(seed, "saturation", how, d_k, n)
         if how == "chi2-shortcut":
-            with _one_thread():
-                _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
+            _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
         else:
             _module_stats(acc, group, _frame_qk if how == "rotation-frame" else _direct_qk,
                           d_k, n, trials, gen, advance)
@@ -420,9 +440,11 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     name, = _check_mechanisms([mechanism])
     check_memory(f"n={n} keys per query at d_k={d_k}",
                  max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
+    check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)
     acc: dict[str, dict[str, list[float]]] = {name: {}}
-    _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
-                  rng(seed, "saturation-reference", d_k, n))
+    with _one_thread():
+        _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
+                      rng(seed, "saturation-reference", d_k, n))
     return _summarise(acc[name], trials)
 
 

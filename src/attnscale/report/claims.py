@@ -72,6 +72,10 @@ _SMALL = "Keep the head small"
 _DEMO = "A Training Demo"
 _INIT = "Move it into the initialization"
 _MUP = "Use 1/d instead (muP)"
+# Claims the essay does not make, from the sources they cite, are filed under the report's
+# heading for such material ("Beyond the essay", as in attnscale.report.include); their ``essay``
+# field holds the source's value.
+_BEYOND = "Beyond the essay"
 
 # Numbers the essay prints that the report shows beside ours (the recall section's table) but
 # judges only through a claim derived from them: a ratio of two runs, a range.  Each is written
@@ -197,6 +201,20 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("init_reparam.adam.rel_diff", _INIT, "one Adam step, same "
           "lr mapping: max |logit diff| / scaled's max logit change", "differ",
           Within(0.1, float("inf"))),
+
+    # --- Entropy vs number of keys at init, d_k = 64 (attnscale.report.sections.length) ----------
+    # Scaled logits q.k / sqrt(d_k) are ~N(0, 1): below the condensation point sqrt(2 ln n) the
+    # entropy is ln n - sigma^2 / 2 + o(1) (random energy model, Derrida 1981), so it tracks ln n.
+    Claim("length.scaled.entropy_slope", _BEYOND, "scaled: slope dH/d ln n of the mean entropy "
+          "at init; 1 means the gap ln n - H stays constant, the attention disperses (random "
+          "energy model, Derrida 1981)", "1", Within(0.9, 1.1)),
+    # Nakanishi 2025 (SSMax, arXiv 2501.19399, Sec. 2 and Fig. 1): a key leading the rest by a
+    # fixed margin gets weight ~1/n under a fixed temperature, but keeps it under s ln n.
+    Claim("length.planted.scaled.exponent", _BEYOND, "scaled: b in weight ~ n^b of one key "
+          "leading the others by a fixed margin, large n (fades like 1/n; Nakanishi 2025)",
+          "-1", Within(-1.1, -0.9)),
+    Claim("length.planted.ssmax.exponent", _BEYOND, "ssmax: b in planted-key weight ~ n^b, same "
+          "key (does not fade under s ln n; Nakanishi 2025)", "0", Within(-0.1, 0.1)),
 )
 
 CLAIMS_BY_ID: dict[str, Claim] = {c.id: c for c in CLAIMS}

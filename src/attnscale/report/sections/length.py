@@ -1,0 +1,253 @@
+"""Report section: entropy and max weight vs the number of keys n at init, and a planted key.
+
+Two Monte Carlo experiments at ``d_k = 64`` on ``N(0, I)`` queries and keys:
+
+* :func:`attnscale.measure.montecarlo.saturation` for every mechanism defined at init, at
+  ``n = 16 .. 65536``: the slope ``dH / d ln n`` of the mean entropy per mechanism;
+* :func:`attnscale.measure.planted.planted_key` for scaled and ssmax: the weight on one key that
+  leads the others by a fixed margin, and its exponent ``b`` in ``weight ~ n^b`` at large n.
+
+Both slopes come from :func:`fit_line`, a weighted least-squares line through per-n Monte Carlo
+means with their standard errors (method in its docstring and in the section's text).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from attnscale.constants import Z95
+from attnscale.errors import ConfigError
+from attnscale.measure.montecarlo import saturation
+from attnscale.measure.planted import PLANTED_MARGIN, planted_key
+from attnscale.mechanisms import MECHANISMS
+from attnscale.report import Measurement, Section
+from attnscale.report.figures import new_figure, save
+from attnscale.styles import style
+
+LENGTH_D_K = 64
+LENGTH_NS = tuple(4 ** i for i in range(2, 9))        # 16, 64, ..., 65536
+# Trials per n: a budget of keys per n, clamped.  The cost of a trial grows with n (the
+# mechanisms that need q and k hold n * d_k numbers), so large n get fewer trials; the standard
+# errors stay below ~0.03 nats there because the per-trial spread of the entropy does not grow.
+KEY_BUDGET = 1 << 18
+MAX_TRIALS = 256
+MIN_TRIALS = 16
+# "Large n" for the planted key's exponent: from here on the 1/n tail dominates the scaled
+# weight e^m / (e^m + (n - 1) E[e^z]) (at n = 1024 it is already below 0.1).
+EXPONENT_MIN_N = 1024
+PLANTED_MECHANISMS = ("scaled", "ssmax")              # the two sides of SSMax's argument
+
+
+def trials_for(n: int) -> int:
+    """Monte Carlo trials at ``n`` keys: ``KEY_BUDGET // n`` within [MIN_TRIALS, MAX_TRIALS]."""
+    return min(MAX_TRIALS, max(MIN_TRIALS, KEY_BUDGET // n))
+
+
+def t975(dof: int) -> float:
+    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom (``dof >= 1``).
+
+    Bisection on the exact CDF for integer dof (Abramowitz & Stegun 26.7.3-4): with
+    ``theta = atan(t / sqrt(dof))``, ``P(|T| < t)`` is a finite series in ``cos(theta)``.
+    """
+    if dof < 1:
+        raise ValueError(f"dof must be >= 1, got {dof}")
+
+    def central(t: float) -> float:          # P(|T| < t)
+        th = math.atan(t / math.sqrt(dof))
+        c2 = math.cos(th) ** 2
+        if dof % 2:                          # odd: (2 / pi) (theta + sin cos (1 + 2/3 c2 + ...))
+            term, total = 1.0, 1.0 if dof > 1 else 0.0
+            for j in range(1, (dof - 1) // 2):
+                term *= c2 * (2 * j) / (2 * j + 1)
+                total += term
+            return 2.0 / math.pi * (th + math.sin(th) * math.cos(th) * total)
+        term, total = 1.0, 1.0               # even: sin (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...)
+        for j in range(1, dof // 2):
+            term *= c2 * (2 * j - 1) / (2 * j)
+            total += term
+        return math.sin(th) * total
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if central(mid) < 0.95 else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def fit_line(x: Sequence[float], y: Sequence[float], se: Sequence[float]) -> dict:
+    """Weighted least-squares line ``y = a + b x`` through points with standard errors ``se``.
+
+    Weights are ``1 / se^2``.  The slope's standard error is ``sqrt(S / D)`` with ``S = sum w``,
+    ``D = S sum w x^2 - (sum w x)^2``, scaled by ``max(1, sqrt(chi2 / dof))`` (the Birge ratio,
+    ``dof = len(x) - 2``): when the points scatter about the line more than their standard errors
+    allow (a curved relation, or underestimated errors) the interval widens accordingly.  The 95%
+    interval is ``b +/- q se(b)`` with ``q`` = 1.96 when the errors are taken as known (ratio <= 1)
+    and Student's ``t_{0.975, dof}`` when the scatter sets them.
+
+    Returns ``slope, slope_se, slope_ci95, intercept, chi2, dof, birge``.
+    """
+    x, y, se = (list(map(float, v)) for v in (x, y, se))
+    if not len(x) == len(y) == len(se) or len(x) < 2:
+        raise ConfigError(f"fit_line needs at least 2 points of x, y and se of equal length, got "
+                          f"{len(x)}, {len(y)}, {len(se)}.")
+    if min(se) <= 0 or not all(map(math.isfinite, x + y + se)):
+        raise ConfigError("fit_line needs finite x and y and positive, finite standard errors.")
+    w = [1.0 / s ** 2 for s in se]
+    sw = sum(w)
+    sx = sum(wi * xi for wi, xi in zip(w, x))
+    sy = sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        raise ConfigError("fit_line needs at least two distinct x.")
+    slope = (sw * sxy - sx * sy) / det
+    intercept = (sxx * sy - sx * sxy) / det
+    chi2 = sum(wi * (yi - intercept - slope * xi) ** 2 for wi, xi, yi in zip(w, x, y))
+    dof = len(x) - 2
+    birge = math.sqrt(chi2 / dof) if dof > 0 else 1.0
+    inflate = birge > 1.0
+    slope_se = math.sqrt(sw / det) * (birge if inflate else 1.0)
+    half = (t975(dof) if inflate else Z95) * slope_se
+    return {"slope": slope, "slope_se": slope_se, "slope_ci95": (slope - half, slope + half),
+            "intercept": intercept, "chi2": chi2, "dof": dof, "birge": birge}
+
+
+def _fit_entropy(rows: list[dict]) -> dict:
+    """``dH / d ln n`` of one mechanism's rows."""
+    return fit_line([math.log(r["n"]) for r in rows], [r["entropy_mean"] for r in rows],
+                    [r["entropy_se"] for r in rows])
+
+
+def _fit_exponent(rows: list[dict]) -> dict:
+    """``b`` in planted weight ~ n^b over n >= EXPONENT_MIN_N: ln of the mean weight on ln n, with
+    the delta-method standard error ``se / mean``."""
+    rs = [r for r in rows if r["n"] >= EXPONENT_MIN_N]
+    return fit_line([math.log(r["n"]) for r in rs],
+                    [math.log(r["planted_weight_mean"]) for r in rs],
+                    [r["planted_weight_se"] / r["planted_weight_mean"] for r in rs])
+
+
+def _measurement(fit: dict, note: str) -> Measurement:
+    return Measurement(fit["slope"], se=fit["slope_se"], ci95=fit["slope_ci95"], note=note)
+
+
+def _plot(ax, rows: list[dict], stat: str, names: Sequence[str]) -> None:
+    """``<stat>_mean`` vs n on a log2 axis, one styled line per mechanism, 95% error bars."""
+    for name in names:
+        rs = [r for r in rows if r["mechanism"] == name]
+        ax.errorbar([r["n"] for r in rs], [r[f"{stat}_mean"] for r in rs],
+                    yerr=[Z95 * r[f"{stat}_se"] for r in rs], label=name, ms=4, lw=1.2,
+                    capsize=2, **style(name))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("number of keys $n$")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
+                trials=trials_for) -> tuple[list[dict], list[dict]]:
+    """The section's two experiments: saturation rows for every mechanism defined at init and
+    planted-key rows for :data:`PLANTED_MECHANISMS`, with ``trials(n)`` trials at each n."""
+    at_init = tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
+    sat, planted = [], []
+    for n in ns:
+        sat += saturation((d_k,), n, trials(n), seed, at_init)
+        planted += planted_key(n, d_k, trials(n), seed, PLANTED_MECHANISMS)
+    return sat, planted
+
+
+def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
+                  seed: int) -> Section:
+    """Fits, claims, figure and text from the rows of :func:`length_rows`."""
+    names = list(dict.fromkeys(r["mechanism"] for r in sat_rows))
+    by = {name: sorted((r for r in sat_rows if r["mechanism"] == name), key=lambda r: r["n"])
+          for name in names}
+    fits = {name: _fit_entropy(by[name]) for name in names}
+    exps = {name: _fit_exponent([r for r in planted_rows if r["mechanism"] == name])
+            for name in PLANTED_MECHANISMS}
+    ns = [r["n"] for r in by[names[0]]]
+    d_k = sat_rows[0]["d_k"]
+    span = f"n = {ns[0]}-{ns[-1]}"
+    large = f"n = {EXPONENT_MIN_N}-{ns[-1]}"
+    lead = f"{large}, lead {planted_rows[0]['margin']:g}, d_k = {d_k}"
+    measurements = {
+        "length.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
+        "length.planted.scaled.exponent": _measurement(exps["scaled"], lead),
+        "length.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
+    }
+
+    fig, (ax1, ax2, ax3) = new_figure(3, width=5.0, height=4.2)
+    _plot(ax1, sat_rows, "entropy", names)
+    ax1.plot(ns, [math.log(n) for n in ns], color="grey", ls="--", lw=1, label="ln n")
+    ax1.set_ylabel("mean entropy (nats)")
+    ax1.legend(fontsize=6, ncol=2)
+    _plot(ax2, sat_rows, "max_weight", names)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("mean max attention weight")
+    _plot(ax3, planted_rows, "planted_weight", PLANTED_MECHANISMS)
+    ref = next(r for r in planted_rows if r["mechanism"] == "scaled" and r["n"] == ns[-1])
+    tail = [n for n in ns if n >= EXPONENT_MIN_N]
+    ax3.plot(tail, [ref["planted_weight_mean"] * ns[-1] / n for n in tail], color="grey", ls=":",
+             lw=1, label="$\\propto 1/n$")
+    ax3.set_yscale("log")
+    ax3.set_ylabel(f"weight on the planted key (lead {PLANTED_MARGIN:g})")
+    ax3.legend(fontsize=7)
+    save(fig, fig_dir / "figure_length_at_init.png")
+
+    def ci(fit: dict) -> str:
+        lo, hi = fit["slope_ci95"]
+        return f"{fit['slope']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    lines = [
+        f"Settings: d_k = {d_k}, N(0, I) queries and keys, seed {seed}; trials per n: "
+        + ", ".join(f"{r['n']}: {r['trials']}" for r in by[names[0]]) + ". Every mechanism "
+        "defined at init, with its default options.", "",
+        "Slopes are weighted least-squares lines through the per-n Monte Carlo means (weights "
+        "1/se^2). The slope's standard error is scaled by the Birge ratio sqrt(chi2/dof) when "
+        "that exceeds 1 (the points scatter about a straight line more than their errors allow, "
+        "as they do where the relation is curved), and its 95% CI then uses Student's t on dof "
+        "= points - 2; otherwise 1.96.", "",
+        f"| mechanism | dH/d ln n [95% CI], {span} | chi2/dof | H at n={ns[0]} | "
+        f"H at n={ns[-1]} | ln n - H at n={ns[0]} | ln n - H at n={ns[-1]} |",
+        "|---|---|---|---|---|---|---|"]
+    for name in names:
+        first, last, fit = by[name][0], by[name][-1], fits[name]
+        lines.append(
+            f"| {name} | {ci(fit)} | {fit['chi2'] / max(fit['dof'], 1):.2f} | "
+            f"{first['entropy_mean']:.3f} | {last['entropy_mean']:.3f} | "
+            f"{math.log(first['n']) - first['entropy_mean']:.3f} | "
+            f"{math.log(last['n']) - last['entropy_mean']:.3f} |")
+    lines += [
+        "", "#### A planted key (Nakanishi 2025)", "",
+        f"Key 0's raw dot product is fixed at q.k_0 = {PLANTED_MARGIN:g} sqrt(d_k): in scaled "
+        f"logits it leads the other keys' mean by {PLANTED_MARGIN:g} (their std is about 1), "
+        "the lead of SSMax's Figure 1. Exponent b of its weight ~ n^b, fitted on ln of the mean "
+        f"weight at {large} (delta-method errors se/mean):", "",
+        f"| mechanism | b [95% CI] | weight at n={ns[0]} | weight at n={EXPONENT_MIN_N} | "
+        f"weight at n={ns[-1]} |", "|---|---|---|---|---|"]
+    for name in PLANTED_MECHANISMS:
+        w = {r["n"]: r["planted_weight_mean"] for r in planted_rows if r["mechanism"] == name}
+        lines.append(f"| {name} | {ci(exps[name])} | {w[ns[0]]:.4f} | "
+                     f"{w[EXPONENT_MIN_N]:.4f} | {w[ns[-1]]:.4g} |")
+    fit_rows = ([{"experiment": "entropy_slope", "mechanism": k, **v} for k, v in fits.items()]
+                + [{"experiment": "planted_exponent", "mechanism": k, "min_n": EXPONENT_MIN_N,
+                    **v} for k, v in exps.items()])
+    return Section(
+        name="Entropy vs number of keys, at init",
+        rows=[dict(r, experiment="length_saturation") for r in sat_rows]
+        + [dict(r, experiment="length_planted") for r in planted_rows]
+        + [dict(r, slope_ci95=list(r["slope_ci95"])) for r in fit_rows],
+        measurements=measurements,
+        figures=[("figure_length_at_init.png", f"Entropy (left) and max weight (middle) vs the "
+                  f"number of keys at d_k = {d_k}, every mechanism defined at init; right: the "
+                  "weight on one planted key, scaled vs ssmax. Bars: 95% CI.")],
+        markdown="\n".join(lines),
+    )
+
+
+def report_section(fig_dir: Path, *, seed: int) -> Section:
+    """Entropy and max weight vs n at init for every mechanism, and the planted key."""
+    sat_rows, planted_rows = length_rows(seed)
+    return build_section(fig_dir, sat_rows, planted_rows, seed)
