@@ -283,7 +283,7 @@ def test_cli_with_tokenizer_and_text(cli, model_dirs, tmp_path):
 def test_cli_writes_nothing_when_the_figure_fails(cli, model_dirs, tmp_path, monkeypatch):
     import attnscale.cli.monitor as command
 
-    def broken(records, ax):
+    def broken(records, ax, **how):
         raise RuntimeError("figure failed")
 
     monkeypatch.setattr(command, "plot_entropy", broken)
@@ -394,3 +394,15 @@ def test_cli_monitors_a_saved_swapped_model_with_its_mechanism(cli, tmp_path):
     assert code == 0, stderr
     assert json.loads((tmp_path / "out" / "records.json").read_text())["meta"]["mechanism"] \
         == "qk-rmsnorm"
+
+
+def test_monitoring_an_eager_model_warns_with_a_hint():
+    model = make_model("llama", "eager")
+    with pytest.warns(RuntimeWarning, match="attn_implementation='eager'.*set_attn_implementation"):
+        with torch.no_grad(), monitor(model) as mon:
+            model(token_ids())
+    assert mon.records == []
+    model.set_attn_implementation("sdpa")  # the hint works: the SDPA tap sees every layer
+    with torch.no_grad(), monitor(model) as mon:
+        model(token_ids())
+    assert len(mon.records) == 2 * 4

@@ -20,8 +20,6 @@ from attnscale.mechanisms.sigma_reparam import SigmaReparam
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 from attnscale.mechanisms.ssmax import S_INIT
 
-ISSUE_KEYS = ("scaled", "unscaled", "init-reparam", "qknorm", "qk-layernorm", "qk-rmsnorm",
-              "cosine", "learned-temp", "mup", "softcap", "yarn", "sigma-reparam", "ssmax")
 B, H, NQ, NK, D = 2, 3, 5, 7, 8
 
 
@@ -51,7 +49,8 @@ def _affine(x, norm):
     return x * norm.weight + norm.bias
 
 
-# Each formula written out in float64 from the issue's table, independently of the modules.
+# Each formula written out in float64 from the issue's table, independently of the modules: one
+# row per mechanism, the only place a new mechanism's name appears in the tests.
 # ``m`` is the built module, read only for its learned parameters.
 def _dot(q, k):
     return q @ k.transpose(-2, -1)
@@ -78,9 +77,8 @@ FORMULAS = {
 }
 
 
-def test_registry_holds_exactly_the_issue_keys():
-    assert tuple(MECHANISMS) == ISSUE_KEYS
-    assert set(FORMULAS) == set(MECHANISMS), "every registered mechanism needs a formula test"
+def test_every_registered_mechanism_has_a_formula_row():
+    assert set(FORMULAS) == set(MECHANISMS), "every registered mechanism needs a formula row"
 
 
 @pytest.mark.parametrize("name", list(MECHANISMS))
@@ -100,8 +98,11 @@ def test_mechanism_declares_its_kind_and_cites_its_source(name):
     cls = MECHANISMS[name]
     assert cls.name == name
     assert isinstance(cls.defined_at_init, bool) and isinstance(cls.scale_only, bool)
-    assert cls.scale_only == (name != "softcap")  # only softcap is not a scale on q and k
-    assert cls.defined_at_init == (name not in ("init-reparam", "sigma-reparam"))
+    m = build_mechanism(name, D, H)
+    # Not a scale on q and k exactly when it caps: the cap is what needs the blockwise kernel.
+    assert cls.scale_only == (m.cap is None)
+    # The temperature lives in W_Q and W_K exactly when the mechanism acts on them at build.
+    assert cls.defined_at_init == (cls.init_projections is Mechanism.init_projections)
     doc = cls.__doc__ or ""
     assert "Source" in doc and "=" in doc, f"{name}: docstring must state formula and source"
 

@@ -13,13 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.testing import assert_close
 
 import attnscale
 from attnscale.kernels import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
-from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, head_stats, layer_summary,
-                               monitor)
+from attnscale.errors import ConfigError
+from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, colour_limits, head_stats,
+                                       layer_summary, monitor, plot_entropy)
 from attnscale.stats import logit_std, softmax_stats
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
@@ -487,3 +489,99 @@ def test_package_level_attention_calls_are_observed_once():
         model(q)
     assert [r["queries"] for r in mon.records] == [9, 9]
     assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------
+# The observer hook: nothing attnscale defines is replaced, nothing is recomputed
+
+def test_attention_is_the_same_object_while_a_monitor_is_active():
+    mha = MultiHeadAttention(16, 2)
+    with monitor(mha) as mon:
+        assert attention_module.attention is ORIGINAL_ATTENTION
+        assert attnscale.attention is ORIGINAL_ATTENTION
+        assert attention_module.observers() == (mon._observe,)
+        mha(torch.randn(1, 5, 16))
+    assert attention_module.observers() == ()
+    assert len(mon.records) == 2
+    assert_clean()
+
+
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_the_monitor_does_not_run_the_mechanism_again(name):
+    mha = MultiHeadAttention(16, 2, name).eval()
+    calls = []
+    prepare = mha.mechanism.prepare
+
+    def counted(*args):
+        calls.append(1)
+        return prepare(*args)
+
+    mha.mechanism.prepare = counted
+    x = torch.randn(1, 6, 16)
+    mha(x, causal=True)
+    plain = len(calls)
+    with monitor(mha) as mon:
+        mha(x, causal=True)
+    assert plain == 1 and len(calls) == 2 and len(mon.records) == 2
+
+
+@pytest.mark.parametrize("param,value", [("block", True), ("block", 0), ("step", -1),
+                                         ("step", False), ("every", 0), ("every", True)])
+def test_monitor_refuses_bad_arguments_naming_them(param, value):
+    with pytest.raises(ConfigError, match=f"^{param} must"):
+        monitor(MultiHeadAttention(16, 2), **{param: value})
+
+
+def test_block_is_validated_once_where_it_enters(monkeypatch):
+    import attnscale.measure.monitor.blocks as blocks
+
+    checked = []
+    real = blocks.check_int
+    monkeypatch.setattr(blocks, "check_int", lambda *a, **k: checked.append(a) or real(*a, **k))
+    mha = MultiHeadAttention(16, 2)
+    with monitor(mha, block=3):
+        for _ in range(3):
+            mha(torch.randn(1, 5, 16))
+    assert checked == []  # the monitor checked block once, at construction
+    head_stats(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), block=2)
+    assert len(checked) == 1
+
+
+def test_a_forward_pass_with_nothing_observed_warns_once():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match="observed no attention call in a forward pass") as got:
+        with monitor(model) as mon:
+            model(torch.randn(2, 4))
+            model(torch.randn(2, 4))
+    assert len([w for w in got if "no attention call" in str(w.message)]) == 1
+    assert mon.records == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The entropy heatmap: one fixed colour scale
+
+def _records(entropies):
+    return [{"layer": i // 2, "head": i % 2, "entropy_mean": e, "max_weight_mean": 0.5}
+            for i, e in enumerate(entropies)]
+
+
+@pytest.mark.parametrize("entropies", [[1.91668, 1.91670, 1.91675, 1.91680], [0.1, 3.0, 2.0, 0.0]])
+def test_entropy_heatmap_uses_the_fixed_scale_zero_to_ln_n(entropies):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    try:
+        plot_entropy(_records(entropies), ax, n_keys=64)
+        image = ax.images[0]
+        assert_close(torch.tensor(image.get_clim()), torch.tensor([0.0, math.log(64)]))
+        label = fig.axes[-1].get_ylabel()
+        assert "ln 64" in label and "nats" in label
+        ax.clear()
+        plot_entropy(_records(entropies), ax, stat="max_weight_mean", n_keys=64)
+        assert_close(torch.tensor(ax.images[0].get_clim()), torch.tensor([0.0, 1.0]))
+    finally:
+        plt.close(fig)
+    with pytest.raises(ConfigError, match="n_keys"):
+        colour_limits("entropy_mean")

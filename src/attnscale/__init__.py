@@ -10,7 +10,9 @@ from attnscale.measure.montecarlo import saturation, variance  # noqa: E402
 from attnscale.report.reproduce import reproduce  # noqa: E402
 from attnscale.measure.monitor import monitor  # noqa: E402
 from attnscale.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
-from attnscale.attention import MultiHeadAttention, attention  # noqa: E402
+from attnscale.attention import (  # noqa: E402
+    AttentionTrace, MultiHeadAttention, attention, attention_reference,
+)
 from attnscale.measure.gradient import (  # noqa: E402
     gradient_path_sweep, gradient_paths, init_reparam_checks,
 )
@@ -20,7 +22,8 @@ __all__ = [
     "__version__", "ConfigError",
     "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats",
     "saturation", "variance", "reproduce", "monitor",
-    "MECHANISMS", "build_mechanism", "MultiHeadAttention", "attention",
+    "MECHANISMS", "build_mechanism", "MultiHeadAttention", "attention", "attention_reference",
+    "AttentionTrace",
     "gradient_paths", "gradient_path_sweep", "init_reparam_checks",
     "RecallConfig", "train", "compare", "study",
 ]

@@ -45,10 +45,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnscale.attention import attention
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism
-from attnscale.mechanisms.base import Scale
-from attnscale.measure.monitor import MASKED_BIAS
+from attnscale.mechanisms.base import Scale, inv_sqrt
+from attnscale.pipeline import MASKED_BIAS
 
 try:
     import transformers
@@ -120,9 +121,6 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     Returns:
         ``(output (B, Nq, H, d), None)``; attention weights are never materialised.
     """
-    # Looked up at every call, so that attnscale.monitor's tap on this function sees it.
-    from attnscale.attention import attention
-
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:  # ignoring them would silently change the attention
             raise ConfigError(f"attn_implementation='attnscale' does not support {name!r} "
@@ -133,7 +131,7 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     n_heads, d_head = query.shape[1], query.shape[-1]
     mechanism = getattr(module, MECHANISM_ATTR, None)
     if mechanism is None:
-        mechanism = _native(d_head, n_heads, d_head ** -0.5 if scaling is None else scaling,
+        mechanism = _native(d_head, n_heads, inv_sqrt(d_head) if scaling is None else scaling,
                             softcap)
     groups = n_heads // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads

@@ -145,7 +145,7 @@ def _write_outputs(out_dir: Path, records: list[dict], meta: dict, force: bool) 
         n_layers = 1 + max(r["layer"] for r in records)
         fig, (ax,) = new_figure(width=max(5.0, 1.5 + 0.45 * n_heads),
                                 height=max(3.6, 1.2 + 0.3 * n_layers))
-        plot_entropy(records, ax)
+        plot_entropy(records, ax, n_keys=meta["seq_len"])
         ax.set_title(f"{meta['model_type']} · {meta['mechanism']} · N={meta['seq_len']}")
         save(fig, staging / "entropy_heatmap.png")
 

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
-from attnscale.mechanisms.base import upcast
+from attnscale.precision import upcast
 
 try:  # FlexAttention: torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

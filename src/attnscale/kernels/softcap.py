@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
-from attnscale.mechanisms.base import upcast
+from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
 # Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at

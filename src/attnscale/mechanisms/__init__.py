@@ -1,13 +1,17 @@
 """Every attention-temperature mechanism, by name.
 
 :data:`MECHANISMS` maps each registry key to its :class:`Mechanism` class; each lives in its own
-file, imported below, and enters the registry with ``@register(name)``.  Adding a mechanism means
-adding one file and one import line; the test suite is parametrised over the registry and covers it.
+file and enters the registry with ``@register(name)``.  Every module of this folder is imported
+here: the ones listed below first, in the order of the registry (the order of report rows and
+legends), then any other, by file name.  Adding a mechanism therefore means adding one file (and its
+formula row in tests/test_mechanisms.py); the test suite is parametrised over the registry.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from collections.abc import Iterable
 
 from attnscale.errors import ConfigError, did_you_mean
@@ -18,6 +22,11 @@ from attnscale.mechanisms import scaled, unscaled, init_reparam, qknorm  # noqa:
 from attnscale.mechanisms import qk_layernorm, qk_rmsnorm, cosine, learned_temp  # noqa: E402,F401
 from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noqa: E402,F401
 from attnscale.mechanisms import llama4_temp, qk_clip  # noqa: E402,F401
+
+# Then every other module of this folder (a new mechanism's file), sorted by name.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
+del _module
 
 __all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "mechanism_options",
            "register"]

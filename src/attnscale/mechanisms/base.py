@@ -1,11 +1,9 @@
 """The :class:`Mechanism` base class and the registry it is entered into.
 
-A mechanism owns the attention temperature.  It turns per-head queries and keys into logits in two
-visible steps that :mod:`attnscale.attention` runs in a fixed order::
-
-    q, k, scale = mechanism.prepare(q, k, n_keys)   # normalise q and k, pick the temperature
-    z = scale * (q @ k.T)                           # logits
-    z = cap * tanh(z / cap)                         # only when mechanism.cap is set (softcap)
+A mechanism owns the attention temperature.  It contributes its rule -- a prepare step and an
+optional cap -- to the one attention pipeline, :func:`attnscale.pipeline.run`, which applies them in
+its fixed order: ``prepare`` normalises q and k and picks the temperature, the logits are
+``scale · q' k'ᵀ``, then ``cap · tanh(· / cap)`` when ``cap`` is set.
 
 Everything except the optional cap is a scale on (possibly normalised) q and k, which is why every
 mechanism but ``softcap`` runs on the fused ``scaled_dot_product_attention`` kernel.
@@ -16,14 +14,12 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-import torch
 from torch import Tensor, nn
 
+from attnscale import pipeline
 from attnscale.errors import check_int
-
-# Scale: a Python float (passed straight to SDPA), or a tensor broadcastable to (B, H, Nq, 1):
-# one value per head (H, 1, 1), or per query row when it depends on the keys attended (ssmax).
-Scale = float | Tensor
+from attnscale.pipeline import Scale  # noqa: F401  (mechanism files import it from here)
+from attnscale.precision import upcast  # noqa: F401  (kept importable from here)
 
 MECHANISMS: dict[str, type[Mechanism]] = {}
 
@@ -41,11 +37,6 @@ def register(name: str):
         MECHANISMS[name] = cls
         return cls
     return add
-
-
-def upcast(x: Tensor) -> Tensor:
-    """fp16/bf16 -> float32 so products and reductions accumulate in float32; others unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def inv_sqrt(d_head: int) -> float:
@@ -93,17 +84,13 @@ class Mechanism(nn.Module):
         """
         q, k = upcast(q), upcast(k)
         q, k, scale = self.prepare(q, k, k.shape[-2] if n_keys is None else n_keys)
-        z = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
-        if self.cap is not None:
-            z = self.cap * torch.tanh(z / self.cap)
-        return z
+        return pipeline.logits(q, k, scale, self.cap)  # (B, H, Nq, Nk)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:
-        """Attention output (B, H, Nq, d_v); see :func:`attnscale.attention.attention`."""
-        # attention.py imports this module, so it is imported when first called rather than above.
-        from attnscale.attention import attention
-        return attention(q, k, v, self, mask=mask, causal=causal)
+        """Attention output (B, H, Nq, d_v): the pipeline with this rule, as
+        ``attnscale.attention(q, k, v, self, mask=mask, causal=causal)``."""
+        return pipeline.run(q, k, v, self, mask=mask, causal=causal)
 
     def init_projections(self, w_q: nn.Linear, w_k: nn.Linear) -> None:
         """Act on a :class:`~attnscale.attention.MultiHeadAttention`'s W_Q and W_K once, at build.

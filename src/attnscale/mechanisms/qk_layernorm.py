@@ -9,6 +9,7 @@ the divisor no longer matters.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_choice
@@ -36,10 +37,16 @@ class QKLayerNorm(Mechanism):
         self.k_norm = nn.LayerNorm(shape, eps=LN_EPS)
 
     def _norm(self, norm: nn.LayerNorm, x: Tensor) -> Tensor:
+        # x arrives upcast (float32 for a half module): the gain and bias follow it, so the
+        # normalisation accumulates in float32 (LayerNorm on the CPU refuses mixed dtypes).
+        def layer_norm(y: Tensor) -> Tensor:
+            return F.layer_norm(y, norm.normalized_shape, norm.weight.to(y.dtype),
+                                norm.bias.to(y.dtype), norm.eps)
+
         if self.over == "head":
-            return norm(x)  # over d, (B, H, N, d)
+            return layer_norm(x)  # over d, (B, H, N, d)
         # Over the whole projection: bring the heads next to d so (H, d) is one token's d_model.
-        return norm(x.transpose(1, 2)).transpose(1, 2)  # (B, N, H, d) -> (B, H, N, d)
+        return layer_norm(x.transpose(1, 2)).transpose(1, 2)  # (B, N, H, d) -> (B, H, N, d)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         scale = inv_sqrt(self.d_head) if self.divisor else 1.0

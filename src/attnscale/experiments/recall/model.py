@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale.attention import attention
 from attnscale.mechanisms import Mechanism, build_mechanism
+from attnscale.pipeline import temper
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import RecallBatch
 
@@ -85,8 +87,8 @@ class RecallNet(nn.Module):
         x = (self.embed(batch.keys) + self.embed(nk + batch.values)) * PAIR_NORM  # (B, P, d_model)
         q = self.w_q(self.embed(batch.query))                                   # (B, d_k)
         k, v = self.w_k(x), self.w_v(x)                                         # (B, P, d_k)
-        z = self.mechanism.logits(q[:, None, None, :], k[:, None])[:, 0, 0]     # (B, P)
-        o = (z.softmax(-1).unsqueeze(-1) * v).sum(-2)                           # (B, d_k)
+        trace = attention(q[:, None, None, :], k[:, None], v[:, None], self.mechanism, trace=True)
+        z, o = trace.logits[:, 0, 0], trace.out[:, 0, 0]                       # (B, P), (B, d_k)
         logits = self.readout(o)                                                # (B, n_values)
         return RecallOutput(F.cross_entropy(logits, batch.target), z, logits)
 
@@ -249,15 +251,13 @@ def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys
     """A bilinear mechanism's logits from the plain dot products: ``cap(scale * q.k)``.
 
     The mechanism's ``prepare`` is called on its tables only to read the scale (it returns q and k
-    unchanged, see :func:`_is_bilinear`); this is :meth:`Mechanism.logits` with q.k precomputed.
+    unchanged, see :func:`_is_bilinear`); the pipeline's own step (:func:`attnscale.pipeline.temper`)
+    turns the precomputed q.k into logits.
     """
     _, _, scale = mechanism.prepare(T_q[None, None], T_k[None, None], n_keys)
     if isinstance(scale, Tensor):
         scale = scale.reshape(())  # one head: (1, 1, 1) -> ()
-    z = dots * scale                                                         # (B, P)
-    if mechanism.cap is not None:
-        z = mechanism.cap * torch.tanh(z / mechanism.cap)
-    return z
+    return temper(dots, scale, mechanism.cap)                                # (B, P)
 
 
 def _pair_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor, pairs: Tensor,

@@ -1,0 +1,288 @@
+"""The attention pipeline: the one place where q, k and v become an output, and its observers.
+
+The steps always run in this order, and only :func:`run` spells them out::
+
+    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise q, k; the temperature
+    z = scale * (q @ k.T)                           # logits
+    z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
+    z = z.masked_fill(~mask, -inf)                  # mask
+    p = softmax(z)                                  # softmax
+    o = p @ v
+
+A *mechanism* is anything with ``prepare(q, k, n_keys) -> (q', k', scale)`` and a ``cap`` (float or
+None): a registry :class:`~attnscale.mechanisms.Mechanism`, or HF's native temperature.  It
+contributes only that rule.  :func:`attnscale.attention.attention` is the public entry point (it
+also accepts a registry name); mechanisms called as modules come here directly.  This module imports
+no mechanism, so :mod:`attnscale.mechanisms` can import it without a cycle.
+
+By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
+on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
+scaled_dot_product_attention``; a capped mechanism runs on :func:`attnscale.kernels.softcap.
+capped_attention`, a blockwise kernel whose extra memory is O(Nk · block).  ``trace=True`` runs the
+same steps materialised and returns every intermediate as an :class:`AttentionTrace`.
+
+Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
+query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
+attend gives zero output and zero gradients, never NaN.  fp16 and bf16 inputs are computed with
+float32 accumulation (:func:`attnscale.precision.upcast`) and returned in their own dtype.
+
+Observers
+---------
+An observer is a callable that receives one :class:`Observation` per pipeline call: what the
+pipeline computed before the softmax (the mechanism-prepared q and k, scale, cap, mask, causality
+and key counts).  Register it with :func:`observe` (a context manager) or :func:`add_observer` (a
+handle to ``remove()`` in a ``finally``, like ``torch.nn.Module`` hooks)::
+
+    from attnscale.attention import observe   # the package's ``attnscale.attention`` is the function
+
+    with observe(lambda obs: print(obs.q.shape, obs.scale)):
+        model(x)
+
+The contract:
+
+* Observers are context-local (a :mod:`contextvars` stack): registering one affects the current
+  thread (or asyncio task) only, and nothing global is replaced; ``attnscale.attention.attention``
+  stays the same object.
+* They are called in registration order, before the output is computed, with the pipeline's own
+  tensors: they must not modify them in place (the output would change) and should read them
+  under ``torch.no_grad()`` from ``.detach()`` views.  An exception from an observer propagates.
+* The :class:`Observation` field names are stable; fields may be added, never renamed.
+* :func:`running` is True while a pipeline call computes its output, so a tap on a lower-level
+  kernel (SDPA) can tell attnscale's own calls from a foreign model's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnscale.errors import ConfigError
+from attnscale.kernels.softcap import capped_attention
+from attnscale.precision import upcast
+
+# Scale: a Python float (passed straight to SDPA), or a tensor broadcastable to (B, H, Nq, 1):
+# one value per head (H, 1, 1), or per query row when it depends on the keys attended (ssmax).
+Scale = float | Tensor
+# An additive-mask entry at or below this marks a masked key: exp(z - 1e4) is exactly 0 in every
+# float dtype for any sane logit z, and HF (finfo.min), PyTorch (-inf) and BERT-era code (-1e4)
+# all use values at or below it.  Finite entries above it are biases that belong to the logits.
+MASKED_BIAS = -1e4
+
+
+class Rule(Protocol):
+    """What the pipeline needs of a mechanism: its prepare step and its cap."""
+
+    cap: float | None
+
+    def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionTrace:
+    """The intermediates of one materialised pipeline call (``trace=True``)."""
+    logits: Tensor   # (B, H, Nq, Nk) after the mechanism and the cap, before the mask
+    weights: Tensor  # (B, H, Nq, Nk) softmax; rows with no key to attend are all zero
+    out: Tensor      # (B, H, Nq, d_v) in the dtype of v
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an observer receives from one pipeline call (see the module doc for the contract)."""
+    q: Tensor                 # (B, H, Nq, d) after mechanism.prepare, float32 for half inputs
+    k: Tensor                 # (B, H, Nk, d) after mechanism.prepare
+    scale: Scale              # the logits are cap(scale · q kᵀ); tensor broadcast to (B,H,Nq,1)
+    cap: float | None         # soft-cap c, or None
+    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality
+    causal: bool              # top-left causal, on top of ``mask``
+    n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
+    mechanism: Rule           # the mechanism that prepared q and k
+
+
+Observer = Callable[[Observation], None]
+
+_OBSERVERS: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar(
+    "attnscale_observers", default=())
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("attnscale_running",
+                                                                default=False)
+
+
+class ObserverHandle:
+    """Returned by :func:`add_observer`; :meth:`remove` unregisters the observer (idempotent)."""
+
+    def __init__(self, observer: Observer):
+        self.observer = observer
+
+    def remove(self) -> None:
+        current = _OBSERVERS.get()
+        if self.observer in current:
+            _OBSERVERS.set(tuple(o for o in current if o is not self.observer))
+
+
+def add_observer(observer: Observer) -> ObserverHandle:
+    """Register ``observer`` in the current context; call ``handle.remove()`` in a ``finally``."""
+    if not callable(observer):
+        raise ConfigError(f"observer must be callable, got {type(observer).__name__}.")
+    if observer in _OBSERVERS.get():
+        raise ConfigError("observer is already registered.")
+    _OBSERVERS.set(_OBSERVERS.get() + (observer,))
+    return ObserverHandle(observer)
+
+
+@contextmanager
+def observe(observer: Observer) -> Iterator[Observer]:
+    """``with observe(fn):`` calls ``fn`` on every pipeline call inside the block (this context)."""
+    handle = add_observer(observer)
+    try:
+        yield observer
+    finally:
+        handle.remove()
+
+
+def observers() -> tuple[Observer, ...]:
+    """The observers registered in the current context, in call order."""
+    return _OBSERVERS.get()
+
+
+def running() -> bool:
+    """True while a pipeline call (in this context) computes its output."""
+    return _RUNNING.get()
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) fit together."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ConfigError(f"q, k, v shapes do not fit together: {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}.")
+
+
+def causal_counts(n_q: int, n_k: int, device: torch.device | str | None = None) -> Tensor:
+    """Keys query i attends under top-left causality, min(i + 1, Nk): int64 (Nq, 1)."""
+    return torch.arange(1, n_q + 1, device=device).clamp(max=n_k).unsqueeze(-1)
+
+
+def key_mask(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> Tensor | None:
+    """The user's mask and causality as one boolean mask (True = attend), or None for all keys."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ConfigError(f"mask must be a boolean tensor (True = attend), got {mask.dtype}.")
+        full = (*q.shape[:2], n_q, n_k)
+        try:
+            fits = torch.broadcast_shapes(mask.shape, full) == full
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ConfigError(f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                              f"(B, H, Nq, Nk) = {full}.")
+    if causal:
+        tril = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()  # (Nq, Nk)
+        mask = tril if mask is None else mask & tril
+    return mask
+
+
+def key_counts(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> int | Tensor:
+    """Keys each query attends: Nk, or (..., Nq, 1) int64 under causality or a mask."""
+    if mask is not None:
+        return key_mask(mask, causal, q, k).sum(-1, keepdim=True)
+    if causal:  # counted without an (Nq, Nk) mask
+        return causal_counts(q.shape[-2], k.shape[-2], q.device)
+    return k.shape[-2]
+
+
+def temper(dots: Tensor, scale: Scale, cap: float | None) -> Tensor:
+    """Logits from plain dot products: ``scale · dots``, then ``cap · tanh(· / cap)`` if capped."""
+    z = dots * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z
+
+
+def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None) -> Tensor:
+    """Logits of prepared q (..., Nq, d) and k (..., Nk, d), before the mask: (..., Nq, Nk)."""
+    return temper(q @ k.transpose(-2, -1), scale, cap)
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
+        causal: bool = False, trace: bool = False) -> Tensor | AttentionTrace:
+    """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
+
+    ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
+    """
+    check_qkv(q, k, v)
+    full_mask = None if mask is None else key_mask(mask, causal, q, k)
+    if full_mask is not None:
+        n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
+    else:
+        n_keys = key_counts(None, causal, q, k)
+    qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)          # mechanism
+    cap = mechanism.cap
+    if torch.compiler.is_compiling():
+        # Observers are Python state outside the graph: compiled and exported graphs are not
+        # observed (the monitor documents this), and their contextvars would break the trace.
+        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
+    watchers = _OBSERVERS.get()
+    if watchers:
+        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism)
+        for observer in watchers:
+            observer(seen)
+    token = _RUNNING.set(True)
+    try:
+        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
+    finally:
+        _RUNNING.reset(token)
+
+
+def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, scale: Scale,
+             cap: float | None, full_mask: Tensor | None, n_keys: int | Tensor, causal: bool,
+             trace: bool) -> Tensor | AttentionTrace:
+    """The steps after ``prepare``: materialised (``trace``) or on the fused kernels."""
+    if trace:
+        if full_mask is None and causal:
+            full_mask = key_mask(None, True, q, k)
+        return _materialised(qs, ks, v, scale, cap, full_mask, n_keys)
+    if full_mask is None:
+        # Causality alone never leaves a query without keys, and the kernels skip the keys
+        # above the diagonal themselves (SDPA's is_causal).
+        return _fused(qs, ks, v, scale, cap, None, causal)
+    # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
+    # which also zeroes their gradients.  O(mask) work, only when a mask is given.
+    empty = n_keys == 0  # (..., Nq, 1)
+    return _fused(qs, ks, v, scale, cap, full_mask | empty, False).masked_fill(empty, 0.0)
+
+
+def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
+                  mask: Tensor | None, n_keys: int | Tensor) -> AttentionTrace:
+    """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
+    z = logits(q, k, scale, cap)                                   # logits and cap, (B,H,Nq,Nk)
+    masked = z
+    if mask is not None:
+        empty = n_keys == 0                                        # rows with nothing to attend
+        masked = z.masked_fill(~(mask | empty), float("-inf"))     # mask
+    p = torch.softmax(masked, dim=-1)                              # softmax
+    if mask is not None:
+        p = p.masked_fill(empty, 0.0)
+    out = p @ upcast(v)                                            # (B, H, Nq, d_v)
+    return AttentionTrace(logits=z, weights=p, out=out.to(v.dtype))
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
+           mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(cap(scale q kᵀ) masked) v on the fused kernels; q, k may be float32 for half v."""
+    if isinstance(scale, Tensor):  # per-head or per-row: folded into q, SDPA gets a float
+        q, scale = q * scale, 1.0
+    if cap is None:
+        # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
+        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
+                                              is_causal=causal, scale=scale)
+    return capped_attention(q, k, v, scale, cap, mask, causal)

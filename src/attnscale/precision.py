@@ -1,0 +1,23 @@
+"""Working precision: half types compute in float32, everything else in its own dtype.
+
+Below every other attnscale module (it imports only torch), so the attention pipeline, the
+mechanisms, the kernels and the statistics can all share this one rule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# The dtypes that are upcast: their products and reductions accumulate in float32, as SDPA does.
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def upcast(x: Tensor) -> Tensor:
+    """fp16/bf16 -> float32 so products and reductions accumulate in float32; others unchanged."""
+    return x.float() if x.dtype in HALF_TYPES else x
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``upcast`` computes a ``dtype`` tensor in: float32 at least, float64 stays."""
+    return torch.promote_types(dtype, torch.float32)

@@ -1,0 +1,102 @@
+"""attnscale's import graph has no cycle: walked from the sources, lazy (in-function) imports too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import attnscale
+
+ROOT = Path(attnscale.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its __init__.py)."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _imported(name: str, tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """Modules of the package that module ``name`` imports, with the packages whose __init__
+    Python runs on the way (except ``name``'s own ancestors, which are already running)."""
+    package = name if _is_package(name, modules) else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    if _is_package(name, modules) and "pkgutil.iter_modules" in modules[name].read_text():
+        # A package that imports every module of its folder (attnscale.mechanisms).
+        targets.update(m for m in modules if m.rpartition(".")[0] == name)
+    edges = set()
+    for target in targets:
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                edges.add(prefix)
+    return edges
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imported(name, ast.parse(path.read_text(encoding="utf-8")), modules)
+            for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_import_graph_is_acyclic():
+    graph = _graph()
+    assert "attnscale.attention" in graph and "attnscale.mechanisms.base" in graph
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The walker must be able to fail: attention -> mechanisms -> base -> attention.
+    graph = _graph()
+    graph["attnscale.mechanisms.base"] = graph["attnscale.mechanisms.base"] | {"attnscale.attention"}
+    assert _cycle(graph) is not None
+
+
+def test_mechanisms_reach_the_pipeline_without_attention():
+    graph = _graph()
+    assert "attnscale.pipeline" in graph["attnscale.mechanisms.base"]
+    assert "attnscale.attention" not in graph["attnscale.mechanisms.base"]
