@@ -10,6 +10,7 @@ import attnscale.experiments.recall.outputs as outputs
 import attnscale.experiments.recall.trainer as trainer
 from attnscale.experiments.recall.outputs import STUDY_FILES
 from attnscale.io import MANIFEST
+from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 
 # A tiny model and run length: the CLI plumbing, not the science.
 TINY = ("--d-k", "8", "--pairs", "4", "--steps", "5", "--batch-size", "4")
@@ -56,7 +57,8 @@ def test_study_writes_table_figure_and_markdown(cli, tmp_path):
     assert {(r["mechanism"], r["d_k"]) for r in rows} == {(m, d) for m in ("scaled", "qknorm")
                                                           for d in (4, 8)}
     assert all(r["seeds"] == 2 for r in rows)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([MANIFEST, *STUDY_FILES.values()])
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        sorted([MANIFEST, SPEC_FILE, RESULTS_FILE, *STUDY_FILES.values()])
     md = (tmp_path / STUDY_FILES["markdown"]).read_text()
     assert "| qknorm |" in md and "d_k=8" in md
     assert len(json.loads((tmp_path / STUDY_FILES["json"]).read_text())["runs"]) == 8

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "attnscale.cli.compare",
     "attnscale.cli.study",
     "attnscale.cli.monitor",
+    "attnscale.cli.sweep",
     "attnscale.cli.lm",
 )
 

@@ -11,8 +11,8 @@ import sys
 
 from attnscale.cli import _recall
 from attnscale.cli._common import add_command, add_output, format_table, print_json
-from attnscale.errors import parse_int_list, parse_name_list
-from attnscale.experiments.recall.experiments import STUDY_SEEDS, study
+from attnscale.errors import ConfigError, parse_int_list, parse_name_list
+from attnscale.experiments.recall.experiments import STUDY_SEEDS
 from attnscale.experiments.recall.outputs import STUDY_FILES
 from attnscale.mechanisms import MECHANISMS, check_mechanism
 
@@ -22,9 +22,12 @@ STUDY_MODULES = (
 )
 
 EXAMPLES = """
-  attnscale study recall --out study/               # all 13 x 4 x 3 = 156 runs: ~30 min, 2 cores
+  attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds
   attnscale study recall --out study/ --mechanisms scaled,unscaled,qknorm --d-k 16,64 --seed 0
-  attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json
+  attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json --workers 2
+  attnscale study recall --resume study/            # after Ctrl-C or a crash: the rest only
+  attnscale study recall --from study/              # redraw table, figure, markdown; no training
+  attnscale study recall --out study/ --ray auto    # on the Ray cluster of 'ray start'
 """
 
 SUMMARY_COLUMNS = ["mechanism", "d_k", "seeds", "steps_to_loss_0_1_mean", "steps_to_loss_0_1_std",
@@ -32,15 +35,37 @@ SUMMARY_COLUMNS = ["mechanism", "d_k", "seeds", "steps_to_loss_0_1_mean", "steps
 
 
 def _recall_study(args) -> int:
+    """Run the grid on the sweep engine (or continue it, or only read it), then draw the table,
+    figure and markdown from the store in the same folder."""
+    from attnscale import sweep
     from attnscale.experiments.recall.outputs import write_study
+    from attnscale.experiments.recall.trial import run_result
     mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
         [check_mechanism(m, param="--mechanisms")
          for m in parse_name_list("--mechanisms", args.mechanisms)]
-    d_ks = parse_int_list("--d-k", args.d_k, minimum=1)
-    seeds = parse_int_list("--seed", args.seed, minimum=0)
-    base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
-    runs = study(mechanisms, d_ks, seeds, base)
-    result = write_study(args.out, runs, force=args.force)
+    grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
+            "seed": parse_int_list("--seed", args.seed, minimum=0)}
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    executor = {"workers": args.workers, "ray_address": args.ray}
+    if args.from_dir is not None:
+        out, results = args.from_dir, sweep.load(args.from_dir)
+    elif args.resume is not None:
+        out, results = args.resume, sweep.resume(args.resume, **executor)
+    else:
+        base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
+        fixed = {k: getattr(base, k) for k in ("pairs", "steps", "lr", "batch_size", "optimizer")}
+        out = args.out
+        results = sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
+    if results.spec.experiment != "recall":
+        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not a recall study.")
+    if not results.ok:
+        raise ConfigError(f"{out!r} holds no finished run to draw from.")
+    if results.failed or results.pending:
+        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
+              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
+              file=sys.stderr)
+    result = write_study(out, [run_result(r) for r in results.ok], force=args.force)
     if args.json:
         print_json({"rows": result["summary"]})
     else:
@@ -53,8 +78,17 @@ def register_study(studies) -> None:
     q = add_command(studies, "recall", examples=EXAMPLES,
                     help="Every registered mechanism on associative recall across d_k and seeds; "
                          "writes a table, a figure and a markdown fragment into --out.")
-    add_output(q, "--out", kind="dir", files=STUDY_FILES.values(), required=True, metavar="DIR",
-               help="output directory")
+    add_output(q, "--out", kind="dir", files=STUDY_FILES.values(), metavar="DIR",
+               help="output directory: the runs' store (see 'attnscale sweep'), and the table, "
+                    "figure and markdown drawn from it")
+    q.add_argument("--resume", metavar="DIR", help="continue the study stored in DIR, then draw")
+    q.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="only redraw the table, figure and markdown from the store in DIR")
+    q.add_argument("--workers", type=int, metavar="N",
+                   help="worker processes, one run each at a time (default: one per core)")
+    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run on Ray instead: alone, a local instance; 'auto' or HOST:PORT, a "
+                        "cluster (see 'attnscale sweep --help')")
     q.add_argument("--mechanisms", default="all",
                    help="comma-separated mechanism names, or 'all' (default: %(default)s)")
     q.add_argument("--seed", default=",".join(map(str, STUDY_SEEDS)),

@@ -1,0 +1,49 @@
+"""The ``recall`` experiment: one associative-recall training run as a sweep trial.
+
+Its parameters are the fields of :class:`~attnscale.experiments.recall.config.RecallConfig`, with
+the same defaults.  The result is everything the run measured except its wall time (the record
+carries that), so it is the same bytes on any executor; :func:`run_result` rebuilds the
+:class:`~attnscale.experiments.recall.trainer.RunResult` from a record, for tables and figures
+drawn from a store.
+"""
+
+from __future__ import annotations
+
+from attnscale.experiments.recall import metrics
+from attnscale.experiments.recall.config import RecallConfig
+from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train
+from attnscale.experiments.registry import experiment, params_from_dataclass
+
+
+def _check(config: dict) -> None:
+    RecallConfig(**config).validated()
+
+
+@experiment("recall", params=params_from_dataclass(RecallConfig), check=_check,
+            threads=TRAIN_THREADS)
+def recall_run(**config) -> dict:
+    """Train one recall model (RecallConfig fields) and return its measurements: milestones,
+    final loss, held-out accuracy and statistics, step-0 gradients, plateaus, the per-step loss
+    and the attention-statistics trace."""
+    run = train(RecallConfig(**config), show_progress=False)
+    return metrics.json_safe({
+        "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
+        "final_loss": run.final_loss, "eval_accuracy": run.eval_accuracy,
+        "grad_wq_norm_step0": run.grad_wq_norm_step0,
+        "logit_grad_norm_step0": run.logit_grad_norm_step0, "plateaus": run.plateaus,
+        "eval_stats": run.eval_stats, "loss": run.loss, "trace": run.trace})
+
+
+def run_result(record: dict) -> RunResult:
+    """The :class:`RunResult` of an ``ok`` record of this experiment (a diverged loss, stored as
+    null, comes back as NaN)."""
+    r = record["result"]
+    loss = [float("nan") if v is None else v for v in r["loss"]]
+    final = r["final_loss"]
+    return RunResult(
+        config=RecallConfig(**record["config"]), loss=loss, smoothed=metrics.ema(loss).tolist(),
+        steps_to_loss_1=r["steps_to_loss_1"], steps_to_loss_0_1=r["steps_to_loss_0_1"],
+        final_loss=float("nan") if final is None else final, eval_accuracy=r["eval_accuracy"],
+        grad_wq_norm_step0=r["grad_wq_norm_step0"],
+        logit_grad_norm_step0=r["logit_grad_norm_step0"], plateaus=r["plateaus"],
+        wall_seconds=record["wall_seconds"], trace=r["trace"], eval_stats=r["eval_stats"])

@@ -1,0 +1,9 @@
+"""The experiments attnscale ships, one import each (importing a module registers it).
+
+A new experiment is a module that decorates its trial function with
+:func:`attnscale.experiments.registry.experiment` (import it from there, not from
+:mod:`attnscale.sweep`, which imports this list), and one line here.
+"""
+
+from attnscale.experiments.recall import trial as recall_trial  # noqa: F401  "recall"
+from attnscale.measure import saturation_trial  # noqa: F401                   "saturation"

@@ -1,0 +1,212 @@
+"""Running a sweep: plan the trials, skip the finished ones, execute the rest, record each.
+
+:func:`run` starts (or continues) a sweep from an experiment and a grid, :func:`resume` continues
+the sweep stored in a folder, and :func:`load` reads one back.  Resume rules:
+
+* a trial with an ``ok`` record is never run again;
+* a trial with an ``error`` record is run again only with ``retry_errors``;
+* a trial with no record (never started, or in flight when the sweep stopped) is run;
+* the grid and fixed settings must equal the stored ones (a ConfigError names each difference),
+  except that with ``extend`` the grid may gain values (and a fixed key may become a grid key
+  that keeps its value), which runs just the new trials.
+
+Stopping: Ctrl-C (KeyboardInterrupt) and SIGTERM (:class:`attnscale.io.Terminated`) alike stop
+every worker, with the finished trials recorded, and propagate (the CLI exits 130 or 143).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.io import sigterm_as_exit
+from attnscale.progress import progress
+from attnscale.experiments import registry
+from attnscale.sweep.grid import SweepSpec, check_grid, differences, extended
+from attnscale.sweep.local import cpu_count, run_local, threads_per_worker
+from attnscale.sweep.results import SweepResults, load
+from attnscale.sweep.store import Store
+from attnscale.sweep.trial import Task, Trial
+
+__all__ = ["run", "resume", "load"]
+
+
+def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLike, *,
+        fixed: Mapping[str, Any] | None = None, workers: int | None = None,
+        ray_address: str | None = None, cpus_per_trial: float | None = None,
+        gpus_per_trial: float = 0, resume: bool = True, retry_errors: bool = False,
+        extend: bool = False, force: bool = False,
+        show_progress: bool | None = None) -> SweepResults:
+    """Run every trial of ``experiment`` over the Cartesian product of ``grid`` into ``out``.
+
+    ``grid`` maps parameter names to lists of values, ``fixed`` sets other parameters (the rest
+    keep their defaults).  ``workers`` local processes (default: one per core) run the trials,
+    or Ray tasks when ``ray_address`` is given (``"local"`` starts a private Ray instance,
+    ``"auto"`` joins the cluster on this machine, ``"HOST:PORT"`` a remote one).
+
+    If ``out`` already holds this sweep it is continued (``resume=False`` refuses instead); if it
+    holds another one, a ConfigError names the differences, unless ``extend`` and the new grid
+    only adds values.  A new sweep needs ``out`` new, empty or written by attnscale, unless
+    ``force``.  Returns the records, as :func:`load` does.
+    """
+    exp = registry.get(experiment)
+    spec = SweepSpec.build(exp, grid, fixed)
+    executor = _executor(exp, workers, ray_address, cpus_per_trial, gpus_per_trial)
+    store = Store(out)
+    if store.exists():
+        old = store.read_spec()
+        diffs = differences(old, spec)
+        if diffs and extend:
+            spec = extended(old, spec)
+        elif diffs:
+            raise ConfigError(f"out {str(store.path)!r} holds another sweep ({'; '.join(diffs)}); "
+                              f"resume it as it is, pass extend to add values to its grid, or "
+                              f"choose another folder.")
+        elif not resume:
+            raise ConfigError(f"out {str(store.path)!r} already holds this sweep; resume it or "
+                              f"choose another folder.")
+        else:
+            spec = old
+        return _execute(store, spec, exp, executor, retry_errors, show_progress,
+                        write_spec=bool(diffs), new=False)
+    _check_trials(exp, spec.trials())
+    store.check(new=True, force=force)
+    return _execute(store, spec, exp, executor, retry_errors, show_progress, write_spec=True,
+                    new=True)
+
+
+def resume(out: str | os.PathLike, *, grid: Mapping[str, Sequence[Any]] | None = None,
+           extend: bool = False, workers: int | None = None, ray_address: str | None = None,
+           cpus_per_trial: float | None = None, gpus_per_trial: float = 0,
+           retry_errors: bool = False, show_progress: bool | None = None) -> SweepResults:
+    """Continue the sweep stored in ``out``.  ``grid`` (with ``extend``) gives new value lists
+    for some keys; keys it does not name keep theirs."""
+    store = Store(out)
+    old = store.read_spec()
+    exp = experiment_of(old)
+    executor = _executor(exp, workers, ray_address, cpus_per_trial, gpus_per_trial)
+    spec = old
+    if grid:
+        updates = check_grid(exp, grid)
+        new = SweepSpec(old.experiment, old.module, {**old.grid, **updates},
+                        {k: v for k, v in old.fixed.items() if k not in updates},
+                        {k: v for k, v in old.base.items() if k not in updates})
+        diffs = differences(old, new)
+        if diffs and not extend:
+            raise ConfigError(f"the grid differs from the sweep in {str(store.path)!r} "
+                              f"({'; '.join(diffs)}); pass --extend to add these trials.")
+        spec = extended(old, new) if diffs else old
+    return _execute(store, spec, exp, executor, retry_errors, show_progress,
+                    write_spec=spec is not old, new=False)
+
+
+def experiment_of(spec: SweepSpec) -> registry.Experiment:
+    """The experiment a stored sweep runs, importing the module that registers it if needed."""
+    if spec.experiment not in registry.EXPERIMENTS:
+        try:
+            importlib.import_module(spec.module)
+        except ImportError as err:
+            raise ConfigError(f"the sweep's experiment {spec.experiment!r} is registered by "
+                              f"module {spec.module!r}, which cannot be imported "
+                              f"({err}).") from None
+    return registry.get(spec.experiment)
+
+
+def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
+              gpus_per_trial) -> dict:
+    """Check the executor options; return how to run tasks."""
+    gpus = check_float("gpus_per_trial", gpus_per_trial)
+    if gpus < 0:
+        raise ConfigError(f"gpus_per_trial must be >= 0, got {gpus_per_trial!r}.")
+    if ray_address is None:
+        if gpus:
+            raise ConfigError("gpus_per_trial needs the Ray executor (ray_address / --ray).")
+        if cpus_per_trial is not None:
+            raise ConfigError("cpus_per_trial applies to the Ray executor; locally, --workers "
+                              "sets the processes and each gets cores / workers threads.")
+        workers = cpu_count() if workers is None else check_int("workers", workers, minimum=1)
+        return {"kind": "local", "workers": workers, "threads": threads_per_worker(workers)}
+    if workers is not None:
+        raise ConfigError("workers applies to the local executor; with Ray, cpus_per_trial "
+                          "sets each trial's share of the cluster.")
+    if not isinstance(ray_address, str) or not ray_address:
+        raise ConfigError(f"ray_address must be an address, 'local' or 'auto', "
+                          f"got {ray_address!r}.")
+    cpus = exp.threads or 1 if cpus_per_trial is None else \
+        check_float("cpus_per_trial", cpus_per_trial, positive=True)
+    from attnscale.sweep.ray_exec import import_ray
+    import_ray()  # fail now, before any file is written, when Ray is missing
+    return {"kind": "ray", "address": ray_address, "cpus": cpus, "gpus": gpus,
+            "threads": max(1, int(cpus))}
+
+
+def _check_trials(exp: registry.Experiment, trials: Sequence[Trial]) -> None:
+    """Validate every config up front, so a bad value fails before the first trial."""
+    if exp.check is not None:
+        for trial in trials:
+            exp.check(dict(trial.config))
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while a record is written, so a stop never tears a line."""
+    mask = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: dict,
+             retry_errors: bool, show_progress: bool | None, *, write_spec: bool,
+             new: bool) -> SweepResults:
+    trials = spec.trials()
+    if not new:
+        store.check(new=False)
+    store.repair()
+    latest = store.latest()
+    todo = [t for t in trials if t.id not in latest
+            or (retry_errors and latest[t.id]["status"] == "error")]
+    if not new:  # a new sweep was checked before its folder was made
+        _check_trials(exp, todo)
+    if write_spec:
+        store.write_spec(spec)
+    configs = {t.id: t.config for t in todo}
+    tasks = [Task(t.id, exp.name, exp.module, t.config, executor["threads"]) for t in todo]
+    bar = progress(range(len(tasks)), desc=f"sweep {exp.name}", total=len(tasks),
+                   enabled=show_progress)
+    errors = 0
+
+    def record(out: dict) -> None:
+        nonlocal errors
+        with _signals_deferred():
+            store.append({**out, "config": configs[out["trial"]]})
+        errors += out["status"] == "error"
+        bar.update(1)
+        if errors:
+            bar.set_postfix_str(f"{errors} failed", refresh=False)
+
+    try:
+        with sigterm_as_exit():
+            if executor["kind"] == "local":
+                run_local(tasks, record, workers=executor["workers"])
+            else:
+                from attnscale.sweep.ray_exec import run_ray
+                run_ray(tasks, record, address=executor["address"], cpus=executor["cpus"],
+                        gpus=executor["gpus"])
+    finally:
+        store.close()
+        bar.close()
+    store.compact([t.id for t in trials])
+    return load(store.path)

@@ -1,0 +1,207 @@
+"""The local executor: trials in N worker processes on this machine.
+
+A small pool of our own rather than ``concurrent.futures.ProcessPoolExecutor``, which marks the
+whole pool broken when one worker dies: here each worker has its own pipe, the driver waits on
+every pipe and every process sentinel at once, and a worker that dies (a segfault, the OOM
+killer's SIGKILL) costs only its trial, which is reported as an error, and is replaced.
+
+Workers are forked from a fork server that has imported attnscale once (so starting or replacing
+a worker costs milliseconds, not a torch import, and no worker inherits the driver's torch thread
+pools or locks), or spawned where there is no fork server.  They ignore SIGINT (the driver alone
+decides how to stop) and die with their parent (``PR_SET_PDEATHSIG`` on Linux), so no worker
+outlives an interrupted or killed sweep.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection, wait
+
+from attnscale.sweep.trial import Task, outcome, run_trial
+
+# Seconds a stopping worker gets to exit after SIGTERM before it is killed.
+STOP_GRACE = 5.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """torch threads per worker so that workers x threads <= cores (at least 1)."""
+    return max(1, cpu_count() // workers)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the driver dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: receive a :class:`Task`, send back its outcome; ``None`` or a closed pipe
+    (the driver is gone) means stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        try:
+            conn.send(run_trial(task))
+        except (BrokenPipeError, OSError):
+            return
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,),
+                                   name="attnscale-sweep-worker")
+        # Workers inherit SIGINT ignored from the start, so a Ctrl-C during their start-up
+        # prints no traceback; _worker_main makes it explicit once running.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+        try:
+            self.process.start()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        child.close()
+        self.task: Task | None = None
+        self.sent = 0.0                    # perf_counter when the task was handed over
+
+    def send(self, task: Task) -> bool:
+        """Hand ``task`` to the worker; False when the worker is already gone."""
+        try:
+            self.conn.send(task)
+        except (BrokenPipeError, OSError):
+            return False
+        self.task, self.sent = task, time.perf_counter()
+        return True
+
+    def stop(self, *, force: bool) -> None:
+        """Stop the worker: ask politely, or SIGTERM then SIGKILL; always reap it."""
+        if self.process.is_alive():
+            if force:
+                self.process.terminate()
+            else:
+                try:
+                    self.conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            self.process.join(STOP_GRACE)
+            if self.process.is_alive():
+                self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def death_message(exitcode: int | None, pid: int | None) -> str:
+    """One line for a worker that died mid-trial, naming the signal when there was one."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exit code {exitcode}"
+    return f"WorkerDied: the worker process (pid {pid}) running this trial died, {how}."
+
+
+def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
+              workers: int) -> None:
+    """Run ``tasks`` on ``workers`` processes, calling ``on_outcome`` in the driver as each
+    trial finishes (in completion order).  On any exception, KeyboardInterrupt included, every
+    worker is stopped before it propagates; trials in flight are then simply not reported."""
+    pending = collections.deque(tasks)
+    if not pending:
+        return
+    ctx = _context()
+    pool: list[_Worker] = []
+    busy: dict[Connection | int, _Worker] = {}
+    clean = False
+    try:
+        for _ in range(min(workers, len(pending))):  # inside try: Ctrl-C here stops them too
+            pool.append(_Worker(ctx))
+        idle = list(pool)
+        while pending or busy:
+            while pending and idle:
+                worker = idle.pop()
+                task = pending.popleft()
+                if worker.send(task):
+                    busy[worker.conn] = busy[worker.process.sentinel] = worker
+                else:  # died while idle: its task goes back, a fresh worker takes its place
+                    pending.appendleft(task)
+                    _replace(worker, pool, idle, ctx)
+            for ready in wait(list(busy)):
+                worker = busy.get(ready)
+                if worker is None:  # its pipe and its sentinel were both ready
+                    continue
+                task, result = worker.task, None
+                try:  # a result sent just before the process died still counts
+                    if worker.conn.poll():
+                        result = worker.conn.recv()
+                except (EOFError, OSError):
+                    result = None
+                del busy[worker.conn], busy[worker.process.sentinel]
+                worker.task = None
+                if result is not None:
+                    on_outcome(result)
+                    idle.append(worker)
+                    continue
+                worker.process.join(STOP_GRACE)
+                on_outcome(outcome(task, "error", None,
+                                   death_message(worker.process.exitcode, worker.process.pid),
+                                   time.perf_counter() - worker.sent))
+                if pending:
+                    _replace(worker, pool, idle, ctx)
+                else:
+                    worker.stop(force=True)
+                    pool.remove(worker)
+        clean = True
+    finally:
+        for worker in pool:
+            worker.stop(force=not clean)
+
+
+def _context():
+    """The fork server, preloaded with attnscale's experiments; spawn where there is none."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        # The driver's script (experiments it defines), attnscale's experiments, and
+        # torch._dynamo, which torch.optim imports at the first optimizer (about 1 s, once here
+        # rather than once per worker).
+        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _replace(worker: _Worker, pool: list[_Worker], idle: list[_Worker], ctx) -> None:
+    worker.stop(force=True)
+    pool.remove(worker)
+    fresh = _Worker(ctx)
+    pool.append(fresh)
+    idle.append(fresh)

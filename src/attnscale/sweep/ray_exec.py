@@ -1,0 +1,82 @@
+"""The Ray executor: each trial a Ray task, spread over a cluster's CPUs (and GPUs).
+
+``address="local"`` starts a private local Ray instance (stopped afterwards); ``"auto"`` joins the
+cluster started on this machine with ``ray start``; ``HOST:PORT`` or ``ray://HOST:10001`` joins a
+remote one.  If the process is already connected (``ray.init`` called by the user), that
+connection is used and left open.
+
+Each task asks for ``cpus`` CPUs (its torch thread count) and ``gpus`` GPUs, and Ray retries a
+task whose worker or node was lost up to :data:`MAX_RETRIES` times, on another node when its node
+is gone.  A trial that raises is not retried: :func:`~attnscale.sweep.trial.run_trial` returns it
+as an ``error`` outcome.  The driver alone writes the store, as with the local executor.  Every
+node needs attnscale (and the module that registers the experiment) importable.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+
+from attnscale.errors import ConfigError
+from attnscale.sweep.trial import Task, error_text, outcome, run_trial
+
+# Times Ray re-runs a task lost with its worker process or node before reporting it failed.
+MAX_RETRIES = 3
+# Tasks kept submitted per CPU of the cluster: enough to keep every CPU busy while the driver
+# writes results, few enough that ``ray.wait`` stays cheap on huge grids.
+IN_FLIGHT_PER_CPU = 2
+MIN_IN_FLIGHT = 16
+
+
+def import_ray():
+    """``ray``, or a one-line ConfigError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray, which is not installed: "
+                          "pip install 'attnscale[ray]'.") from None
+    return ray
+
+
+def _run_remote(task: Task) -> dict:
+    """The body of every Ray task (module level, so workers import it by name)."""
+    return run_trial(task)
+
+
+def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, address: str,
+            cpus: float, gpus: float) -> None:
+    """Run ``tasks`` as Ray tasks, calling ``on_outcome`` in the driver as each finishes."""
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        kwargs = {"include_dashboard": False} if address == "local" else {}
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, **kwargs)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise ConfigError(f"--ray: cannot start or join Ray at {address!r} "
+                              f"({' '.join(str(err).split())}).") from None
+    remote = ray.remote(_run_remote).options(num_cpus=cpus, num_gpus=gpus,
+                                             max_retries=MAX_RETRIES, retry_exceptions=False)
+    pending = collections.deque(tasks)
+    total_cpus = ray.cluster_resources().get("CPU", 1.0)
+    window = max(MIN_IN_FLIGHT, int(IN_FLIGHT_PER_CPU * total_cpus / max(cpus, 1e-9)))
+    in_flight: dict = {}
+    try:
+        while pending or in_flight:
+            while pending and len(in_flight) < window:
+                task = pending.popleft()
+                in_flight[remote.remote(task)] = task
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            for ref in done:
+                task = in_flight.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayError as err:  # lost more often than MAX_RETRIES
+                    result = outcome(task, "error", None, error_text(err), 0.0)
+                on_outcome(result)
+    finally:
+        for ref in in_flight:
+            ray.cancel(ref, force=True)
+        if started:
+            ray.shutdown()

@@ -1,0 +1,106 @@
+"""The Ray executor for real: a local Ray instance gives the local executor's results, failing
+trials are recorded, and on a two-node cluster a node removed mid-sweep costs no trial."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import sweep_experiments
+from attnscale import sweep
+from attnscale.sweep.ray_exec import MAX_RETRIES
+from attnscale.sweep.store import RESULTS_FILE
+
+TESTS = Path(__file__).resolve().parent
+SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
+SAT_FIXED = {"n": 32, "trials": 100}
+
+
+@pytest.fixture
+def importable(monkeypatch):
+    """Ray's worker processes find attnscale and the test experiments through PYTHONPATH."""
+    paths = [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    assert not ray.is_initialized()
+    yield
+    ray.shutdown()
+
+
+def _results(res) -> dict[str, str]:
+    return {r["trial"]: json.dumps(r["result"]) for r in res}
+
+
+def test_ray_gives_the_local_executor_results(tmp_path, importable):
+    on_ray = sweep.run("saturation", SAT_GRID, tmp_path / "ray", fixed=SAT_FIXED,
+                       ray_address="local")
+    assert not ray.is_initialized()             # the instance it started is stopped
+    local = sweep.run("saturation", SAT_GRID, tmp_path / "local", fixed=SAT_FIXED, workers=2)
+    assert on_ray.complete and len(on_ray) == 4
+    assert _results(on_ray) == _results(local)
+
+
+def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (marks / "fail-1").touch()
+    (marks / "kill-2").touch()
+    out = tmp_path / "s"
+    code, _, err = cli("sweep", "test-marked", "--grid", "x=0,1,2,3", "--set", f"marks={marks}",
+                       "--out", str(out), "--ray")
+    assert code == 1, err
+    res = sweep.load(out)
+    status = {r["config"]["x"]: r["status"] for r in res}
+    assert status == {0: "ok", 1: "error", 2: "error", 3: "ok"}
+    errors = {r["config"]["x"]: r["error"].split("\n", 1)[0] for r in res.failed}
+    assert errors[1] == "RuntimeError: trial x=1 was asked to fail"
+    assert errors[2].startswith("WorkerCrashedError")
+    # an exception is not retried; a crashed worker is, MAX_RETRIES times
+    assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + MAX_RETRIES, 3: 1}
+
+
+def _in_flight(marks: Path, out: Path) -> int:
+    """Trials started (a ran-X file) and not yet recorded."""
+    path = out / RESULTS_FILE
+    done = path.read_bytes().count(b"\n") if path.exists() else 0
+    return len(list(marks.glob("ran-*"))) - done
+
+
+def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # head runs no task
+    try:
+        doomed = cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        marks, out = tmp_path / "marks", tmp_path / "s"
+        marks.mkdir()
+        removed = threading.Event()
+
+        def remove_when_both_nodes_are_busy():
+            deadline = time.monotonic() + 120
+            while _in_flight(marks, out) < 2 or not (out / RESULTS_FILE).exists():
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
+            cluster.remove_node(doomed)       # takes the trial running on it down with it
+            removed.set()
+
+        remover = threading.Thread(target=remove_when_both_nodes_are_busy)
+        remover.start()
+        grid = {"x": list(range(8))}
+        res = sweep.run("test-marked", grid, out, fixed={"marks": str(marks), "sleep": 0.4},
+                        ray_address=cluster.address)
+        remover.join()
+        assert removed.is_set()
+        assert res.complete and sorted(r["config"]["x"] for r in res) == grid["x"]
+        runs = sweep_experiments.runs(marks)
+        assert sorted(runs) == grid["x"] and sorted(runs.values())[-1] == 2   # one was retried
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
