@@ -7,3 +7,4 @@ A new experiment is a module that decorates its trial function with
 
 from attnscale.experiments.recall import trial as recall_trial  # noqa: F401  "recall"
 from attnscale.measure import saturation_trial  # noqa: F401                   "saturation"
+from attnscale.experiments.lm import trial as lm_trial  # noqa: F401            "lm"
