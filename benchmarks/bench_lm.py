@@ -11,6 +11,9 @@ round times ``--steps`` training steps (forward, backward, clipping, AdamW) of e
 alternating which goes first, so machine load hits both alike.  Reported per thread count: the
 median over rounds of attnscale ÷ reference tokens/s, and best ÷ best.  Goal (issue 12): >= 0.9.
 
+Quick study (``--quick-study``): the wall time of ``attnscale study lm --quick --workers 2`` in a
+fresh folder, in a subprocess.  Goal (issue 12): <= 10 minutes on a 2-core machine.
+
 Monitor: the same rounds time attnscale's model with ``attnscale.monitor(model, every=k)`` around
 the loop (k = ``RunConfig.monitor_every``, the default of ``attnscale lm``); the cost is the median
 of (monitored − plain) ÷ plain.  Goal: <= 10%.
@@ -35,6 +38,7 @@ from attnscale.experiments.lm.train import (ADAM_BETAS, ADAM_EPS, GRAD_CLIP, Run
 from attnscale.measure.monitor import monitor
 
 THROUGHPUT_GOAL = 0.9
+QUICK_GOAL_SECONDS = 600
 MONITOR_GOAL = 0.10
 
 
@@ -152,6 +156,21 @@ def measure(args, threads: int) -> dict:
             "monitor_cost_median": statistics.median(costs), "monitor_goal": MONITOR_GOAL}
 
 
+def quick_study(workers: int) -> dict:
+    """Wall time of ``attnscale study lm --quick`` in a temporary folder."""
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import sys; from attnscale.cli import main; "
+                        "sys.exit(main(sys.argv[1:]))", "study", "lm", "--quick", "--out",
+                        f"{tmp}/quick", "--workers", str(workers), "--json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+    return {"quick_study_seconds": wall, "workers": workers, "goal_seconds": QUICK_GOAL_SECONDS}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -164,6 +183,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--quick-study", action="store_true",
+                   help="also time 'attnscale study lm --quick --workers 2'")
     args = p.parse_args()
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [1]
     for n in threads:
@@ -173,6 +194,11 @@ def main() -> None:
               f"{row['ratio_best_best']:.3f} best/best (goal >= {THROUGHPUT_GOAL}); monitor every "
               f"{row['monitor_every']} steps costs {100 * row['monitor_cost_median']:.1f}% "
               f"(goal <= {100 * MONITOR_GOAL:.0f}%)", flush=True)
+    if args.quick_study:
+        row = quick_study(2)
+        print(json.dumps(row))
+        print(f"study lm --quick on 2 workers: {row['quick_study_seconds']:.0f} s "
+              f"(goal <= {QUICK_GOAL_SECONDS} s)")
 
 
 if __name__ == "__main__":

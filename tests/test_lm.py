@@ -401,3 +401,51 @@ def test_grid_and_variants():
     for bad in (["scaled", "scaled"], ["qk-layernorm(divisr=False)"], ["softcap(cap)"]):
         with pytest.raises(ConfigError):
             study.grid(bad, [1e-3], [32], [0])
+
+
+# --- the study on the sweep engine ----------------------------------------------------------------
+
+def test_lm_trial_is_the_run_record(text_dir, tmp_path):
+    """A sweep trial's result is train_lm's record without its timing, on any executor."""
+    from attnscale import sweep
+    from attnscale.experiments.lm.trial import run_config
+    fixed = {"data": str(text_dir), "d_model": 16, "seq_len": 16, "batch_size": 4, "steps": 2,
+             "eval_windows": 4}
+    grid = {"variant": ["scaled", "qk-layernorm(divisor=False)"], "lr": [1e-3]}
+    results = sweep.run("lm", grid, tmp_path / "s", fixed=fixed, workers=1, show_progress=False)
+    assert len(results.ok) == 2
+    for rec in results.ok:
+        direct = train_lm(run_config(rec["config"]))
+        direct.pop("timing")
+        assert rec["result"] == direct
+    assert results.ok[1]["result"]["config"]["options"] == {"divisor": False}
+
+
+def test_study_lm_command(text_dir, tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["study", "lm", "--out", str(out), "--data", str(text_dir), "--mechanisms",
+            "scaled,qk-layernorm(divisor=False)", "--lrs", "1e-3,1e-2", "--widths", "16",
+            "--seeds", "0", "--steps", "2", "--workers", "1", "--json"]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {r["mechanism"] for r in printed["sensitivity"]} == {"scaled",
+                                                                "qk-layernorm(divisor=False)"}
+    for name in study.FRAGMENT_FILES.values():
+        assert (out / name).is_file()
+    assert main(argv) == 2                      # the folder holds this study: --resume it
+    assert main([*argv, "--resume"]) == 0
+    before = (out / "fragment.md").read_text()
+    (out / "fragment.md").unlink()
+    assert main(["study", "lm", "--from", str(out)]) == 0   # redrawn from the store
+    assert (out / "fragment.md").read_text() == before
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--mechanisms", "scaled,scaled"], "more than once"),
+    (["--mechanisms", "qk-layernorm(divisr=False)"], "Unknown option"),
+    (["--lrs", "1e-3,0"], "lrs"),
+    (["--widths", "16,16"], "more than once"),
+])
+def test_study_lm_bad_input(tmp_path, capsys, argv, match):
+    assert main(["study", "lm", "--out", str(tmp_path / "s"), *argv]) == 2
+    assert match in capsys.readouterr().err

@@ -19,6 +19,7 @@ from attnscale.mechanisms import MECHANISMS, check_mechanism
 # One module per study subcommand, in the order ``attnscale study --help`` lists them.
 STUDY_MODULES = (
     __name__,  # study recall (below)
+    "attnscale.cli.study_lm",
     "attnscale.cli.study_length",
 )
 

@@ -30,7 +30,6 @@ RoPE's frequencies are an argument of :func:`rope_tables`, and :meth:`LM.set_rop
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -41,13 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale.attention import attention
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import MECHANISMS, build_mechanism, check_mechanism
 from attnscale.rng import cell_seed
-
-# The module, not the function the package re-exports under the same name: attention() is looked
-# up on it at call time, so whatever observes that call point sees this model's calls.
-attention_module = importlib.import_module("attnscale.attention")
 
 # Byte-level tokens: one per byte value.
 VOCAB_SIZE = 256
@@ -156,12 +152,12 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(heads(self.w_q(x)), cos, sin)               # (B, H, N, d)
         k = apply_rope(heads(self.w_k(x)), cos, sin)               # (B, H, N, d)
         v = heads(self.w_v(x))                                     # (B, H, N, d)
-        # The one pipeline, looked up on its module at call time so observers see the call.
+        # The one pipeline; its observers (the monitor) see this call.
         # Under autocast q, k, v are already bf16, and attention() accumulates half inputs in
         # float32 itself; autocast inside it would recast its kernels' internals, so it is off.
         autocast = torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
-            o = attention_module.attention(q, k, v, self.mechanism, causal=True)  # (B, H, N, d)
+            o = attention(q, k, v, self.mechanism, causal=True)  # (B, H, N, d)
         return self.w_o(o.transpose(1, 2).reshape(b, n, d))       # (B, N, d_model)
 
 
