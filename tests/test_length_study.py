@@ -21,7 +21,7 @@ from attnscale.experiments.lm.model import LMConfig, build_lm, rope_frequencies
 from attnscale.experiments.lm.train import loss_by_position
 from attnscale.measure.monitor import monitor
 from attnscale.report.include import load_study
-from attnscale.sweep import registry
+from attnscale.experiments import registry
 
 SRC = Path(attnscale.__file__).parent
 

@@ -28,7 +28,6 @@ Its temperature √(1/t) = 0.1 ln s + 1 is :func:`attnscale.mechanisms.yarn.yarn
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -42,9 +41,10 @@ from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
 from attnscale.experiments.recall.metrics import json_safe
 from attnscale.mechanisms.base import Mechanism, Scale
-from attnscale.mechanisms.llama4_temp import Llama4Temp
+from attnscale.pipeline import Observation, key_mask, observe
+from attnscale.pipeline import logits as pipeline_logits
 from attnscale.stats import entropy
-from attnscale.sweep.registry import Param, experiment, params_from_dataclass
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 
 # Evaluation contexts (issue 13, section 4); the model is trained at the first.
 EVAL_LENGTHS = (128, 256, 512, 1024)
@@ -63,9 +63,6 @@ MECHANISMS = ("scaled", "ssmax", "llama4-temp")
 # Study defaults for the LM (the issue-12 recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
-
-attention_module = importlib.import_module("attnscale.attention")
-
 
 def yarn_frequencies(inv_freq: Tensor, factor: float, original_len: int, *,
                      alpha: float = YARN_ALPHA, beta: float = YARN_BETA) -> Tensor:
@@ -114,37 +111,34 @@ def tempered(model: LM, m: float) -> Iterator[None]:
 def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor:
     """Mean attention entropy (nats) at each query position, per layer: (layers, N) float64.
 
-    Each call of the one pipeline in the model is observed (as :func:`attnscale.monitor` does):
-    the logits are the mechanism's own (:meth:`Mechanism.logits`, with each causal query's key
-    count), causally masked, and reduced by :func:`attnscale.stats.entropy`; mean over windows
-    and heads.
+    Every call of the one pipeline in the model is observed through its observer hook
+    (:func:`attnscale.pipeline.observe`): the logits are formed from the mechanism-prepared q, k,
+    scale and cap it reports (:func:`attnscale.pipeline.logits`), causally masked, and reduced by
+    :func:`attnscale.stats.entropy`; mean over windows and heads.  The model calls the pipeline
+    once per layer, in layer order.
     """
-    original = attention_module.attention
     per_layer: list[Tensor] = []
     calls = [0]
 
-    def observe(q, k, v, mechanism, *, mask=None, causal=False):
-        n = q.shape[-2]
-        counts = torch.arange(1, n + 1, device=q.device).unsqueeze(-1)       # (N, 1)
-        z = mechanism.logits(q, k, counts)                                   # (B, H, N, N)
-        z = z.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(),
-                          -math.inf)
-        h = entropy(z).double().sum((0, 1)).cpu()                            # (N,)
+    def observer(obs: Observation) -> None:
+        z = pipeline_logits(obs.q.detach(), obs.k.detach(), obs.scale, obs.cap)  # (B, H, N, N)
+        mask = key_mask(obs.mask, obs.causal, obs.q, obs.k)
+        if mask is not None:
+            z = z.masked_fill(~mask, -math.inf)
+        h = entropy(z).double().sum((0, 1)).cpu() / z.shape[1]                 # (N,)
         i = calls[0] % len(model.blocks)
         if len(per_layer) <= i:
             per_layer.append(torch.zeros_like(h))
-        per_layer[i] += h / q.shape[1]
+        per_layer[i] += h
         calls[0] += 1
-        return original(q, k, v, mechanism, mask=mask, causal=causal)
 
     was_training = model.training
     model.eval()
-    attention_module.attention = observe
     try:
-        for lo in range(0, len(inputs), batch_size):
-            model(inputs[lo:lo + batch_size])
+        with observe(observer):
+            for lo in range(0, len(inputs), batch_size):
+                model(inputs[lo:lo + batch_size])
     finally:
-        attention_module.attention = original
         model.train(was_training)
     return torch.stack(per_layer) / len(inputs)
 

@@ -24,7 +24,7 @@ from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import eval_set
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, evaluate, train_runs
-from attnscale.sweep.registry import Param, experiment, params_from_dataclass
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 
 # The pair counts the study evaluates (issue 13, section 3); trained at the first.
 EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
