@@ -5,6 +5,7 @@ Everything is built in the test from configs; nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -191,6 +192,37 @@ def test_set_mechanism_rejects_with_a_clear_error(name, options, match):
     with pytest.raises(ConfigError, match=match):
         hf.set_mechanism(model, name, **options)
     assert not hasattr(model.layers[0].self_attn, hf.MECHANISM_ATTR)
+
+
+def test_check_swappable_builds_no_mechanism(monkeypatch):
+    from attnscale.mechanisms import MECHANISMS
+
+    built = []
+
+    def spy(init):
+        @functools.wraps(init)  # keeps the signature the option check reads
+        def wrapped(self, *args, **kwargs):
+            built.append(type(self).__name__)
+            init(self, *args, **kwargs)
+        return wrapped
+
+    for cls in MECHANISMS.values():
+        monkeypatch.setattr(cls, "__init__", spy(cls.__init__))
+    hf.check_swappable("softcap", cap=5.0)
+    hf.check_swappable("qknorm")
+    assert built == []
+    with pytest.raises(ConfigError, match=r"^name: Unknown option 'capp' for mechanism 'softcap'"):
+        hf.check_swappable("softcap", capp=5.0)
+
+
+def test_set_mechanism_with_a_bad_option_value_leaves_the_model_as_it_was():
+    model = make_model("llama")
+    hf.set_mechanism(model, "qknorm")
+    before = model.layers[0].self_attn.attnscale_mechanism
+    with pytest.raises(ConfigError, match="cap"):
+        hf.set_mechanism(model, "softcap", cap=-1.0)
+    assert model.layers[0].self_attn.attnscale_mechanism is before
+    assert getattr(model.config, hf.MECHANISM_ATTR) == {"name": "qknorm", "options": {}}
 
 
 def bloom():
@@ -381,7 +413,8 @@ def test_reload_errors_are_clear(tmp_path):
         hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
     config[hf.MECHANISM_ATTR] = {"name": "qk-rmsnrom"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="qk-rmsnorm"):    # did-you-mean
+    with pytest.raises(ConfigError, match=r"^attnscale_mechanism in .*config\.json': Unknown "
+                                          r"mechanism 'qk-rmsnrom'\. Did you mean: qk-rmsnorm"):
         hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
     with pytest.raises(ConfigError, match="attn_implementation"):
         hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, attn_implementation="sdpa")

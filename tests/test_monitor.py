@@ -22,6 +22,8 @@ from attnscale.mechanisms import MECHANISMS
 from attnscale.errors import ConfigError
 from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, colour_limits, head_stats,
                                        layer_summary, monitor, plot_entropy)
+from attnscale import pipeline, stats
+from attnscale.kernels import softcap
 from attnscale.stats import logit_std, softmax_stats
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
@@ -585,3 +587,116 @@ def test_entropy_heatmap_uses_the_fixed_scale_zero_to_ln_n(entropies):
         plt.close(fig)
     with pytest.raises(ConfigError, match="n_keys"):
         colour_limits("entropy_mean")
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft-cap: the statistics come from the kernel that forms the logits (Observation.request_rows)
+
+class _Rule:
+    """A capped rule with a per-row tensor scale (no registry mechanism has both)."""
+
+    def __init__(self, cap: float, scale):
+        self.cap, self.scale = cap, scale
+
+    def prepare(self, q, k, n_keys):
+        return q, k, self.scale
+
+
+class _Attend(nn.Module):
+    """A module whose forward is one pipeline call, so a monitor can attribute it."""
+
+    def __init__(self, rule, mask, causal, trace=False):
+        super().__init__()
+        self.rule, self.mask, self.causal, self.trace = rule, mask, causal, trace
+
+    def forward(self, q, k, v):
+        out = pipeline.run(q, k, v, self.rule, mask=self.mask, causal=self.causal,
+                           trace=self.trace)
+        return out.out if self.trace else out
+
+
+def _capped_case(name: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(3)
+    b, h, n_q, n_k, d = 2, 3, 70, 70, 8
+    q, k, v = (3 * torch.randn(b, h, n, d, generator=gen) for n in (n_q, n_k, n_k))
+    mask, causal, scale = None, False, 0.4
+    if name == "causal":
+        causal = True
+    elif name == "mask-empty-rows-row-scale":
+        mask = torch.rand(b, 1, n_q, n_k, generator=gen) > 0.5
+        mask[0, 0, 4] = False                     # a query with no key: not a row
+        mask[1, 0, 9:12] = False
+        scale = torch.rand(b, h, n_q, 1, generator=gen)
+        causal = True
+    return (q.to(dtype), k.to(dtype), v.to(dtype)), _Rule(2.5, scale), mask, causal
+
+
+CAPPED_CASES = ["plain", "causal", "mask-empty-rows-row-scale"]
+
+
+def _capped_records(module, qkv, monkeypatch, *, from_kernel: bool, block: int = 16):
+    with monkeypatch.context() as patch:
+        if not from_kernel:  # the monitor's own blockwise recomputation, as before
+            patch.setattr(pipeline.Observation, "request_rows", lambda self, sink: False)
+        with monitor(module, block=block) as mon:
+            out = module(*qkv)
+    return mon.records, out
+
+
+@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", CAPPED_CASES)
+def test_softcap_records_from_the_kernel_equal_the_recomputed_ones(name, dtype, small_blocks,
+                                                                   backend, monkeypatch):
+    qkv, rule, mask, causal = _capped_case(name, dtype)
+    if small_blocks:  # several kernel blocks of 24 queries, statistics in chunks of 10
+        monkeypatch.setattr(softcap, "CAPPED_BLOCK_ELEMENTS", 24 * qkv[1].shape[-2])
+        monkeypatch.setattr(softcap, "STATS_ROWS", 10)
+    for trace in (False, True):   # the blockwise kernel, and the materialised path
+        module = _Attend(rule, mask, causal, trace)
+        got, out = _capped_records(module, qkv, monkeypatch, from_kernel=True)
+        want, out_recomputed = _capped_records(module, qkv, monkeypatch, from_kernel=False)
+        assert torch.equal(out, out_recomputed) and torch.equal(out, module(*qkv))
+        assert [r["queries"] for r in got] == [r["queries"] for r in want]
+        for key in RECORD_KEYS[4:]:
+            assert_close(torch.tensor([r[key] for r in got]),
+                         torch.tensor([r[key] for r in want]), rtol=2e-5, atol=2e-6, msg=key)
+
+
+def test_softcap_monitor_does_not_score_the_logits_again(monkeypatch):
+    import attnscale.measure.monitor.observer as observer
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the monitor recomputed logits the kernel had formed")
+
+    monkeypatch.setattr(observer, "_head_stats", recompute)
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)
+    x = torch.randn(2, 24, 32)
+    with monitor(mha) as mon:
+        mha(x, causal=True)
+    assert len(mon.records) == 4 and all(r["queries"] == 48 for r in mon.records)
+    traced = _Attend(mha.mechanism, None, True, trace=True)   # the materialised path
+    with torch.no_grad(), monitor(traced) as mon:
+        traced(*_mha_qkv(mha, x))
+    assert len(mon.records) == 4 and all(r["queries"] == 48 for r in mon.records)
+    with pytest.raises(AssertionError, match="recomputed"):  # SDPA forms no logits
+        with monitor(MultiHeadAttention(32, 4, "scaled")) as mon:
+            mon.model(x)
+
+
+def test_request_rows_only_where_the_computation_forms_the_logits():
+    offered = []
+
+    def observer(seen: pipeline.Observation) -> None:
+        offered.append((seen.offers_rows, seen.request_rows(lambda rows: offered.append(rows))))
+
+    q = k = v = torch.randn(1, 2, 5, 4)
+    with pipeline.observe(observer):
+        pipeline.run(q, k, v, _Rule(None, 0.5))               # SDPA
+        pipeline.run(q, k, v, _Rule(3.0, 0.5))                # blockwise soft-cap kernel
+    assert offered[0] == (False, False)
+    assert offered[1] == (True, True)
+    rows = offered[2]
+    assert rows.shape == (1, 2, 5, len(stats.ROW_STATS_COLUMNS)) and rows.dtype == torch.float64
+    assert_close(rows, stats.row_stats(pipeline.logits(q, k, 0.5, 3.0)), rtol=1e-6, atol=1e-6)

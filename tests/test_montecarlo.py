@@ -331,6 +331,15 @@ def test_unknown_mechanism_suggests_a_close_name():
         saturation_direct(4, 8, 4, 0, mechanism="scaeld")
 
 
+def test_mechanism_names_are_checked_by_the_registry_check():
+    # The one name check (attnscale.mechanisms.check_mechanism), prefixed by the parameter.
+    with pytest.raises(ConfigError, match=r"^mechanisms: Unknown mechanism 'unscled'\. "
+                                          r"Did you mean: unscaled\? Choices: "):
+        saturation([4], 8, 4, 0, mechanisms=("scaled", "unscled"))
+    with pytest.raises(ConfigError, match=r"^mechanism: Unknown mechanism 'scaeld'\. "):
+        saturation_direct(4, 8, 4, 0, mechanism="scaeld")
+
+
 # Repeated entries: a statistic never merges two requests.
 @pytest.mark.parametrize("call, param, value", [
     (lambda: saturation([4], 8, 4, 0, ["scaled", "scaled"]), "mechanisms", "'scaled'"),

@@ -256,6 +256,25 @@ def test_runs_must_share_shapes():
         train_runs([TINY, replace(TINY, d_k=4)])
 
 
+@pytest.mark.parametrize("runs", [
+    [RecallConfig(steps=2)] * 2,
+    [RecallConfig(steps=2, seed=1), RecallConfig(steps=2, mechanism="unscaled"),
+     RecallConfig(steps=2, seed=1)],
+    [RecallConfig(mechanism="softcap", options={"cap": 5.0}, steps=2),
+     RecallConfig(mechanism="softcap", options={"cap": 5.0}, steps=2)],
+])
+def test_a_repeated_run_is_refused(runs):
+    # One run listed twice would be counted twice in every statistic over the runs.
+    with pytest.raises(ConfigError, match=r"^configs lists the run mechanism='\w+', seed=\d, "
+                                          r"options=\{.*\} more than once"):
+        train_runs(runs)
+
+
+def test_runs_that_differ_only_in_options_are_distinct():
+    runs = train_runs([replace(TINY, mechanism="softcap", options={"cap": c}) for c in (2.0, 5.0)])
+    assert [r.config.options["cap"] for r in runs] == [2.0, 5.0]
+
+
 def test_result_json_schema():
     run = train(TINY)
     obj = run.to_json()

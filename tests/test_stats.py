@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 import attnscale
 from attnscale import stats
+from attnscale.precision import upcast
 from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softmax_stats
 
 STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
@@ -134,8 +135,10 @@ def test_softmax_stats_agrees_with_single_functions():
 
 
 def test_public_api_exports_the_statistics():
-    for name in ("max_weight", "entropy", "jacobian_fro", "logit_std", "softmax_stats"):
+    for name in ("max_weight", "entropy", "jacobian_fro", "logit_std", "softmax_stats",
+                 "row_stats"):
         assert getattr(attnscale, name) is getattr(stats, name)
+        assert name in attnscale.__all__
 
 
 def test_integer_logits_are_rejected():
@@ -360,7 +363,7 @@ def test_row_stats_match_the_single_functions(backend, dtype):
     z[2, 0, :] = -math.inf
     z[1, 2, 1:] = -math.inf
     got = stats.columns(stats.row_stats(z))
-    ref = _torch_row_stats(stats.upcast(z))
+    ref = _torch_row_stats(upcast(z))
     for name in stats.ROW_STATS_COLUMNS:
         assert_close(got[name], ref[name], rtol=2e-6, atol=1e-6, msg=name)
 

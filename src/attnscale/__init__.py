@@ -5,7 +5,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from attnscale.errors import ConfigError  # noqa: E402
-from attnscale.stats import entropy, jacobian_fro, logit_std, max_weight, softmax_stats  # noqa: E402
+from attnscale.stats import (  # noqa: E402
+    entropy, jacobian_fro, logit_std, max_weight, row_stats, softmax_stats,
+)
 from attnscale.measure.montecarlo import saturation, variance  # noqa: E402
 from attnscale.report.reproduce import reproduce  # noqa: E402
 from attnscale.measure.monitor import monitor  # noqa: E402
@@ -20,7 +22,7 @@ from attnscale.experiments.recall import RecallConfig, compare, study, train  # 
 
 __all__ = [
     "__version__", "ConfigError",
-    "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats",
+    "entropy", "jacobian_fro", "logit_std", "max_weight", "softmax_stats", "row_stats",
     "saturation", "variance", "reproduce", "monitor",
     "MECHANISMS", "build_mechanism", "MultiHeadAttention", "attention", "attention_reference",
     "AttentionTrace",

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from attnscale.attention import attention
 from attnscale.errors import ConfigError
-from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism
+from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism, check_mechanism
 from attnscale.mechanisms.base import Scale, inv_sqrt
 from attnscale.pipeline import MASKED_BIAS
 
@@ -200,8 +200,17 @@ def _n_heads(layer: nn.Module) -> int:
 
 
 def check_swappable(name: str, **options) -> None:
-    """ConfigError unless :func:`set_mechanism` can install ``name`` with ``options``."""
-    build_mechanism(name, 1, 1, **options)  # unknown name or option: did-you-mean error
+    """ConfigError unless :func:`set_mechanism` can install ``name`` with options of these names.
+
+    Checks the name and option names without building anything (the option values are checked
+    when :func:`set_mechanism` builds each layer's mechanism, before it changes the model).
+    """
+    _check_swappable(name, options, "name")
+
+
+def _check_swappable(name: str, options: dict, param: str) -> None:
+    """:func:`check_swappable`, with errors prefixed by ``param``, where the name came from."""
+    check_mechanism(name, options, param=param)  # unknown name or option: did-you-mean
     if not MECHANISMS[name].defined_at_init:
         raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the q and "
                           "k HF passes to the attention function; use "
@@ -221,21 +230,24 @@ def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
             W_Q/W_K (init-reparam, sigma-reparam), or a model family outside the interface.
     """
     layers = check_supported(model)
+    mechanisms = {}
     if name is not None:
         check_swappable(name, **options)
+        # Built before anything changes, so a bad option value leaves the model as it was.
+        for qualified, layer in layers:
+            weight = next((p for p in layer.parameters() if p.is_floating_point()), None)
+            mechanism = build_mechanism(name, layer.head_dim, _n_heads(layer), **options)
+            if weight is not None:
+                mechanism = mechanism.to(device=weight.device, dtype=weight.dtype)
+            mechanisms[qualified] = mechanism
     register()
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    for _, layer in layers:
+    for qualified, layer in layers:
         if hasattr(layer, MECHANISM_ATTR):
             delattr(layer, MECHANISM_ATTR)
-        if name is None:
-            continue
-        weight = next((p for p in layer.parameters() if p.is_floating_point()), None)
-        mechanism = build_mechanism(name, layer.head_dim, _n_heads(layer), **options)
-        if weight is not None:
-            mechanism = mechanism.to(device=weight.device, dtype=weight.dtype)
-        setattr(layer, MECHANISM_ATTR, mechanism)  # a submodule: trains and saves with the model
+        if name is not None:  # a submodule: trains and saves with the model
+            setattr(layer, MECHANISM_ATTR, mechanisms[qualified])
     if name is None:
         if hasattr(model.config, MECHANISM_ATTR):
             delattr(model.config, MECHANISM_ATTR)
@@ -281,7 +293,8 @@ def from_pretrained(model_class, path: str | Path, **kwargs) -> nn.Module:
     register()
     if spec is None:
         return model_class.from_pretrained(path, **kwargs)
-    check_swappable(spec["name"], **spec.get("options", {}))
+    _check_swappable(spec["name"], spec.get("options", {}),
+                     f"{MECHANISM_ATTR} in {str(path / 'config.json')!r}")
     # transformers reports the mechanism's tensors as unused weights: they are loaded below.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()

@@ -49,6 +49,17 @@ The contract:
 * The :class:`Observation` field names are stable; fields may be added, never renamed.
 * :func:`running` is True while a pipeline call computes its output, so a tap on a lower-level
   kernel (SDPA) can tell attnscale's own calls from a foreign model's.
+* Row statistics from the kernel that forms the logits.  Where the computation forms every
+  logit anyway -- the blockwise soft-cap kernel (:func:`attnscale.kernels.softcap.forms_logits`)
+  and the materialised ``trace=True`` path -- ``Observation.offers_rows`` is True and an observer
+  may call ``observation.request_rows(sink)`` instead of scoring q kᵀ itself: after the output is
+  computed, ``sink(rows)`` receives :func:`attnscale.stats.row_stats` of every query's masked
+  logits, float64 (B, H, Nq, 6), taken from the computation's own logit blocks, with ``count``
+  0 for queries that have no key to attend.  The statistics equal a recomputation from
+  ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
+  by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
+  ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
+  Unobserved calls pay nothing for this (one ``None`` check per kernel block).
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -64,8 +75,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnscale.errors import ConfigError
-from attnscale.kernels.softcap import capped_attention
+from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.kernels.softcap import capped_attention, forms_logits
 from attnscale.precision import upcast
+from attnscale.stats import row_stats
 
 # Scale: a Python float (passed straight to SDPA), or a tensor broadcastable to (B, H, Nq, 1):
 # one value per head (H, 1, 1), or per query row when it depends on the keys attended (ssmax).
@@ -104,9 +117,21 @@ class Observation:
     causal: bool              # top-left causal, on top of ``mask``
     n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
     mechanism: Rule           # the mechanism that prepared q and k
+    offers_rows: bool = False  # whether request_rows can hand over the kernel's row statistics
+    _sinks: list = field(default_factory=list, repr=False, compare=False)
+
+    def request_rows(self, sink: RowSink) -> bool:
+        """Have ``sink(rows)`` called with this call's row statistics (see the module doc), from
+        the kernel that forms the logits; False, and nothing registered, where none does."""
+        if not self.offers_rows:
+            return False
+        self._sinks.append(sink)
+        return True
 
 
 Observer = Callable[[Observation], None]
+# Receives float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) row statistics of one pipeline call.
+RowSink = Callable[[Tensor], None]
 
 _OBSERVERS: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar(
     "attnscale_observers", default=())
@@ -232,43 +257,58 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         # observed (the monitor documents this), and their contextvars would break the trace.
         return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
     watchers = _OBSERVERS.get()
+    rows = seen = None
     if watchers:
-        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism)
+        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
+                           offers_rows=trace or (cap is not None and forms_logits(qs)))
         for observer in watchers:
             observer(seen)
+        if seen._sinks:  # filled by the computation below
+            rows = torch.zeros(*qs.shape[:-1], len(ROW_STATS_COLUMNS), dtype=torch.float64)
     token = _RUNNING.set(True)
     try:
-        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
+        out = _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace, rows)
     finally:
         _RUNNING.reset(token)
+    if rows is not None:
+        if full_mask is not None:  # queries with no key attended everything: not a row
+            rows[..., 0].masked_fill_(n_keys[..., 0] == 0, 0.0)
+        for sink in seen._sinks:
+            sink(rows)
+    return out
 
 
 def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, scale: Scale,
              cap: float | None, full_mask: Tensor | None, n_keys: int | Tensor, causal: bool,
-             trace: bool) -> Tensor | AttentionTrace:
-    """The steps after ``prepare``: materialised (``trace``) or on the fused kernels."""
+             trace: bool, rows: Tensor | None = None) -> Tensor | AttentionTrace:
+    """The steps after ``prepare``: materialised (``trace``) or on the fused kernels; ``rows``
+    (the observers' row statistics, see the module doc) is filled on the way when given."""
     if trace:
         if full_mask is None and causal:
             full_mask = key_mask(None, True, q, k)
-        return _materialised(qs, ks, v, scale, cap, full_mask, n_keys)
+        return _materialised(qs, ks, v, scale, cap, full_mask, n_keys, rows)
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
-        return _fused(qs, ks, v, scale, cap, None, causal)
+        return _fused(qs, ks, v, scale, cap, None, causal, rows)
     # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
     # which also zeroes their gradients.  O(mask) work, only when a mask is given.
     empty = n_keys == 0  # (..., Nq, 1)
-    return _fused(qs, ks, v, scale, cap, full_mask | empty, False).masked_fill(empty, 0.0)
+    return _fused(qs, ks, v, scale, cap, full_mask | empty, False, rows).masked_fill(empty, 0.0)
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
-                  mask: Tensor | None, n_keys: int | Tensor) -> AttentionTrace:
+                  mask: Tensor | None, n_keys: int | Tensor,
+                  rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
     z = logits(q, k, scale, cap)                                   # logits and cap, (B,H,Nq,Nk)
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
         masked = z.masked_fill(~(mask | empty), float("-inf"))     # mask
+    if rows is not None:
+        with torch.no_grad():
+            rows.copy_(row_stats(masked.detach()))
     p = torch.softmax(masked, dim=-1)                              # softmax
     if mask is not None:
         p = p.masked_fill(empty, 0.0)
@@ -277,12 +317,13 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | No
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
-           mask: Tensor | None, causal: bool) -> Tensor:
-    """softmax(cap(scale q kᵀ) masked) v on the fused kernels; q, k may be float32 for half v."""
+           mask: Tensor | None, causal: bool, rows: Tensor | None = None) -> Tensor:
+    """softmax(cap(scale q kᵀ) masked) v on the fused kernels; q, k may be float32 for half v;
+    ``rows`` only for the capped kernel (where it forms the logits)."""
     if isinstance(scale, Tensor):  # per-head or per-row: folded into q, SDPA gets a float
         q, scale = q * scale, 1.0
     if cap is None:
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)
-    return capped_attention(q, k, v, scale, cap, mask, causal)
+    return capped_attention(q, k, v, scale, cap, mask, causal, rows=rows)

@@ -18,6 +18,18 @@ def upcast(x: Tensor) -> Tensor:
     return x.float() if x.dtype in HALF_TYPES else x
 
 
+def check_floating(x: Tensor, name: str) -> Tensor:
+    """Return ``x`` if it is floating point; the check before :func:`upcast` where integer input
+    would otherwise compute something meaningless (the statistics' logits).
+
+    Raises:
+        TypeError: ``x`` is not floating point, naming ``name``.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {x.dtype}")
+    return x
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``upcast`` computes a ``dtype`` tensor in: float32 at least, float64 stays."""
     return torch.promote_types(dtype, torch.float32)

@@ -21,7 +21,7 @@ All statistics are therefore written around the top key ``t``: with
 ``S = sum_{i != t} exp(z_i - z_t)`` (each term <= 1, no overflow) we have ``p_t = 1 / (1 + S)``,
 ``1 - p_t = S / (1 + S)`` and ``log p_i = (z_i - z_t) - log1p(S)``, so no quantity is ever formed
 as a difference of two numbers close to 1.  Half-precision inputs are computed in float32
-(:func:`upcast`).
+(:func:`attnscale.precision.upcast`); integer logits are a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -33,27 +33,17 @@ import torch
 from attnscale.errors import ConfigError, check_int
 from attnscale.kernels import native, rowstats
 from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
 __all__ = ["ROW_STATS_COLUMNS", "columns", "entropy", "jacobian_fro", "logit_std", "max_weight",
-           "row_stats", "softmax_stats", "upcast"]
-
-
-def upcast(z: Tensor) -> Tensor:
-    """The working dtype of a statistic: half types go to float32, float32/float64 stay.
-
-    Raises:
-        TypeError: ``z`` is not floating point.
-    """
-    if not z.is_floating_point():
-        raise TypeError(f"logits must be floating point, got {z.dtype}")
-    return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+           "row_stats", "softmax_stats"]
 
 
 def _logits(z: Tensor) -> Tensor:
-    """Upcast ``z`` and require at least one key per row."""
-    z = upcast(z)
+    """Upcast ``z`` (floating point only) and require at least one key per row."""
+    z = upcast(check_floating(z, "logits"))
     if z.dim() == 0 or z.shape[-1] == 0:
         raise ConfigError(f"z must have at least one key in its last dimension, got shape "
                           f"{tuple(z.shape)}.")

@@ -3,7 +3,9 @@ logits, forward and backward: a blockwise kernel on the CPU (its elementwise ste
 compiled kernels where available), FlexAttention on CUDA (:mod:`attnscale.kernels.flex`).
 
 :func:`attnscale.attention.attention` runs every capped mechanism (softcap) through
-:func:`capped_attention`.
+:func:`capped_attention`.  The blockwise kernel forms every logit block anyway, so when an observer
+of the pipeline asks for the row statistics of a call (the monitor), the kernel computes them from
+its own blocks (``rows=``) instead of the observer scoring q kᵀ a second time.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ from torch import Tensor
 
 from attnscale.kernels import flex, native
 from attnscale.precision import upcast
+from attnscale.stats import row_stats
 from attnscale.workers import parallel_map, workers_for
 
 # Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at
 # Nk = 1024; the backward pass keeps three blocks alive.  Between 2^17 and 2^19 the speed is flat
 # on CPU; the larger end halves the number of torch ops (less dispatch and threading overhead).
 CAPPED_BLOCK_ELEMENTS = 2**19
+# Queries per chunk when the kernel reduces its logits to row statistics for an observer: under
+# causality each chunk scores only the keys it sees, so the diagonal square wastes little.
+STATS_ROWS = 128
 
 
 def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
-                     mask: Tensor | None, causal: bool) -> Tensor:
+                     mask: Tensor | None, causal: bool, *, rows: Tensor | None = None) -> Tensor:
     """softmax(cap · tanh(scale · q kᵀ / cap) masked) v; q, k float32 (or float64) for half v.
 
     ``mask`` (broadcastable to (B, H, Nq, Nk), True = attend) must leave every query a key.
@@ -30,15 +36,28 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     below; under ``torch.jit.trace``, ``torch.compile`` or ``torch.export`` on the CPU it runs the
     materialised PyTorch formulation, which those can record (the blockwise kernel hands raw
     memory to C and runs blocks on worker threads).
+
+    ``rows``: a float64 (B, H, Nq, 6) tensor that the blockwise kernel fills, in its forward, with
+    :func:`attnscale.stats.row_stats` of each query's masked logits, taken from its own logit
+    blocks (one extra elementwise pass and the row kernel per block; the output does not change
+    by a bit).  Only where :func:`forms_logits` is true.
     """
+    if rows is not None and not forms_logits(q):
+        raise ValueError("rows: this call does not run the blockwise kernel (see forms_logits)")
     if flex.usable(q):
         return flex.capped_attention(q, k, v, scale, cap, mask, causal)
     if _tracing(q):
         return _capped_materialised(q, k, upcast(v), scale, cap, mask, causal).to(v.dtype)
     q, k = q.contiguous(), k.contiguous()
     out = _CappedAttention.apply(q, k, upcast(v).contiguous(), mask, scale, cap, causal,
-                                 CAPPED_BLOCK_ELEMENTS)
+                                 CAPPED_BLOCK_ELEMENTS, rows)
     return out.to(v.dtype)
+
+
+def forms_logits(q: Tensor) -> bool:
+    """Whether :func:`capped_attention` on ``q`` runs the blockwise kernel, which forms every
+    logit block and so can fill ``rows`` (not FlexAttention on CUDA, not under tracing)."""
+    return not flex.usable(q) and not _tracing(q)
 
 
 def _tracing(q: Tensor) -> bool:
@@ -88,34 +107,50 @@ class _CappedAttention(torch.autograd.Function):
     (:func:`_capped`, or the compiled kernel), which keeps float32's relative accuracy however
     large c is (c tanh(x) → c x); d z / d(q·k) = scale · (1 - tanh² x).  A NaN in q, k or v reaches every
     output it feeds, as in the materialised reference.
+
+    Given ``rows`` (see :func:`capped_attention`), the forward also reduces each block's masked
+    logits to row statistics: the PyTorch path's logits block exists anyway; the compiled path
+    forms its logits inside the kernel, so it writes them out once more (c tanh of the block,
+    masked), one block's extra memory.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                cap: float, causal: bool, block_elements: int) -> Tensor:
-        # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype.
+                cap: float, causal: bool, block_elements: int, rows: Tensor | None) -> Tensor:
+        # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype;
+        # rows: None, or float64 (B, H, Nq, 6) to fill with each query's row statistics.
         fused = _fused_softcap(q)
         q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        groups = list(tiles.groups())
+        workers = workers_for(q.device, len(groups))
+        # The row kernel runs inside a worker: one thread each when several workers run.
+        threads = 1 if workers > 1 else None
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, v_g = k[b, heads], v[b, heads]        # (h, Nk, d), (h, Nk, d_v)
-            rows = zip(*tiles.split(b, heads, q_x, out))
-            for i, (q_blk, out_blk) in enumerate(rows):
+            blocks = zip(*tiles.split(b, heads, q_x, out))
+            for i, (q_blk, out_blk) in enumerate(blocks):
                 n_k = tiles.n_keys(i)
                 s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # x or -2x, (h, r, n_k)
+                limit = tiles.causal_counts(i, s.shape[1])
                 if fused:  # the compiled kernel: softmax(c tanh(s)) in place, causality as counts
+                    if rows is not None:  # the logits, written out for the statistics only
+                        tiles.capped_row_stats(rows, s, cap, b, heads, i, threads)
                     p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap, out=s,
-                                             limit=tiles.causal_counts(i, s.shape[1]))
+                                             limit=limit)
                 else:
-                    p = torch.softmax(tiles.hide(_capped(s, cap), b, heads, i), dim=-1)
+                    z = tiles.hide(_capped(s, cap), b, heads, i)   # masked logits, (h, r, n_k)
+                    if rows is not None:
+                        tiles.rows_of(rows, b, heads, i).copy_(
+                            row_stats(z, limit=limit, threads=threads))
+                    p = torch.softmax(z, dim=-1)
                 torch.bmm(p, v_g[:, :n_k], out=out_blk)
 
         # Head groups write disjoint slices of out: several run side by side on the CPU.
-        groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        parallel_map(group, groups, workers)
         ctx.save_for_backward(q, k, v, out, mask)
         ctx.args = (scale, cap, causal, block_elements)
         return out
@@ -165,7 +200,8 @@ class _CappedAttention(torch.autograd.Function):
         # d z / d(q·k) = scale · (1 - tanh²); the scale is applied once.
         dq.mul_(scale)
         dk_t.mul_(scale)
-        return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None, None
+        return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1),
+                None, None, None, None, None, None)
 
 
 def _fused_softcap(q: Tensor) -> bool:
@@ -200,14 +236,37 @@ class _Tiles:
         """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
         return [t[b, heads].split(self.rows, dim=1) for t in tensors]
 
+    def capped_row_stats(self, rows: Tensor, s: Tensor, cap: float, b: int, heads: slice, i: int,
+                         threads: int | None) -> None:
+        """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
+        from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
+        only the keys its queries can see (under causality a block's diagonal square is half
+        hidden, so whole blocks would waste a third of the tanh work)."""
+        out = self.rows_of(rows, b, heads, i)
+        i0, n_r, n_k = i * self.rows, s.shape[1], s.shape[2]
+        for j0 in range(0, n_r, STATS_ROWS):
+            j1 = min(j0 + STATS_ROWS, n_r)
+            hi = min(n_k, i0 + j1) if self.causal else n_k
+            z = self.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
+            limit = None
+            if self.causal:
+                limit = torch.arange(i0 + j0 + 1, i0 + j1 + 1, dtype=torch.int64)
+            out[:, j0:j1].copy_(row_stats(z, limit=limit, threads=threads))
+
+    def rows_of(self, t: Tensor, b: int, heads: slice, i: int) -> Tensor:
+        """The (h, r, ·) view of a (B, H, Nq, ·) tensor that row block i of a head group covers."""
+        i0 = i * self.rows
+        return t[b, heads, i0:i0 + self.rows]
+
     def n_keys(self, i: int) -> int:
         """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
         return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
 
-    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set the logits of block i that the mask hides to -inf, in place."""
+    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int, j0: int = 0) -> Tensor:
+        """Set the logits of block i (from its row ``j0`` on) that the mask hides to -inf, in
+        place."""
         if self.hidden is not None:
-            i0, n_k = i * self.rows, z.shape[-1]
+            i0, n_k = i * self.rows + j0, z.shape[-1]
             m = self.hidden[b if self.hidden.shape[0] > 1 else 0]
             m = m[heads] if m.shape[0] > 1 else m
             m = m[:, i0:i0 + z.shape[1]] if m.shape[1] > 1 else m

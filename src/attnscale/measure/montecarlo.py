@@ -36,9 +36,9 @@ import torch
 
 from attnscale.constants import Z95
 from attnscale.errors import (
-    ConfigError, check_choice, check_int, check_int_list, check_name_list,
+    ConfigError, check_int, check_int_list, check_name_list,
 )
-from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.mechanisms import MECHANISMS, build_mechanism, check_mechanism
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
@@ -273,13 +273,12 @@ def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
     return float(scale) if q is probe and k is probe and isinstance(scale, float) else None
 
 
-def _check_mechanisms(mechanisms: object) -> list[str]:
+def _check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
     """Names of registry mechanisms defined at init, distinct; a single name is allowed."""
-    names = check_name_list("mechanisms", [mechanisms] if isinstance(mechanisms, str)
-                            else mechanisms)
+    names = check_name_list(param, [mechanisms] if isinstance(mechanisms, str) else mechanisms)
     at_init = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
     for name in names:
-        check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
+        check_mechanism(name, param=param)
         if name not in at_init:
             raise ConfigError(
                 f"mechanism {name!r} has no temperature at init without data: it lives in the "
@@ -437,7 +436,7 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     n = check_int("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
-    name, = _check_mechanisms([mechanism])
+    name, = _check_mechanisms([mechanism], "mechanism")
     check_memory(f"n={n} keys per query at d_k={d_k}",
                  max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
     check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)

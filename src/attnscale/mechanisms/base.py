@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from attnscale import pipeline
 from attnscale.errors import check_int
 from attnscale.pipeline import Scale  # noqa: F401  (mechanism files import it from here)
-from attnscale.precision import upcast  # noqa: F401  (kept importable from here)
+from attnscale.precision import upcast
 
 MECHANISMS: dict[str, type[Mechanism]] = {}
 

@@ -187,13 +187,19 @@ def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
 
 
 def check_compatible(configs: Sequence[RecallConfig]) -> list[RecallConfig]:
-    """Validate ``configs`` and require them to differ only in per-run fields."""
+    """Validate ``configs``: distinct runs that differ only in per-run fields (a repeated run
+    would count one run twice in every statistic, so it is a ConfigError)."""
     if not configs:
         raise ConfigError("at least one run is required.")
     configs = [c.validated() for c in configs]
     if any(shared_key(c) != shared_key(configs[0]) for c in configs):
         raise ConfigError("runs trained together must share every setting except mechanism, "
                           "seed and options.")
+    for i, c in enumerate(configs):  # options may hold unhashable values: compare, don't hash
+        if c in configs[:i]:
+            raise ConfigError(f"configs lists the run mechanism={c.mechanism!r}, seed={c.seed}, "
+                              f"options={dict(c.options)!r} more than once; each run must be "
+                              "distinct.")
     return configs
 
 

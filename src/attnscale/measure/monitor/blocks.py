@@ -49,6 +49,29 @@ class HeadStats:
         return cls(z, z.clone(), torch.full_like(z, math.inf), z.clone(), z.clone(), z.clone(),
                    z.clone())
 
+    @classmethod
+    def from_rows(cls, rows: Tensor) -> HeadStats:
+        """Per-head sums of per-row statistics (B, H, Nq, 6) of :func:`attnscale.stats.row_stats`;
+        rows whose count is 0 (no key to attend) are left out."""
+        col = columns(rows)
+        ok = col["count"] > 0
+
+        def total(x: Tensor) -> Tensor:
+            return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+
+        def extreme(x: Tensor, fill: float, reduce) -> Tensor:
+            return reduce(torch.where(ok, x, fill), dim=(0, 2)).double()
+
+        return cls(
+            queries=ok.sum(dim=(0, 2), dtype=torch.float64),
+            entropy_sum=total(col["entropy"]),
+            entropy_min=extreme(col["entropy"], math.inf, torch.amin),
+            max_weight_sum=total(col["max_weight"]),
+            logit_std_sum=total(col["logit_std"]),
+            logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
+            jacobian_fro_sum=total(col["jacobian_fro"]),
+        )
+
     def merge(self, other: HeadStats) -> HeadStats:
         """Statistics over the rows of both."""
         return HeadStats(
@@ -147,7 +170,7 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None),
             starts, workers)
         rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
-        return _totals(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
+        return HeadStats.from_rows(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
@@ -193,26 +216,3 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     if causal and first_hidden < hi - lo:
         limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64, device=z.device)
     return row_stats(z, limit=limit, threads=threads)
-
-
-def _totals(rows: Tensor) -> HeadStats:
-    """Per-head sums of per-row statistics (B, H, Nb, 6)); rows whose
-    count is 0 (no key to attend) are left out."""
-    col = columns(rows)
-    ok = col["count"] > 0
-
-    def total(x: Tensor) -> Tensor:
-        return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
-
-    def extreme(x: Tensor, fill: float, reduce) -> Tensor:
-        return reduce(torch.where(ok, x, fill), dim=(0, 2)).double()
-
-    return HeadStats(
-        queries=ok.sum(dim=(0, 2), dtype=torch.float64),
-        entropy_sum=total(col["entropy"]),
-        entropy_min=extreme(col["entropy"], math.inf, torch.amin),
-        max_weight_sum=total(col["max_weight"]),
-        logit_std_sum=total(col["logit_std"]),
-        logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
-        jacobian_fro_sum=total(col["jacobian_fro"]),
-    )

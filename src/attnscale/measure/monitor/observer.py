@@ -6,7 +6,10 @@ body raises):
 * an observer on attnscale's attention pipeline (:func:`attnscale.pipeline.add_observer`), which
   hands it the mechanism-prepared q and k, the scale, cap, mask and causality of every call of
   :func:`attnscale.attention.attention`: attnscale's MultiHeadAttention, bare mechanisms, Hugging
-  Face models on ``attn_implementation="attnscale"``.  Nothing is replaced or recomputed.
+  Face models on ``attn_implementation="attnscale"``.  Nothing is replaced or run again.  Where the
+  pipeline's kernel forms the logits anyway (soft-cap on the CPU), the monitor takes the row
+  statistics from that kernel (``Observation.request_rows``); elsewhere it scores q kᵀ
+  blockwise itself (:mod:`attnscale.measure.monitor.blocks`).
 * a tap on ``torch.nn.functional.scaled_dot_product_attention``, only for foreign models (HF on
   ``"sdpa"``, anything else calling SDPA); the SDPA call made inside attnscale's own pipeline is
   skipped (:func:`attnscale.pipeline.running`).  This tap is the one process-wide patch; it passes
@@ -199,10 +202,10 @@ class Monitor:
 
     # -- observing ---------------------------------------------------------------------------
     def _observe(self, seen: Observation) -> None:
-        """Pipeline observer: statistics of what the pipeline computed, nothing recomputed."""
+        """Pipeline observer: statistics of what the pipeline computed, nothing run again."""
         if self._watching():
             # Rows with no key to attend are excluded here; the pipeline zeroes their output.
-            self._add(seen.q, seen.k, scale=seen.scale, cap=seen.cap, mask=seen.mask,
+            self._add(seen.q, seen.k, seen=seen, scale=seen.scale, cap=seen.cap, mask=seen.mask,
                       causal=seen.causal)
 
     def _observe_sdpa(self, query: Tensor, key: Tensor, value: Tensor,
@@ -221,12 +224,19 @@ class Monitor:
         # is_causal in SDPA is top-left aligned: query i sees keys 0..i.
         self._add(query, key, scale=scale, mask=attn_mask, causal=bool(is_causal))
 
-    def _add(self, q: Tensor, k: Tensor, **how) -> None:
+    def _add(self, q: Tensor, k: Tensor, seen: Observation | None = None, **how) -> None:
         site = self._site()
         if site is None:
             return
         self._seen += 1
-        stats = _head_stats(q, k, block=self.block, **how)
+        # From the kernel that forms the logits, when the pipeline's path has one; the
+        # statistics then arrive once the call's output is computed.
+        if seen is not None and seen.request_rows(
+                lambda rows: self._merge(site, HeadStats.from_rows(rows))):
+            return
+        self._merge(site, _head_stats(q, k, block=self.block, **how))
+
+    def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):
             table[site] = table[site].merge(stats) if site in table else stats
 
@@ -286,7 +296,8 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: 
         model: any ``nn.Module``; attnscale's MultiHeadAttention, an HF model running
             ``attn_implementation="attnscale"`` (or ``"sdpa"``), or anything calling SDPA.
         block: queries per statistics block (extra memory O(T · B · H · block · N) with T the
-            number of torch threads).
+            number of torch threads); soft-cap attention on the CPU hands over statistics from
+            its own kernel blocks instead, so ``block`` does not apply there.
         writer: optional TensorBoard ``SummaryWriter`` (anything with ``add_scalar``); receives
             the per-(layer, head) and per-layer statistics after every forward pass.
         step: index of the first forward pass, the TensorBoard step its scalars are logged at;
