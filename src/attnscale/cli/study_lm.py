@@ -22,6 +22,10 @@ EXAMPLES = """
 """
 
 COLUMNS = ["mechanism", "width", "seeds", "mean", "min", "max"]
+# The list options' defaults: the default study (--quick narrows those left at their default).
+_DEFAULTS = {"mechanisms": ",".join(DEFAULT_VARIANTS),
+             "lrs": ",".join(f"{x:g}" for x in WORTSMAN_LRS),
+             "widths": ",".join(map(str, DEFAULT_WIDTHS)), "seeds": ",".join(map(str, DEFAULT_SEEDS))}
 
 
 def split_variants(text: str) -> list[str]:
@@ -51,6 +55,17 @@ def _study(args) -> int:
     """Run the grid on the sweep engine (or continue it, or only read it), then draw the report
     from the store in the same folder (the conventions of ``study recall``)."""
     from attnscale import sweep
+    # Every list first, so a bad one is reported whatever else is wrong (as study recall does).
+    variants = split_variants(args.mechanisms)
+    for v in variants:
+        parse_variant(v)
+    lrs = parse_lrs(args.lrs)
+    widths = parse_int_list("--widths", args.widths, minimum=1)
+    seeds = parse_int_list("--seeds", args.seeds, minimum=0)
+    if args.quick:  # --quick's lists, where no list was given explicitly
+        variants = list(QUICK_VARIANTS) if args.mechanisms == _DEFAULTS["mechanisms"] else variants
+        widths = [min(widths)] if args.widths == _DEFAULTS["widths"] else widths
+        seeds = seeds[:1] if args.seeds == _DEFAULTS["seeds"] else seeds
     if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
         raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
     executor = {"workers": args.workers, "ray_address": args.ray}
@@ -59,15 +74,6 @@ def _study(args) -> int:
     elif args.resume is not None:
         out, results = args.resume, sweep.resume(args.resume, **executor)
     else:
-        variants = split_variants(args.mechanisms) if args.mechanisms else \
-            list(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
-        for v in variants:
-            parse_variant(v)
-        widths = parse_int_list("--widths", args.widths, minimum=1) if args.widths else \
-            [min(DEFAULT_WIDTHS)] if args.quick else list(DEFAULT_WIDTHS)
-        seeds = parse_int_list("--seeds", args.seeds, minimum=0) if args.seeds else \
-            [DEFAULT_SEEDS[0]] if args.quick else list(DEFAULT_SEEDS)
-        lrs = parse_lrs(args.lrs) if args.lrs else list(WORTSMAN_LRS)
         grid = {"variant": variants, "lr": lrs, "d_model": widths, "seed": seeds}
         fixed = {k: v for k, v in (("steps", args.steps), ("data", args.data)) if v is not None}
         out = args.out
@@ -104,20 +110,21 @@ def register_study(studies) -> None:
     q.add_argument("--resume", metavar="DIR", help="continue the study stored in DIR, then draw")
     q.add_argument("--from", dest="from_dir", metavar="DIR",
                    help="only redraw the figures and fragment from the store in DIR")
-    q.add_argument("--mechanisms", help="comma-separated variants, e.g. "
-                   "'scaled,qk-layernorm(divisor=False)' (default: the study's nine)")
-    q.add_argument("--lrs", help="comma-separated peak learning rates (default: Wortsman's "
-                   + ",".join(f"{x:g}" for x in WORTSMAN_LRS) + ")")
-    q.add_argument("--widths", help="comma-separated widths (default: "
-                   + ",".join(map(str, DEFAULT_WIDTHS)) + ")")
-    q.add_argument("--seeds", help="comma-separated seeds (default: "
-                   + ",".join(map(str, DEFAULT_SEEDS)) + ")")
+    q.add_argument("--mechanisms", default=_DEFAULTS["mechanisms"],
+                   help="comma-separated variants, e.g. 'scaled,qk-layernorm(divisor=False)' "
+                        "(default: %(default)s)")
+    q.add_argument("--lrs", default=_DEFAULTS["lrs"],
+                   help="comma-separated peak learning rates (default: Wortsman's, %(default)s)")
+    q.add_argument("--widths", default=_DEFAULTS["widths"],
+                   help="comma-separated widths (default: %(default)s)")
+    q.add_argument("--seeds", default=_DEFAULTS["seeds"],
+                   help="comma-separated seeds (default: %(default)s)")
     q.add_argument("--steps", type=int, help="optimiser steps per run (default: 500)")
     q.add_argument("--data", metavar="PATH",
                    help="text file or folder (default: the running Python's stdlib .py files)")
     q.add_argument("--quick", action="store_true",
                    help="scaled, unscaled, qk-layernorm, softcap x 7 LRs x the smallest width x "
-                        "1 seed (explicit lists still win)")
+                        "the first seed (lists given explicitly still win)")
     q.add_argument("--workers", type=int, metavar="N", help="local worker processes")
     q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run trials on Ray (needs pip install 'attnscale[ray]')")
