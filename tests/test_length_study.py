@@ -210,7 +210,7 @@ def test_study_length_end_to_end(cli, tmp_path, tiny_study):
     assert len(summary["recall"]) == 2 * 3 and summary["recall"][0]["accuracy"]["n"] == 2
     # Running again resumes (nothing left to run); --from redraws the same claims.
     before = (out / "recall-length" / "results.jsonl").read_text()
-    assert cli("study", "length", "--out", str(out), "--resume", "--workers", "1")[0] == 0
+    assert cli("study", "length", "--resume", str(out), "--workers", "1")[0] == 0
     assert (out / "recall-length" / "results.jsonl").read_text() == before
     code, stdout, _ = cli("study", "length", "--from", str(out), "--json")
     assert code == 0 and json.loads(stdout)["claims"] == claims
@@ -224,7 +224,9 @@ def test_study_length_end_to_end(cli, tmp_path, tiny_study):
     (("--out", "{tmp}/a", "--from", "{tmp}/a"), "--out"),
     (("--from", "{tmp}/missing"), "--from"),
     (("--from", ""), "--from"),
-    (("--out", "{tmp}/b", "--resume"), "resume"),
+    (("--resume", "{tmp}/b"), "--resume"),
+    (("--out", "{tmp}/b", "--resume", "{tmp}/b"), "--out"),
+    (("--resume", "{tmp}/b", "--quick"), "--quick"),
     (("--out", "{tmp}/c", "--workers", "0"), "workers"),
     (("--from", "{tmp}/d", "--quick"), "--from"),
 ])

@@ -432,8 +432,11 @@ def test_study_lm_command(text_dir, tmp_path, capsys):
                                                                 "qk-layernorm(divisor=False)"}
     for name in study.FRAGMENT_FILES.values():
         assert (out / name).is_file()
-    assert main(argv) == 2                      # the folder holds this study: --resume it
-    assert main([*argv, "--resume"]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    assert main(argv) == 0                      # the same grid again: continued, nothing re-run
+    assert main(["study", "lm", "--resume", str(out)]) == 0
+    assert (out / "results.jsonl").read_text().splitlines() == lines
     before = (out / "fragment.md").read_text()
     (out / "fragment.md").unlink()
     assert main(["study", "lm", "--from", str(out)]) == 0   # redrawn from the store
@@ -445,6 +448,7 @@ def test_study_lm_command(text_dir, tmp_path, capsys):
     (["--mechanisms", "qk-layernorm(divisr=False)"], "Unknown option"),
     (["--lrs", "1e-3,0"], "lrs"),
     (["--widths", "16,16"], "more than once"),
+    (["--from", "x"], "one of --out"),
 ])
 def test_study_lm_bad_input(tmp_path, capsys, argv, match):
     assert main(["study", "lm", "--out", str(tmp_path / "s"), *argv]) == 2

@@ -11,7 +11,7 @@ from attnscale.errors import ConfigError, check_int
 EXAMPLES = """
   attnscale study length --out length/              # the full study, one trial per core
   attnscale study length --out /tmp/len --quick     # ~10 minutes on 2 cores (fewer seeds/steps)
-  attnscale study length --out length/ --resume     # after Ctrl-C or a crash: the rest only
+  attnscale study length --resume length/           # after Ctrl-C or a crash: the rest only
   attnscale study length --from length/             # redraw figures and fragment; no training
   attnscale study length --out length/ --ray auto   # on the Ray cluster of 'ray start'
   attnscale reproduce --out report/ --include length/
@@ -22,20 +22,20 @@ COLUMNS = ["quantity", "ours", "ci", "verdict"]
 
 def _run(args) -> int:
     from attnscale.experiments.length.study import redraw, run_study
-    if (args.out is None) == (args.from_dir is None):
-        raise ConfigError("give one of --out DIR (run or resume) or --from DIR (redraw).")
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
     if args.from_dir is not None:
-        if args.quick or args.resume or args.workers is not None or args.ray is not None:
-            raise ConfigError("--from only redraws; it takes no --quick, --resume, --workers "
-                              "or --ray.")
+        if args.quick or args.workers is not None or args.ray is not None:
+            raise ConfigError("--from only redraws; it takes no --quick, --workers or --ray.")
         result = redraw(args.from_dir, force=args.force)
     else:
         if args.workers is not None:
             check_int("--workers", args.workers, minimum=1)
-        if args.resume and args.quick:
+        if args.resume is not None and args.quick:
             raise ConfigError("--resume continues the study with its stored settings; drop "
                               "--quick.")
-        result = run_study(args.out, quick=args.quick, resume=args.resume, workers=args.workers,
+        result = run_study(args.out if args.resume is None else args.resume, quick=args.quick,
+                           resume=args.resume is not None, workers=args.workers,
                            ray_address=args.ray, force=args.force)
     if args.json:
         print_json({"claims": result["claims"], "files": result["files"]})
@@ -59,8 +59,8 @@ def register_study(studies) -> None:
                    help="only redraw the figures and fragment from the stores in DIR")
     q.add_argument("--quick", action="store_true",
                    help="2 seeds, fewer steps, recall at width 64: about 10 minutes on 2 cores")
-    q.add_argument("--resume", action="store_true",
-                   help="continue the study stored in --out with its own settings")
+    q.add_argument("--resume", metavar="DIR",
+                   help="continue the study stored in DIR with its own settings, then draw")
     q.add_argument("--workers", type=int, metavar="N",
                    help="worker processes, one trial each at a time (default: one per core)")
     q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",

@@ -16,12 +16,16 @@ EXAMPLES = """
   attnscale study lm --out lm-study/ --quick        # 4 mechanisms x 7 LRs, width 64, 1 seed
   attnscale study lm --out lm-study/                # the default study: 9 variants x 7 x 2 x 2
   attnscale study lm --out s/ --mechanisms "scaled,qk-layernorm(divisor=False)" --lrs 1e-3,1e-2
-  attnscale study lm --out lm-study/ --resume       # continue an interrupted study
+  attnscale study lm --resume lm-study/             # continue an interrupted study
   attnscale study lm --out lm-study/ --ray auto --workers 8
   attnscale study lm --from lm-study/               # redraw figures and fragment, no training
 """
 
 COLUMNS = ["mechanism", "width", "seeds", "mean", "min", "max"]
+# The list options' defaults: the default study (--quick narrows those left at their default).
+_DEFAULTS = {"mechanisms": ",".join(DEFAULT_VARIANTS),
+             "lrs": ",".join(f"{x:g}" for x in WORTSMAN_LRS),
+             "widths": ",".join(map(str, DEFAULT_WIDTHS)), "seeds": ",".join(map(str, DEFAULT_SEEDS))}
 
 
 def split_variants(text: str) -> list[str]:
@@ -48,32 +52,42 @@ def parse_lrs(text: str) -> list[float]:
 
 
 def _study(args) -> int:
+    """Run the grid on the sweep engine (or continue it, or only read it), then draw the report
+    from the store in the same folder (the conventions of ``study recall``)."""
     from attnscale import sweep
+    # Every list first, so a bad one is reported whatever else is wrong (as study recall does).
+    variants = split_variants(args.mechanisms)
+    for v in variants:
+        parse_variant(v)
+    lrs = parse_lrs(args.lrs)
+    widths = parse_int_list("--widths", args.widths, minimum=1)
+    seeds = parse_int_list("--seeds", args.seeds, minimum=0)
+    if args.quick:  # --quick's lists, where no list was given explicitly
+        variants = list(QUICK_VARIANTS) if args.mechanisms == _DEFAULTS["mechanisms"] else variants
+        widths = [min(widths)] if args.widths == _DEFAULTS["widths"] else widths
+        seeds = seeds[:1] if args.seeds == _DEFAULTS["seeds"] else seeds
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    executor = {"workers": args.workers, "ray_address": args.ray}
     if args.from_dir is not None:
-        results = sweep.load(args.from_dir)
-        out = args.from_dir
+        out, results = args.from_dir, sweep.load(args.from_dir)
+    elif args.resume is not None:
+        out, results = args.resume, sweep.resume(args.resume, **executor)
     else:
-        if args.out is None:
-            raise ConfigError("--out DIR is required (or --from DIR to redraw a finished study).")
-        variants = split_variants(args.mechanisms) if args.mechanisms else \
-            list(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
-        for v in variants:
-            parse_variant(v)
-        widths = parse_int_list("--widths", args.widths, minimum=1) if args.widths else \
-            [min(DEFAULT_WIDTHS)] if args.quick else list(DEFAULT_WIDTHS)
-        seeds = parse_int_list("--seeds", args.seeds, minimum=0) if args.seeds else \
-            [DEFAULT_SEEDS[0]] if args.quick else list(DEFAULT_SEEDS)
-        lrs = parse_lrs(args.lrs) if args.lrs else list(WORTSMAN_LRS)
         grid = {"variant": variants, "lr": lrs, "d_model": widths, "seed": seeds}
         fixed = {k: v for k, v in (("steps", args.steps), ("data", args.data)) if v is not None}
-        options = {"workers": args.workers, "ray_address": args.ray}
-        results = sweep.run("lm", grid, args.out, fixed=fixed, resume=args.resume,
-                            force=args.force, **options)
         out = args.out
+        results = sweep.run("lm", grid, out, fixed=fixed, force=args.force, **executor)
+    if results.spec.experiment != "lm":
+        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not an lm study.")
+    if not results.ok:
+        raise ConfigError(f"{out!r} holds no finished run to draw from.")
+    if results.failed or results.pending:
+        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
+              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
+              file=sys.stderr)
     records = [r["result"] for r in results.ok]
-    if not records:
-        raise ConfigError(f"no finished lm trial in {str(out)!r}.")
-    report = write_report(records, out, force=True)  # the folder is this study's own
+    report = write_report(records, out, force=args.force)
     rows = sensitivity_rows(records)
     if args.json:
         print_json({"sensitivity": rows, "claims": report["claims"],
@@ -90,26 +104,27 @@ def register_study(studies) -> None:
     q = add_command(studies, "lm", examples=EXAMPLES,
                     help="Which mechanism keeps a small LM trainable across learning rates "
                          "(Wortsman et al.'s LR sensitivity), on the sweep engine.")
-    add_output(q, "--out", kind="dir", metavar="DIR",
-               help="study folder: the sweep store, figures and fragment.md")
+    add_output(q, "--out", kind="dir", files=FRAGMENT_FILES.values(), metavar="DIR",
+               help="study folder: the runs' store (see 'attnscale sweep'), and the figures and "
+                    "fragment drawn from it; the same grid again continues it")
+    q.add_argument("--resume", metavar="DIR", help="continue the study stored in DIR, then draw")
     q.add_argument("--from", dest="from_dir", metavar="DIR",
-                   help="redraw the figures and fragment of a finished study, no training")
-    q.add_argument("--mechanisms", help="comma-separated variants, e.g. "
-                   "'scaled,qk-layernorm(divisor=False)' (default: the study's nine)")
-    q.add_argument("--lrs", help="comma-separated peak learning rates (default: Wortsman's "
-                   + ",".join(f"{x:g}" for x in WORTSMAN_LRS) + ")")
-    q.add_argument("--widths", help="comma-separated widths (default: "
-                   + ",".join(map(str, DEFAULT_WIDTHS)) + ")")
-    q.add_argument("--seeds", help="comma-separated seeds (default: "
-                   + ",".join(map(str, DEFAULT_SEEDS)) + ")")
+                   help="only redraw the figures and fragment from the store in DIR")
+    q.add_argument("--mechanisms", default=_DEFAULTS["mechanisms"],
+                   help="comma-separated variants, e.g. 'scaled,qk-layernorm(divisor=False)' "
+                        "(default: %(default)s)")
+    q.add_argument("--lrs", default=_DEFAULTS["lrs"],
+                   help="comma-separated peak learning rates (default: Wortsman's, %(default)s)")
+    q.add_argument("--widths", default=_DEFAULTS["widths"],
+                   help="comma-separated widths (default: %(default)s)")
+    q.add_argument("--seeds", default=_DEFAULTS["seeds"],
+                   help="comma-separated seeds (default: %(default)s)")
     q.add_argument("--steps", type=int, help="optimiser steps per run (default: 500)")
     q.add_argument("--data", metavar="PATH",
                    help="text file or folder (default: the running Python's stdlib .py files)")
     q.add_argument("--quick", action="store_true",
                    help="scaled, unscaled, qk-layernorm, softcap x 7 LRs x the smallest width x "
-                        "1 seed (explicit lists still win)")
-    q.add_argument("--resume", action="store_true",
-                   help="continue the study in --out (on by default for the same grid)")
+                        "the first seed (lists given explicitly still win)")
     q.add_argument("--workers", type=int, metavar="N", help="local worker processes")
     q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run trials on Ray (needs pip install 'attnscale[ray]')")

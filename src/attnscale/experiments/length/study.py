@@ -64,12 +64,13 @@ def run_study(out: str | os.PathLike, *, quick: bool = False, resume: bool = Fal
     from attnscale import sweep
     from attnscale.io import atomic_write, check_output_path
     from attnscale.experiments.length.report import FRAGMENT_FILES
-    path = check_output_path("--out", out, kind="dir",
+    param = "--resume" if resume else "--out"
+    path = check_output_path(param, out, kind="dir",
                              files=[SETTINGS_FILE, *FRAGMENT_FILES.values()], force=force)
     stored = _read_settings(path)
     if resume:
         if stored is None:
-            raise ConfigError(f"--out {str(out)!r} holds no length study to resume "
+            raise ConfigError(f"--resume {str(out)!r} holds no length study to resume "
                               f"(no {SETTINGS_FILE}).")
         quick = stored["quick"]
     elif stored is not None and stored["quick"] != quick:
@@ -77,7 +78,7 @@ def run_study(out: str | os.PathLike, *, quick: bool = False, resume: bool = Fal
                           f" length study; resume it as it is or choose another folder.")
     chosen = settings(quick)
     atomic_write(path / SETTINGS_FILE, json.dumps({"quick": quick, **chosen}, indent=1),
-                 param="--out", force=force)
+                 param=param, force=force)
     executor = {"workers": workers, "ray_address": ray_address, "show_progress": show_progress}
     results = {key: sweep.run(STORES[key], chosen[key]["grid"], path / STORES[key],
                               fixed=chosen[key]["fixed"], force=force, **executor)
