@@ -16,6 +16,13 @@ Each parameter has a type (``int``, ``float``, ``str``, ``bool`` or ``dict``, op
 ``threads`` is the torch thread count every trial of the experiment runs on, whatever the worker
 count: a fixed count keeps float reductions, hence results, bit-identical across executors.
 ``None`` lets the executor give each trial its share of the cores instead.
+
+Batching (optional): ``run_batch(configs) -> [result, ...]`` runs several trials in one call (one
+result per config, in order), and ``batch_key(config) -> hashable`` says which may share a call:
+trials with equal keys, never one whose key is ``None``.  The executors then send compatible
+pending trials to a worker together (see :mod:`attnscale.sweep.batch`), but a trial stays one
+config with its own id, record and error, and its result must be the same bytes as when it runs
+alone; a mechanism whose batched result differs must get a key of its own (or ``None``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +124,8 @@ class Experiment:
     check: Callable[[dict], None] | None = None
     threads: int | None = 1
     doc: str = ""
+    batch_key: Callable[[dict], Hashable | None] | None = None
+    run_batch: Callable[[Sequence[dict]], Sequence[Any]] | None = None
 
     @property
     def module(self) -> str:
@@ -149,11 +158,16 @@ EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def experiment(name: str, *, params: Mapping[str, Param] | None = None,
-               check: Callable[[dict], None] | None = None, threads: int | None = 1):
+               check: Callable[[dict], None] | None = None, threads: int | None = 1,
+               batch_key: Callable[[dict], Hashable | None] | None = None,
+               run_batch: Callable[[Sequence[dict]], Sequence[Any]] | None = None):
     """Decorator entering ``fn`` into :data:`EXPERIMENTS` under ``name`` (duplicates are refused).
 
     ``params`` defaults to the keyword parameters of ``fn``'s signature (annotation and default).
+    ``batch_key`` and ``run_batch`` (both or neither) let trials run together (module docstring).
     """
+    if (batch_key is None) != (run_batch is None):
+        raise ValueError("batch_key and run_batch go together: give both or neither")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be None or an integer >= 1, got {threads!r}")
@@ -170,7 +184,7 @@ def experiment(name: str, *, params: Mapping[str, Param] | None = None,
             if not p.required:
                 p.value(key, p.default)  # a default must be a valid value of its own type
         EXPERIMENTS[name] = Experiment(name, fn, spec, check, threads,
-                                       inspect.getdoc(fn) or "")
+                                       inspect.getdoc(fn) or "", batch_key, run_batch)
         return fn
     return add
 

@@ -187,6 +187,7 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
     bar = progress(range(len(tasks)), desc=f"sweep {exp.name}", total=len(tasks),
                    enabled=show_progress)
     errors = 0
+    key = None if exp.batch_key is None else (lambda task: exp.batch_key(dict(task.config)))
 
     def record(out: dict) -> None:
         nonlocal errors
@@ -200,11 +201,11 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
     try:
         with sigterm_as_exit():
             if executor["kind"] == "local":
-                run_local(tasks, record, workers=executor["workers"])
+                run_local(tasks, record, workers=executor["workers"], key=key)
             else:
                 from attnscale.sweep.ray_exec import run_ray
                 run_ray(tasks, record, address=executor["address"], cpus=executor["cpus"],
-                        gpus=executor["gpus"])
+                        gpus=executor["gpus"], key=key)
     finally:
         store.close()
         bar.close()

@@ -3,7 +3,10 @@
 A small pool of our own rather than ``concurrent.futures.ProcessPoolExecutor``, which marks the
 whole pool broken when one worker dies: here each worker has its own pipe, the driver waits on
 every pipe and every process sentinel at once, and a worker that dies (a segfault, the OOM
-killer's SIGKILL) costs only its trial, which is reported as an error, and is replaced.
+killer's SIGKILL) costs only its trial, which is reported as an error, and is replaced.  A worker
+runs a chunk of trials at a time (one, unless the experiment batches, see
+:mod:`attnscale.sweep.batch`); a chunk of several whose worker dies goes back to the queue as
+single trials, so only the trial that kills its worker is recorded as the error.
 
 Workers are forked from a fork server that has imported attnscale once (so starting or replacing
 a worker costs milliseconds, not a torch import, and no worker inherits the driver's torch thread
@@ -22,10 +25,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from multiprocessing.connection import Connection, wait
 
-from attnscale.sweep.trial import Task, outcome, run_trial
+from attnscale.sweep.batch import Chunk, chunks, run_chunk
+from attnscale.sweep.trial import Task, outcome
 
 # Seconds a stopping worker gets to exit after SIGTERM before it is killed.
 STOP_GRACE = 5.0
@@ -55,19 +59,19 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(conn: Connection) -> None:
-    """Worker loop: receive a :class:`Task`, send back its outcome; ``None`` or a closed pipe
-    (the driver is gone) means stop."""
+    """Worker loop: receive a chunk of :class:`Task`, send back their outcomes; ``None`` or a
+    closed pipe (the driver is gone) means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     while True:
         try:
-            task = conn.recv()
+            chunk = conn.recv()
         except (EOFError, OSError):
             return
-        if task is None:
+        if chunk is None:
             return
         try:
-            conn.send(run_trial(task))
+            conn.send(run_chunk(chunk))
         except (BrokenPipeError, OSError):
             return
 
@@ -86,16 +90,16 @@ class _Worker:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
         child.close()
-        self.task: Task | None = None
-        self.sent = 0.0                    # perf_counter when the task was handed over
+        self.chunk: Chunk | None = None
+        self.sent = 0.0                    # perf_counter when the chunk was handed over
 
-    def send(self, task: Task) -> bool:
-        """Hand ``task`` to the worker; False when the worker is already gone."""
+    def send(self, chunk: Chunk) -> bool:
+        """Hand ``chunk`` to the worker; False when the worker is already gone."""
         try:
-            self.conn.send(task)
+            self.conn.send(chunk)
         except (BrokenPipeError, OSError):
             return False
-        self.task, self.sent = task, time.perf_counter()
+        self.chunk, self.sent = chunk, time.perf_counter()
         return True
 
     def stop(self, *, force: bool) -> None:
@@ -132,11 +136,12 @@ def death_message(exitcode: int | None, pid: int | None) -> str:
 
 
 def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
-              workers: int) -> None:
+              workers: int, key: Callable[[Task], Hashable | None] | None = None) -> None:
     """Run ``tasks`` on ``workers`` processes, calling ``on_outcome`` in the driver as each
-    trial finishes (in completion order).  On any exception, KeyboardInterrupt included, every
-    worker is stopped before it propagates; trials in flight are then simply not reported."""
-    pending = collections.deque(tasks)
+    trial finishes (in completion order); ``key`` (the experiment's batch key) lets trials run
+    in chunks.  On any exception, KeyboardInterrupt included, every worker is stopped before it
+    propagates; trials in flight are then simply not reported."""
+    pending = collections.deque(chunks(list(tasks), workers, key))
     if not pending:
         return
     ctx = _context()
@@ -150,32 +155,37 @@ def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
         while pending or busy:
             while pending and idle:
                 worker = idle.pop()
-                task = pending.popleft()
-                if worker.send(task):
+                chunk = pending.popleft()
+                if worker.send(chunk):
                     busy[worker.conn] = busy[worker.process.sentinel] = worker
-                else:  # died while idle: its task goes back, a fresh worker takes its place
-                    pending.appendleft(task)
+                else:  # died while idle: its chunk goes back, a fresh worker takes its place
+                    pending.appendleft(chunk)
                     _replace(worker, pool, idle, ctx)
             for ready in wait(list(busy)):
                 worker = busy.get(ready)
                 if worker is None:  # its pipe and its sentinel were both ready
                     continue
-                task, result = worker.task, None
+                chunk, results = worker.chunk, None
                 try:  # a result sent just before the process died still counts
                     if worker.conn.poll():
-                        result = worker.conn.recv()
+                        results = worker.conn.recv()
                 except (EOFError, OSError):
-                    result = None
+                    results = None
                 del busy[worker.conn], busy[worker.process.sentinel]
-                worker.task = None
-                if result is not None:
-                    on_outcome(result)
+                worker.chunk = None
+                if results is not None:
+                    for result in results:
+                        on_outcome(result)
                     idle.append(worker)
                     continue
                 worker.process.join(STOP_GRACE)
-                on_outcome(outcome(task, "error", None,
-                                   death_message(worker.process.exitcode, worker.process.pid),
-                                   time.perf_counter() - worker.sent))
+                if len(chunk) > 1:  # which trial killed it is unknown: each runs alone now
+                    pending.extendleft((t,) for t in reversed(chunk))
+                else:
+                    on_outcome(outcome(chunk[0], "error", None,
+                                       death_message(worker.process.exitcode,
+                                                     worker.process.pid),
+                                       time.perf_counter() - worker.sent))
                 if pending:
                     _replace(worker, pool, idle, ctx)
                 else:

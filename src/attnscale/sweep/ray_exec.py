@@ -10,16 +10,21 @@ task whose worker or node was lost up to :data:`MAX_RETRIES` times, on another n
 is gone.  A trial that raises is not retried: :func:`~attnscale.sweep.trial.run_trial` returns it
 as an ``error`` outcome.  The driver alone writes the store, as with the local executor.  Every
 node needs attnscale (and the module that registers the experiment) importable.
+
+An experiment that batches runs a chunk of trials per task (:mod:`attnscale.sweep.batch`, with
+as many slots as the cluster has CPUs over ``cpus``); a chunk lost more often than Ray retries it
+goes back to the queue as single trials.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from attnscale.errors import ConfigError
-from attnscale.sweep.trial import Task, error_text, outcome, run_trial
+from attnscale.sweep.batch import Chunk, chunks, run_chunk
+from attnscale.sweep.trial import Task, error_text, outcome
 
 # Times Ray re-runs a task lost with its worker process or node before reporting it failed.
 MAX_RETRIES = 3
@@ -39,14 +44,16 @@ def import_ray():
     return ray
 
 
-def _run_remote(task: Task) -> dict:
+def _run_remote(chunk: Chunk) -> list[dict]:
     """The body of every Ray task (module level, so workers import it by name)."""
-    return run_trial(task)
+    return run_chunk(chunk)
 
 
 def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, address: str,
-            cpus: float, gpus: float) -> None:
-    """Run ``tasks`` as Ray tasks, calling ``on_outcome`` in the driver as each finishes."""
+            cpus: float, gpus: float,
+            key: Callable[[Task], Hashable | None] | None = None) -> None:
+    """Run ``tasks`` as Ray tasks, calling ``on_outcome`` in the driver as each trial finishes;
+    ``key`` (the experiment's batch key) lets trials run in chunks."""
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
@@ -58,23 +65,28 @@ def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, addres
                               f"({' '.join(str(err).split())}).") from None
     remote = ray.remote(_run_remote).options(num_cpus=cpus, num_gpus=gpus,
                                              max_retries=MAX_RETRIES, retry_exceptions=False)
-    pending = collections.deque(tasks)
     total_cpus = ray.cluster_resources().get("CPU", 1.0)
+    pending = collections.deque(chunks(list(tasks), max(1, int(total_cpus / max(cpus, 1e-9))),
+                                       key))
     window = max(MIN_IN_FLIGHT, int(IN_FLIGHT_PER_CPU * total_cpus / max(cpus, 1e-9)))
     in_flight: dict = {}
     try:
         while pending or in_flight:
             while pending and len(in_flight) < window:
-                task = pending.popleft()
-                in_flight[remote.remote(task)] = task
+                chunk = pending.popleft()
+                in_flight[remote.remote(chunk)] = chunk
             done, _ = ray.wait(list(in_flight), num_returns=1)
             for ref in done:
-                task = in_flight.pop(ref)
+                chunk = in_flight.pop(ref)
                 try:
-                    result = ray.get(ref)
+                    results = ray.get(ref)
                 except ray.exceptions.RayError as err:  # lost more often than MAX_RETRIES
-                    result = outcome(task, "error", None, error_text(err), 0.0)
-                on_outcome(result)
+                    if len(chunk) > 1:  # each trial alone now, so only a culprit fails
+                        pending.extendleft((t,) for t in reversed(chunk))
+                        continue
+                    results = [outcome(chunk[0], "error", None, error_text(err), 0.0)]
+                for result in results:
+                    on_outcome(result)
     finally:
         for ref in in_flight:
             ray.cancel(ref, force=True)

@@ -64,6 +64,23 @@ def outcome(task: Task, status: str, result: Any, error: str | None, wall: float
             "wall_seconds": wall, "host": socket.gethostname()}
 
 
+def experiment_for(task: Task) -> registry.Experiment:
+    """The experiment ``task`` runs, importing the module that registers it if needed."""
+    if task.experiment not in registry.EXPERIMENTS:
+        importlib.import_module(task.module)
+    return registry.get(task.experiment)
+
+
+def strict_json(experiment: str, result: Any) -> str:
+    """``result`` as strict JSON text (no NaN or infinity); a TypeError naming the experiment
+    otherwise."""
+    try:
+        return json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"the result of experiment {experiment!r} is not strict JSON "
+                        f"({err})") from None
+
+
 def run_trial(task: Task) -> dict:
     """Run one trial in this process and return its outcome; never raises for a failing trial.
 
@@ -74,16 +91,9 @@ def run_trial(task: Task) -> dict:
     start = time.perf_counter()
     before = torch.get_num_threads()
     try:
-        if task.experiment not in registry.EXPERIMENTS:
-            importlib.import_module(task.module)
-        exp = registry.get(task.experiment)
+        exp = experiment_for(task)
         torch.set_num_threads(exp.threads or task.threads)
-        result = exp.fn(**task.config)
-        try:
-            text = json.dumps(result, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"the result of experiment {task.experiment!r} is not strict JSON "
-                            f"({err})") from None
+        text = strict_json(task.experiment, exp.fn(**task.config))
         return outcome(task, "ok", json.loads(text), None, time.perf_counter() - start)
     except Exception as err:  # a failing trial is a result, not a crash of the sweep
         return outcome(task, "error", None, error_text(err), time.perf_counter() - start)

@@ -5,13 +5,21 @@ the same defaults.  The result is everything the run measured except its wall ti
 carries that), so it is the same bytes on any executor; :func:`run_result` rebuilds the
 :class:`~attnscale.experiments.recall.trainer.RunResult` from a record, for tables and figures
 drawn from a store.
+
+Trials that share every setting but mechanism, seed and options (:func:`shared_key`) run together
+when the executor chunks them: :func:`recall_batch` trains them as one batched model
+(:func:`~attnscale.experiments.recall.trainer.train_runs`), which gives each run the same bytes
+as training it alone (``tests/test_sweep_batch.py`` checks every mechanism) at a lower cost per
+run.
 """
 
 from __future__ import annotations
 
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig
-from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train
+from collections.abc import Sequence
+
+from attnscale.experiments.recall.config import RecallConfig, shared_key
+from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train, train_runs
 from attnscale.experiments.registry import experiment, params_from_dataclass
 
 
@@ -19,13 +27,27 @@ def _check(config: dict) -> None:
     RecallConfig(**config).validated()
 
 
+def _batch_key(config: dict) -> tuple:
+    return shared_key(RecallConfig(**config))
+
+
+def recall_batch(configs: Sequence[dict]) -> list[dict]:
+    """:func:`recall_run` of each config, trained as one batched model (same results)."""
+    runs = train_runs([RecallConfig(**c) for c in configs], show_progress=False)
+    return [_result(run) for run in runs]
+
+
 @experiment("recall", params=params_from_dataclass(RecallConfig), check=_check,
-            threads=TRAIN_THREADS)
+            threads=TRAIN_THREADS, batch_key=_batch_key, run_batch=recall_batch)
 def recall_run(**config) -> dict:
     """Train one recall model (RecallConfig fields) and return its measurements: milestones,
     final loss, held-out accuracy and statistics, step-0 gradients, plateaus, the per-step loss
     and the attention-statistics trace."""
-    run = train(RecallConfig(**config), show_progress=False)
+    return _result(train(RecallConfig(**config), show_progress=False))
+
+
+def _result(run: RunResult) -> dict:
+    """The record's result: every measurement of ``run`` but its wall time."""
     return metrics.json_safe({
         "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
         "final_loss": run.final_loss, "eval_accuracy": run.eval_accuracy,
