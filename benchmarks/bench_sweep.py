@@ -5,27 +5,40 @@
    with the start-up (fork server, workers; Ray's start) and without it (a second sweep on the
    warm fork server / an already running Ray).
 2. A ``study recall``-like grid on 2 workers vs 1 worker (goal >= 1.7x on 2 cores).
-3. ``--full-study``: the whole default ``study recall`` grid (13 mechanisms x 4 d_k x 3 seeds),
-   before (every run of a d_k as one batched model, one process) and after (one run per trial on
-   the engine, 2 workers).  About an hour on 2 cores; off by default.
+3. Batching: ``study recall --d-k 16,64 --seed 0`` (every mechanism, default settings) on the
+   engine with 2 workers, the runs of a d_k dealt into one batched chunk per worker, against the
+   old study (all runs of a d_k as one batched model in one process) and against the engine
+   running one run per trial (no batching).  ``--rounds`` interleaved rounds, each order rotated,
+   with the load average printed, since the machine may not be idle; about 1 minute a round.
+4. ``--full-study``: the whole default ``study recall`` grid (every mechanism x 4 d_k x 3 seeds),
+   before (every run of a d_k as one batched model, one process) and after (the engine, 2
+   workers, batched chunks).  About half an hour on 2 cores; off by default.
 
-    python benchmarks/bench_sweep.py                       # 1 and 2 (about 2 minutes)
-    python benchmarks/bench_sweep.py --no-ray --trials 100
+    python benchmarks/bench_sweep.py                       # 1, 2 and 3 (about 4 minutes)
+    python benchmarks/bench_sweep.py --no-ray --trials 100 --rounds 1
+    python benchmarks/bench_sweep.py --only-batching --rounds 3
     python benchmarks/bench_sweep.py --full-study
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from attnscale import sweep
+from attnscale.experiments import registry
+from attnscale.sweep.trial import canonical_json
 from attnscale.measure.saturation_trial import saturation_cell
 
 OVERHEAD_LIMIT = 0.050        # seconds per trial, local executor (issue 11)
 SPEEDUP_TARGET = 1.7          # 2 workers vs 1 (issue 11)
+BATCHED_TARGET = 1.5          # 2 workers, batched chunks vs the old 1-process study: clearly faster
 TINY = {"mechanism": "scaled", "d_k": 1, "n": 2, "trials": 2}
 STUDY_LIKE = {"mechanism": ["scaled", "unscaled", "qk-layernorm", "softcap"], "d_k": [16, 64],
               "seed": [0]}
@@ -85,6 +98,67 @@ def speedup(root: Path, steps: int) -> None:
           f"{'PASS' if ratio >= SPEEDUP_TARGET else 'FAIL'}; identical results: {same}")
 
 
+@contextlib.contextmanager
+def _unbatched(experiment: str):
+    """The engine without ``experiment``'s batching (the driver plans chunks, so this suffices)."""
+    exp = registry.EXPERIMENTS[experiment]
+    registry.EXPERIMENTS[experiment] = dataclasses.replace(exp, batch_key=None, run_batch=None)
+    try:
+        yield
+    finally:
+        registry.EXPERIMENTS[experiment] = exp
+
+
+def batching(root: Path, rounds: int) -> None:
+    from attnscale.experiments.recall.config import RecallConfig
+    from attnscale.experiments.recall.trainer import config_dict, train_runs
+    from attnscale.experiments.recall.trial import trial_result
+    from attnscale.mechanisms import MECHANISMS
+    d_ks, seeds = [16, 64], [0]
+    grid = {"mechanism": list(MECHANISMS), "d_k": d_ks, "seed": seeds}
+    n = len(MECHANISMS) * len(d_ks) * len(seeds)
+    sweep.run("saturation", {"seed": [0, 1]}, root / "warm-b", fixed=TINY, workers=2,
+              show_progress=False)  # start the fork server outside the timings
+    old_results: dict[str, list] = {}
+    stores: list[Path] = []
+
+    def old() -> None:  # the study before the engine: each d_k one batched model, one process
+        old_results["runs"] = [run for d in d_ks for run in train_runs(
+            [RecallConfig(mechanism=m, d_k=d, seed=s) for m in MECHANISMS for s in seeds])]
+
+    def engine(batched: bool) -> None:
+        out = root / f"study-{len(times)}"
+        with contextlib.nullcontext() if batched else _unbatched("recall"):
+            sweep.run("recall", grid, out, workers=2, show_progress=False)
+        if batched:
+            stores.append(out)
+
+    runs = {"old: batched, 1 process": old,
+            "engine, 2 workers, batched chunks": lambda: engine(True),
+            "engine, 2 workers, one run per trial": lambda: engine(False)}
+    times: list[tuple[str, float]] = []
+    print(f"[batching] study recall --d-k 16,64 --seed 0 ({n} runs), {rounds} interleaved "
+          f"rounds; load average before: {os.getloadavg()[0]:.2f}")
+    labels = list(runs)
+    for r in range(rounds):
+        for label in labels[r % 3:] + labels[:r % 3]:
+            times.append((label, _timed(runs[label])))
+    print(f"  load average after: {os.getloadavg()[0]:.2f}")
+    median = {label: statistics.median(t for l, t in times if l == label) for label in labels}
+    for label in labels:
+        all_t = ", ".join(f"{t:.1f}" for l, t in times if l == label)
+        print(f"  {label}: median {median[label]:.1f} s ({all_t}); "
+              f"{median[labels[0]] / median[label]:.2f}x the old study")
+    ratio = median[labels[0]] / median[labels[1]]
+    by_config = {canonical_json(r["config"]): canonical_json(r["result"])
+                 for r in sweep.load(stores[-1])}
+    same = all(by_config[canonical_json(config_dict(run.config))] ==
+               canonical_json(trial_result(run)) for run in old_results["runs"])
+    print(f"  batched engine vs old study: {ratio:.2f}x (goal >= {BATCHED_TARGET}x) "
+          f"{'PASS' if ratio >= BATCHED_TARGET else 'FAIL'}; results identical to the old "
+          f"study's: {same}")
+
+
 def full_study(root: Path) -> None:
     from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS, study
     from attnscale.mechanisms import MECHANISMS
@@ -92,7 +166,7 @@ def full_study(root: Path) -> None:
     before = _timed(lambda: study(show_progress=False))
     after = _timed(lambda: sweep.run("recall", grid, root / "study", workers=2))
     print(f"[study recall] {len(MECHANISMS) * len(STUDY_D_KS) * len(STUDY_SEEDS)} runs: before "
-          f"(batched, 1 process) {before / 60:.1f} min; after (engine, 2 workers) "
+          f"(batched, 1 process) {before / 60:.1f} min; after (engine, 2 workers, chunks) "
           f"{after / 60:.1f} min")
 
 
@@ -102,12 +176,18 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=200, help="trials of the overhead sweep")
     ap.add_argument("--steps", type=int, default=1200, help="steps per recall run (speed-up)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray overhead")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the batching "
+                    "comparison (0: skip it)")
+    ap.add_argument("--only-batching", action="store_true", help="only the batching comparison")
     ap.add_argument("--full-study", action="store_true", help="also time the whole study")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
         root = Path(tmp)
-        overhead(root, args.trials, ray=not args.no_ray)
-        speedup(root, args.steps)
+        if not args.only_batching:
+            overhead(root, args.trials, ray=not args.no_ray)
+            speedup(root, args.steps)
+        if args.rounds:
+            batching(root, args.rounds)
         if args.full_study:
             full_study(root)
 

@@ -34,7 +34,7 @@ def _batch_key(config: dict) -> tuple:
 def recall_batch(configs: Sequence[dict]) -> list[dict]:
     """:func:`recall_run` of each config, trained as one batched model (same results)."""
     runs = train_runs([RecallConfig(**c) for c in configs], show_progress=False)
-    return [_result(run) for run in runs]
+    return [trial_result(run) for run in runs]
 
 
 @experiment("recall", params=params_from_dataclass(RecallConfig), check=_check,
@@ -43,10 +43,10 @@ def recall_run(**config) -> dict:
     """Train one recall model (RecallConfig fields) and return its measurements: milestones,
     final loss, held-out accuracy and statistics, step-0 gradients, plateaus, the per-step loss
     and the attention-statistics trace."""
-    return _result(train(RecallConfig(**config), show_progress=False))
+    return trial_result(train(RecallConfig(**config), show_progress=False))
 
 
-def _result(run: RunResult) -> dict:
+def trial_result(run: RunResult) -> dict:
     """The record's result: every measurement of ``run`` but its wall time."""
     return metrics.json_safe({
         "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
