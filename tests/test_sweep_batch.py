@@ -17,7 +17,7 @@ from attnscale.experiments import registry
 from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS
 from attnscale.experiments.recall.trial import recall_batch, recall_run
 from attnscale.mechanisms import MECHANISMS
-from attnscale.sweep.batch import chunks, run_chunk
+from attnscale.sweep.batch import MAX_CHUNK, chunks, run_chunk
 from attnscale.sweep.trial import Task, run_trial
 
 RECALL_FIXED = {"steps": 20, "d_k": 16}
@@ -62,6 +62,13 @@ def test_each_group_is_dealt_round_robin_into_one_chunk_per_slot(marks):
     assert sorted(t.trial for c in planned for t in c) == sorted(t.trial for t in tasks)
     assert chunks(tasks, 3, None) == [(t,) for t in tasks]          # no batch key: one each
     assert [len(c) for c in chunks(tasks[1::3], 8, _by_group)] == [1, 1, 1, 1]  # slots > group
+
+
+def test_no_chunk_holds_more_than_max_chunk_trials(marks):
+    many = _tasks([{"x": x, "marks": str(marks), "group": 0} for x in range(2 * MAX_CHUNK + 1)])
+    sizes = [len(c) for c in chunks(many, 2, _by_group)]
+    assert len(sizes) == 4 and max(sizes) <= MAX_CHUNK and sum(sizes) == len(many)
+    assert [len(c) for c in chunks(many[:2 * MAX_CHUNK], 2, _by_group)] == [MAX_CHUNK] * 2
 
 
 def test_the_default_recall_study_keeps_two_workers_equally_loaded():

@@ -87,7 +87,8 @@ def register_study(studies) -> None:
     q.add_argument("--from", dest="from_dir", metavar="DIR",
                    help="only redraw the table, figure and markdown from the store in DIR")
     q.add_argument("--workers", type=int, metavar="N",
-                   help="worker processes, one run each at a time (default: one per core)")
+                   help="worker processes (default: one per core); the runs of a d_k share one "
+                        "batched model per worker")
     q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run on Ray instead: alone, a local instance; 'auto' or HOST:PORT, a "
                         "cluster (see 'attnscale sweep --help')")

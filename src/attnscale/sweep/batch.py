@@ -6,10 +6,12 @@ the ``recall`` runs of one d_k trained as one batched model.  The engine still s
 keeps its id, its record (written as soon as its chunk finishes) and its own error.
 
 Planning (:func:`chunks`): trials are grouped by key, and each group is dealt round-robin into
-``min(len(group), slots)`` chunks, ``slots`` being the trials the executor runs at once (local
-workers, or the Ray cluster's CPUs over each trial's share).  So every worker gets a share of
-every group: a group alone keeps all workers busy, and with groups of different cost (a study's
-d_k) each worker gets about the same mix; chunks go out group by group, in the grid's order.
+``slots`` chunks, ``slots`` being the trials the executor runs at once (local workers, or the Ray
+cluster's CPUs over each trial's share), or a multiple of ``slots`` so that no chunk holds more
+than :data:`MAX_CHUNK` trials (and never more chunks than trials).  So every worker gets a share
+of every group: a group alone keeps all workers busy, and with groups of different cost (a
+study's d_k) each worker gets about the same mix; chunks go out group by group, in the grid's
+order.
 
 Faults (:func:`run_chunk`, and the executors): a chunk whose ``run_batch`` raises, or returns
 anything but one strict-JSON result per trial, is run again one trial at a time in the same
@@ -28,6 +30,11 @@ from attnscale.sweep.trial import Task, experiment_for, outcome, run_trial, stri
 
 Chunk = tuple[Task, ...]
 
+# Most trials in one chunk.  A chunk is in flight as a whole, so this bounds what an interrupt
+# loses and the memory of one call (a recall chunk is one batched model); the default recall
+# study's chunks (a d_k's 45 runs over 2 workers) stay whole.
+MAX_CHUNK = 32
+
 
 def chunks(tasks: Sequence[Task], slots: int,
            key: Callable[[Task], Hashable | None] | None) -> list[Chunk]:
@@ -43,7 +50,7 @@ def chunks(tasks: Sequence[Task], slots: int,
         else:
             groups.setdefault(k, []).append(task)
     for members in groups.values():
-        n = min(len(members), slots)
+        n = min(len(members), slots * -(-len(members) // (slots * MAX_CHUNK)))
         out += [tuple(members[i::n]) for i in range(n)]
     return out
 
