@@ -15,9 +15,9 @@ run.
 
 from __future__ import annotations
 
-from attnscale.experiments.recall import metrics
 from collections.abc import Sequence
 
+from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train, train_runs
 from attnscale.experiments.registry import experiment, params_from_dataclass
