@@ -73,7 +73,7 @@ def run_chunk(chunk: Chunk) -> list[dict]:
             raise ValueError(f"run_batch of {first.experiment!r} gave {len(results)} results "
                              f"for {len(chunk)} configs")
         texts = [strict_json(first.experiment, r) for r in results]
-    except Exception:  # noqa: BLE001  each trial alone then reports its own error, if any
+    except Exception:  # each trial alone then reports its own error, if any
         texts = None
     finally:
         torch.set_num_threads(before)
