@@ -12,7 +12,7 @@
    with the load average printed, since the machine may not be idle; about 1 minute a round.
 4. ``--full-study``: the whole default ``study recall`` grid (every mechanism x 4 d_k x 3 seeds),
    before (every run of a d_k as one batched model, one process) and after (the engine, 2
-   workers, batched chunks).  About half an hour on 2 cores; off by default.
+   workers, batched chunks).  About 40 minutes on 2 cores; off by default.
 
     python benchmarks/bench_sweep.py                       # 1, 2 and 3 (about 4 minutes)
     python benchmarks/bench_sweep.py --no-ray --trials 100 --rounds 1
