@@ -10,8 +10,10 @@ import importlib
 import sys
 
 from attnscale.cli import _recall
-from attnscale.cli._common import add_command, add_output, format_table, print_json
-from attnscale.errors import ConfigError, parse_int_list, parse_name_list
+from attnscale.cli._common import (
+    add_command, add_output, format_table, print_json, study_sweep,
+)
+from attnscale.errors import parse_int_list, parse_name_list
 from attnscale.experiments.recall.experiments import STUDY_SEEDS
 from attnscale.experiments.recall.outputs import STUDY_FILES
 from attnscale.mechanisms import MECHANISMS, check_mechanism
@@ -46,26 +48,13 @@ def _recall_study(args) -> int:
          for m in parse_name_list("--mechanisms", args.mechanisms)]
     grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
             "seed": parse_int_list("--seed", args.seed, minimum=0)}
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
-    executor = {"workers": args.workers, "ray_address": args.ray}
-    if args.from_dir is not None:
-        out, results = args.from_dir, sweep.load(args.from_dir)
-    elif args.resume is not None:
-        out, results = args.resume, sweep.resume(args.resume, **executor)
-    else:
+
+    def start(out: str, executor: dict):
         base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
         fixed = {k: getattr(base, k) for k in ("pairs", "steps", "lr", "batch_size", "optimizer")}
-        out = args.out
-        results = sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
-    if results.spec.experiment != "recall":
-        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not a recall study.")
-    if not results.ok:
-        raise ConfigError(f"{out!r} holds no finished run to draw from.")
-    if results.failed or results.pending:
-        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
-              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
-              file=sys.stderr)
+        return sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
+
+    out, results = study_sweep(args, "recall", "a recall study", start)
     result = write_study(out, [run_result(r) for r in results.ok], force=args.force)
     if args.json:
         print_json({"rows": result["summary"]})
