@@ -99,18 +99,6 @@ def power_law_exponent(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.polyfit(lx, ly, 1)[0])
 
 
-def json_safe(obj):
-    """``obj`` with every NaN or infinite float replaced by None (a diverged run's loss), so that
-    it can be written as strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
 def mean_spread(values: Sequence[float | None]) -> dict:
     """Mean, sample std, min and max of the non-None values, plus how many were None."""
     got = [float(v) for v in values if v is not None]

@@ -10,6 +10,7 @@ drawn from a store.
 from __future__ import annotations
 
 from attnscale.experiments.recall import metrics
+from attnscale.io import json_safe
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train
 from attnscale.experiments.registry import experiment, params_from_dataclass
@@ -26,7 +27,7 @@ def recall_run(**config) -> dict:
     final loss, held-out accuracy and statistics, step-0 gradients, plateaus, the per-step loss
     and the attention-statistics trace."""
     run = train(RecallConfig(**config), show_progress=False)
-    return metrics.json_safe({
+    return json_safe({
         "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
         "final_loss": run.final_loss, "eval_accuracy": run.eval_accuracy,
         "grad_wq_norm_step0": run.grad_wq_norm_step0,
