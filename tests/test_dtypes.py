@@ -106,5 +106,5 @@ def test_multihead_attention_bf16_autocast(name, training):
     assert x.grad is not None and x.grad.dtype == torch.float32
     assert bool(torch.isfinite(x.grad).all())
     grads = [p.grad for p in mha.parameters() if p.requires_grad]
-    assert grads and all(g is not None and g.dtype == torch.float32 and bool(torch.isfinite(g).all())
-                         for g in grads)
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)

@@ -78,10 +78,11 @@ def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
         marks.mkdir()
         lost: list[int] = []
         failures: list[BaseException] = []
+        sweep_over = threading.Event()   # the sweep returned: stop waiting for trials to start
 
         def remove_the_node_under_its_trial():
             try:
-                wait_until(lambda: len(sweep_experiments.held(marks)) >= 2,
+                wait_until(lambda: len(sweep_experiments.held(marks)) >= 2 or sweep_over.is_set(),
                            "a trial running on each node")
                 held = sweep_experiments.held(marks)
                 on_doomed = [x for x, (_, node) in held.items() if node == doomed.node_id]
@@ -98,9 +99,12 @@ def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
         remover = threading.Thread(target=remove_the_node_under_its_trial)
         remover.start()
         grid = {"x": list(range(8))}
-        res = sweep.run("test-marked", grid, out, fixed={"marks": str(marks), "gate": True},
-                        ray_address=cluster.address)
-        remover.join()
+        try:
+            res = sweep.run("test-marked", grid, out, fixed={"marks": str(marks), "gate": True},
+                            ray_address=cluster.address)
+        finally:
+            sweep_over.set()
+            remover.join()
         if failures:
             raise failures[0]
         assert res.complete and sorted(r["config"]["x"] for r in res) == grid["x"]
