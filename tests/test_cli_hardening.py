@@ -274,13 +274,13 @@ def test_study_replaces_only_its_own_files_and_force_overwrites(cli, tmp_path):
     (out / "notes.txt").write_text("mine")
     code, _, err = cli("study", "recall", "--out", str(out), *TINY_STUDY)  # its own files: fine
     assert code == 0, err
-    (out / "study_recall.md").write_text("edited by the user")
+    (out / "fragment.md").write_text("edited by the user")
     code, _, err = cli("study", "recall", "--out", str(out), *TINY_STUDY)
-    assert code == 2 and "study_recall.md" in err and "--force" in err
-    assert (out / "study_recall.md").read_text() == "edited by the user"
+    assert code == 2 and "fragment.md" in err and "--force" in err
+    assert (out / "fragment.md").read_text() == "edited by the user"
     code, _, err = cli("study", "recall", "--out", str(out), *TINY_STUDY, "--force")
     assert code == 0, err
-    assert (out / "study_recall.md").read_text().startswith("Every registered mechanism")
+    assert (out / "fragment.md").read_text().startswith("Every registered mechanism")
     assert (out / "notes.txt").read_text() == "mine"
     runs = json.loads((out / "study_recall.json").read_text())["runs"]
     assert RecallConfig(**runs[0]["config"]).validated().d_k == 4      # re-runnable from it

@@ -8,7 +8,8 @@ import pytest
 
 import attnscale.experiments.recall.outputs as outputs
 import attnscale.experiments.recall.trainer as trainer
-from attnscale.experiments.recall.outputs import STUDY_FILES
+from attnscale.experiments.recall.outputs import STUDY_FILES, STUDY_TITLE
+from attnscale.report.include import load_study
 from attnscale.io import MANIFEST
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 
@@ -62,6 +63,8 @@ def test_study_writes_table_figure_and_markdown(cli, tmp_path):
     md = (tmp_path / STUDY_FILES["markdown"]).read_text()
     assert "| qknorm |" in md and "d_k=8" in md
     assert len(json.loads((tmp_path / STUDY_FILES["json"]).read_text())["runs"]) == 8
+    study = load_study(tmp_path)  # a finished study is a folder `reproduce --include` takes
+    assert study.title == STUDY_TITLE and "study_recall.png" in study.markdown
 
 
 @pytest.mark.parametrize("argv, fragment", [

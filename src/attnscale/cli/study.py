@@ -22,6 +22,7 @@ from attnscale.mechanisms import MECHANISMS, check_mechanism
 STUDY_MODULES = (
     __name__,  # study recall (below)
     "attnscale.cli.study_lm",
+    "attnscale.cli.study_length",
 )
 
 EXAMPLES = """

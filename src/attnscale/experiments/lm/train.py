@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -253,11 +253,13 @@ def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
             "entropy_mean": [sum(h["entropy_mean"] for h in hs) / len(hs) for hs in heads]}
 
 
-def train_lm(config: RunConfig | Mapping[str, Any] | None = None, **overrides) -> dict:
+def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
+             after: Callable[[LM], None] | None = None, **overrides) -> dict:
     """Train one run and return its record (JSON-ready; non-finite numbers become null).
 
     ``config`` is a :class:`RunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
-    ``train_lm(mechanism="unscaled", lr=3e-2)``.
+    ``train_lm(mechanism="unscaled", lr=3e-2)``.  ``after(model)``, when given, is called with the
+    trained model after its final evaluation (the length study evaluates it at longer contexts).
     """
     if isinstance(config, Mapping):
         config = RunConfig.from_json(config)
@@ -302,6 +304,8 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, **overrides) -
         wall = time.perf_counter() - start
         steps_done = t + 1
         final = evaluate(model, windows, config) if diverged_step is None else math.nan
+        if after is not None:
+            after(model)
     diverged = diverged_step is not None or not math.isfinite(final) or final > loss_init
     return json_safe({
         "experiment": "lm", "config": config.to_json(), "recipe": recipe(),

@@ -15,10 +15,14 @@ from attnscale.experiments.recall.experiments import study_summary
 from attnscale.experiments.recall.figures import study_figure
 from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.report.figures import save
+from attnscale.report.include import FRAGMENT_JSON, FRAGMENT_MD
 
-# File names written by :func:`write_study` into its output directory.
-STUDY_FILES = {"json": "study_recall.json", "markdown": "study_recall.md",
+# File names written by :func:`write_study` into its output directory.  The markdown and the
+# title follow the study-folder contract of :mod:`attnscale.report.include`, so a finished study
+# is added to the essay's report with ``attnscale reproduce --include DIR``.
+STUDY_FILES = {"json": "study_recall.json", "markdown": FRAGMENT_MD, "title": FRAGMENT_JSON,
                "figure": "study_recall.png"}
+STUDY_TITLE = "Every mechanism on associative recall"
 
 
 def study_markdown(rows: Sequence[dict]) -> str:
@@ -49,6 +53,7 @@ def study_markdown(rows: Sequence[dict]) -> str:
     lines += ["", "**Held-out accuracy** (mean over seeds, and the worst seed):", "", head, rule]
     lines += [f"| {m} | " + " | ".join(acc(cell[m, d]) if (m, d) in cell else "" for d in d_ks)
               + " |" for m in mechanisms]
+    lines += ["", f"![Steps to loss 0.1 and accuracy per mechanism and d_k]({STUDY_FILES['figure']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -74,5 +79,7 @@ def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult], *,
         (staging / STUDY_FILES["json"]).write_text(json.dumps(result, indent=1, allow_nan=False),
                                                    encoding="utf-8")
         (staging / STUDY_FILES["markdown"]).write_text(study_markdown(summary), encoding="utf-8")
+        (staging / STUDY_FILES["title"]).write_text(json.dumps({"title": STUDY_TITLE}),
+                                                    encoding="utf-8")
         save(study_figure(summary), staging / STUDY_FILES["figure"])
     return {**result, "files": {k: str(out_dir / v) for k, v in STUDY_FILES.items()}}

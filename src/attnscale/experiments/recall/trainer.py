@@ -16,7 +16,7 @@ writing its loss into a preallocated tensor.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -194,8 +194,12 @@ def check_compatible(configs: Sequence[RecallConfig]) -> list[RecallConfig]:
 
 
 def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = None,
-               desc: str | None = None) -> list[RunResult]:
+               desc: str | None = None,
+               after: Callable[[StackedRecall], None] | None = None) -> list[RunResult]:
     """Train every config as one batched model and measure each run.
+
+    ``after(model)``, when given, is called with the trained model once it has been evaluated
+    (the length study evaluates it at other pair counts there).
 
     Each run keeps its own initialisation (from its seed) and data stream (from its seed), so a
     run's curve does not depend on which others it is trained with beyond float rounding of the
@@ -229,6 +233,8 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
                 trace_steps.append(t)
                 trace.append(_attention_stats(out.z.detach()))
         evals = evaluate(model, [eval_set(cfg) for cfg in configs])
+        if after is not None:
+            after(model)
         wall = time.perf_counter() - start
 
     results = []

@@ -1,0 +1,240 @@
+"""Length extrapolation of the small LM, and YaRN's temperature law measured.
+
+One trial of the ``lm-length`` experiment trains the small LM
+(:func:`attnscale.experiments.lm.train_lm`) at context ``seq_len`` (128), then, with no
+fine-tuning:
+
+* builds its RoPE tables for the longest evaluation context (:meth:`LM.set_rope`, same
+  frequencies) and measures, on ``eval_windows`` validation windows of that length, the loss at
+  every position (:func:`~attnscale.experiments.lm.train.loss_by_position`) and the attention
+  entropy at every position, per layer (:func:`entropy_by_position`).  Under causality position
+  i sees the same prefix in a window of any length, so the mean loss over the first L positions
+  of these windows is the validation loss at context L;
+* ``llama4-temp`` uses ``floor_scale = seq_len``: Llama 4's 8192 is the span of its chunked
+  RoPE layers, so the temperature steps up where the trained context ends;
+* for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
+  by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
+  sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
+  :class:`Tempered`) over :data:`M_GRID`, evaluates the loss at context 128·s for each, and fits
+  the minimising m (:func:`fit_minimum`).
+
+YaRN (Peng et al. 2023, arXiv 2309.00071, section 3.2 "NTK-by-parts" and 3.4): for a RoPE
+dimension d of frequency θ_d and wavelength λ_d = 2π/θ_d, with r(d) = L / λ_d (L the trained
+context) and the ramp γ(r) = 0 for r < α, 1 for r > β, (r − α)/(β − α) between, the new
+frequency is h(θ_d) = (1 − γ(r(d))) θ_d / s + γ(r(d)) θ_d, with α = 1 and β = 32 for LLaMA.
+Its temperature √(1/t) = 0.1 ln s + 1 is :func:`attnscale.mechanisms.yarn.yarn_m`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnscale.errors import ConfigError, parse_int_list
+from attnscale.experiments.lm.data import eval_windows, load_corpus
+from attnscale.experiments.lm.model import LM, rope_frequencies
+from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
+from attnscale.experiments.recall.metrics import json_safe
+from attnscale.mechanisms.base import Mechanism, Scale
+from attnscale.pipeline import Observation, key_mask, observe
+from attnscale.pipeline import logits as pipeline_logits
+from attnscale.stats import entropy
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
+
+# Evaluation contexts (issue 13, section 4); the model is trained at the first.
+EVAL_LENGTHS = (128, 256, 512, 1024)
+# YaRN's context-extension factors measured.
+YARN_FACTORS = (2, 4, 8)
+# YaRN's ramp bounds for LLaMA (Peng et al. 2023, section 3.2): alpha = 1, beta = 32.
+YARN_ALPHA = 1.0
+YARN_BETA = 32.0
+# Multipliers m = sqrt(1/t) swept at evaluation (logits times m^2): 0.80, 0.85, ..., 1.60.
+M_STEP = 0.05
+M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
+# Logits held at once by entropy_by_position (B x H x N x N floats).
+ENTROPY_FLOATS = 2 ** 24
+# The section's mechanisms.
+MECHANISMS = ("scaled", "ssmax", "llama4-temp")
+# Study defaults for the LM (the issue-12 recipe; more steps than its LR sweep).
+LM_STEPS = 2000
+LM_WINDOWS = 32
+
+def yarn_frequencies(inv_freq: Tensor, factor: float, original_len: int, *,
+                     alpha: float = YARN_ALPHA, beta: float = YARN_BETA) -> Tensor:
+    """YaRN's NTK-by-parts frequencies h(θ_d) for extension factor s = ``factor`` of a model
+    trained at context ``original_len``: (d/2,) float64 (see the module doc)."""
+    theta = inv_freq.double()
+    if factor <= 0 or not math.isfinite(factor):
+        raise ConfigError(f"factor must be a positive number, got {factor!r}.")
+    if not beta > alpha:
+        raise ConfigError(f"beta must be above alpha, got alpha={alpha}, beta={beta}.")
+    r = original_len * theta / (2 * math.pi)                     # L / λ_d
+    gamma = ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+    return (1.0 - gamma) * theta / factor + gamma * theta
+
+
+class Tempered(Mechanism):
+    """A mechanism's logits times ``m²``: YaRN's √(1/t) = m applied to both q and k.  Built at
+    evaluation around a trained model's mechanism (not a registry entry)."""
+
+    def __init__(self, base: Mechanism, m: float):
+        super().__init__(base.d_head, base.n_heads)
+        self.base, self.m = base, float(m)
+        self.cap = base.cap
+
+    def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
+        q, k, scale = self.base.prepare(q, k, n_keys)
+        return q, k, scale * self.m ** 2
+
+
+@contextlib.contextmanager
+def tempered(model: LM, m: float) -> Iterator[None]:
+    """Every layer's logits times m² inside the block (nothing changes for m = 1)."""
+    layers = [block.attn for block in model.blocks]
+    originals = [attn.mechanism for attn in layers]
+    try:
+        if m != 1.0:
+            for attn in layers:
+                attn.mechanism = Tempered(attn.mechanism, m)
+        yield
+    finally:
+        for attn, mech in zip(layers, originals):
+            attn.mechanism = mech
+
+
+@torch.no_grad()
+def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor:
+    """Mean attention entropy (nats) at each query position, per layer: (layers, N) float64.
+
+    Every call of the one pipeline in the model is observed through its observer hook
+    (:func:`attnscale.pipeline.observe`): the logits are formed from the mechanism-prepared q, k,
+    scale and cap it reports (:func:`attnscale.pipeline.logits`), causally masked, and reduced by
+    :func:`attnscale.stats.entropy`; mean over windows and heads.  The model calls the pipeline
+    once per layer, in layer order.
+    """
+    per_layer: list[Tensor] = []
+    calls = [0]
+
+    def observer(obs: Observation) -> None:
+        z = pipeline_logits(obs.q.detach(), obs.k.detach(), obs.scale, obs.cap)  # (B, H, N, N)
+        mask = key_mask(obs.mask, obs.causal, obs.q, obs.k)
+        if mask is not None:
+            z = z.masked_fill(~mask, -math.inf)
+        h = entropy(z).double().sum((0, 1)).cpu() / z.shape[1]                 # (N,)
+        i = calls[0] % len(model.blocks)
+        if len(per_layer) <= i:
+            per_layer.append(torch.zeros_like(h))
+        per_layer[i] += h
+        calls[0] += 1
+
+    was_training = model.training
+    model.eval()
+    try:
+        with observe(observer):
+            for lo in range(0, len(inputs), batch_size):
+                model(inputs[lo:lo + batch_size])
+    finally:
+        model.train(was_training)
+    return torch.stack(per_layer) / len(inputs)
+
+
+def entropy_batch(n_heads: int, n: int) -> int:
+    """Windows per forward in :func:`entropy_by_position`: its (B, H, N, N) logits stay within
+    :data:`ENTROPY_FLOATS` floats (a few copies of 64 MiB at float32)."""
+    return max(1, ENTROPY_FLOATS // (n_heads * n * n))
+
+
+def fit_minimum(x: Sequence[float], y: Sequence[float]) -> dict:
+    """The x minimising a sampled curve y(x): the vertex of the parabola through the grid minimum
+    and its two neighbours (clipped to them); at an end of the grid, that end with
+    ``edge = true``.  Non-finite y are skipped."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    ok = np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if len(x) == 0:
+        return {"x": None, "y": None, "edge": None}
+    i = int(np.argmin(y))
+    if i == 0 or i == len(x) - 1:
+        return {"x": float(x[i]), "y": float(y[i]), "edge": True}
+    a, b, c = np.polyfit(x[i - 1:i + 2], y[i - 1:i + 2], 2)
+    if a <= 0:
+        return {"x": float(x[i]), "y": float(y[i]), "edge": False}
+    vx = float(np.clip(-b / (2 * a), x[i - 1], x[i + 1]))
+    return {"x": vx, "y": float(a * vx * vx + b * vx + c), "edge": False}
+
+
+def _params() -> dict[str, Param]:
+    params = params_from_dataclass(RunConfig)
+    for key in ("max_seq_len", "device", "bf16", "monitor_every", "options"):
+        params.pop(key)
+    params["steps"] = Param(int, LM_STEPS)
+    params["eval_windows"] = Param(int, LM_WINDOWS)
+    params["lengths"] = Param(str, ",".join(map(str, EVAL_LENGTHS)))
+    params["yarn"] = Param(bool, True)   # the YaRN sweep, on the scaled model's trials only
+    params["yarn_factors"] = Param(str, ",".join(map(str, YARN_FACTORS)))
+    return params
+
+
+def _split(config: dict) -> tuple[RunConfig, list[int], list[int] | None]:
+    config = dict(config)
+    lengths = parse_int_list("lengths", config.pop("lengths"), minimum=1)
+    factors = parse_int_list("yarn_factors", config.pop("yarn_factors"), minimum=2)
+    yarn = config.pop("yarn") and config["mechanism"] == "scaled"  # YaRN extends scaled only
+    options = {"floor_scale": float(config["seq_len"])} if config["mechanism"] == "llama4-temp" \
+        else {}
+    run = RunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10),
+                    max_seq_len=max([config["seq_len"], *lengths]))
+    # Validated at the training context (the memory estimate is for training).
+    RunConfig(**{**run.to_json(), "max_seq_len": None}).validated()
+    return run, lengths, factors if yarn else None
+
+
+def _check(config: dict) -> None:
+    _split(config)
+
+
+@experiment("lm-length", params=_params(), check=_check, threads=1)
+def lm_length(**config) -> dict:
+    """Train the small LM at ``seq_len``, then evaluate loss and attention entropy by position
+    up to the longest of ``lengths``; with ``yarn``, the YaRN temperature sweep per factor."""
+    run, lengths, factors = _split(config)
+    train = run.to_json()
+    train["max_seq_len"] = None   # trained at seq_len; extended after
+    out: dict = {}
+
+    def extrapolate(model: LM) -> None:
+        corpus = load_corpus(run.data)
+        longest = max(lengths)
+        inputs, targets = eval_windows(corpus.val, run.eval_windows, longest)
+        base = rope_frequencies(model.config.d_head)
+        model.set_rope(base, longest)
+        loss = loss_by_position(model, (inputs, targets), batch_size=run.batch_size)
+        out["loss_by_position"] = loss.tolist()
+        out["loss_at_length"] = [float(loss[:n].mean()) for n in lengths]
+        out["entropy_by_position"] = entropy_by_position(
+            model, inputs, batch_size=entropy_batch(model.config.n_heads, longest)).tolist()
+        if factors is None:
+            return
+        out["yarn"] = []
+        for s in factors:
+            n = run.seq_len * s
+            model.set_rope(yarn_frequencies(base, s, run.seq_len), n)
+            windows = eval_windows(corpus.val, run.eval_windows, n)
+            curve = []
+            for m in M_GRID:
+                with tempered(model, m):
+                    curve.append(float(loss_by_position(model, windows,
+                                                        batch_size=run.batch_size).mean()))
+            out["yarn"].append({"factor": s, "length": n, "m": list(M_GRID), "loss": curve,
+                                "fit": fit_minimum(M_GRID, curve)})
+        model.set_rope(base, run.seq_len)
+
+    record = train_lm(RunConfig(**train), after=extrapolate)
+    return json_safe({
+        "options": dict(run.options), "lengths": lengths, "loss_init": record["loss_init"],
+        "final_val_loss": record["final_val_loss"], "diverged": record["diverged"], **out})

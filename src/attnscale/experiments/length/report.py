@@ -1,0 +1,434 @@
+"""The length study's analysis, figures and report fragment: pure functions over trial records.
+
+A record is a sweep record of ``recall-length`` or ``lm-length`` (``{"config", "result", ...}``,
+as :func:`attnscale.sweep.load` returns them).  Seed-to-seed intervals are the [min, max] over
+seeds, as in the small-LM study.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from attnscale.experiments.length.lm import M_GRID, M_STEP, YARN_ALPHA, YARN_BETA
+from attnscale.experiments.recall.metrics import json_safe, mean_spread
+from attnscale.mechanisms.llama4_temp import llama4_tau
+from attnscale.mechanisms.yarn import YARN_SLOPE, yarn_m
+
+# The study folder's report (``attnscale reproduce --include`` reads fragment.md and .json).
+FRAGMENT_FILES = {"markdown": "fragment.md", "json": "fragment.json",
+                  "summary": "length_study.json", "recall": "length_recall.png",
+                  "lm_loss": "length_lm_loss.png", "lm_entropy": "length_lm_entropy.png",
+                  "yarn": "length_yarn.png"}
+TITLE = "Temperature vs length: recall beyond the trained pair count, and the YaRN law measured"
+# Positions per bin in the by-position figures (the curves are per-position means over windows).
+POSITION_BIN = 16
+
+
+def _order(records: Sequence[dict]) -> list[str]:
+    return list(dict.fromkeys(r["config"]["mechanism"] for r in records))
+
+
+def _by_mechanism(records: Sequence[dict], mechanism: str) -> list[dict]:
+    return sorted((r for r in records if r["config"]["mechanism"] == mechanism),
+                  key=lambda r: r["config"]["seed"])
+
+
+def _spread(values) -> dict:
+    return mean_spread([None if v is None or not math.isfinite(v) else v for v in values])
+
+
+def recall_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per (mechanism, pairs): accuracy, entropy and max weight over seeds (mean, std,
+    min, max, n), and ln(pairs), entropy's ceiling."""
+    rows = []
+    for mech in _order(records):
+        runs = _by_mechanism(records, mech)
+        for i, n in enumerate(runs[0]["result"]["lengths"]):
+            row = {"mechanism": mech, "pairs": n, "log_pairs": math.log(n),
+                   "train_pairs": runs[0]["config"]["pairs"], "seeds": len(runs)}
+            for stat in ("accuracy", "entropy", "max_weight"):
+                row[stat] = _spread([r["result"][stat][i] for r in runs])
+            rows.append(row)
+    return rows
+
+
+def lm_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per (mechanism, context): validation loss over the first ``context`` positions,
+    over seeds."""
+    rows = []
+    for mech in _order(records):
+        runs = _by_mechanism(records, mech)
+        for i, n in enumerate(runs[0]["result"]["lengths"]):
+            rows.append({"mechanism": mech, "context": n, "train_context":
+                         runs[0]["config"]["seq_len"], "seeds": len(runs),
+                         "loss": _spread([r["result"]["loss_at_length"][i] for r in runs])})
+    return rows
+
+
+def yarn_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per extension factor s: the fitted √(1/t) per seed, its spread, and YaRN's
+    0.1 ln s + 1."""
+    runs = [r for r in records if r["result"].get("yarn")]
+    factors = list(dict.fromkeys(y["factor"] for r in runs for y in r["result"]["yarn"]))
+    rows = []
+    for s in factors:
+        per_seed = [(r["config"]["seed"], y) for r in runs for y in r["result"]["yarn"]
+                    if y["factor"] == s]
+        fits = [y["fit"]["x"] for _, y in per_seed]
+        rows.append({"factor": s, "context": per_seed[0][1]["length"], "yarn": yarn_m(s),
+                     "per_seed": fits, "edge": [y["fit"]["edge"] for _, y in per_seed],
+                     "loss_at_fit": [y["fit"]["y"] for _, y in per_seed],
+                     "loss_at_1": [y["loss"][y["m"].index(1.0)] if 1.0 in y["m"] else None
+                                   for _, y in per_seed],
+                     "fit": _spread(fits)})
+    return rows
+
+
+def yarn_slope(records: Sequence[dict]) -> dict | None:
+    """d√(1/t)/d ln s: per seed the least-squares slope of the fitted √(1/t) against ln s
+    (YaRN's law has 0.1), with its spread over seeds and the ln s span; None with < 2 factors."""
+    per_seed = []
+    for r in records:
+        fits = [(math.log(y["factor"]), y["fit"]["x"]) for y in r["result"].get("yarn") or []
+                if y["fit"]["x"] is not None]
+        if len(fits) >= 2:
+            per_seed.append(float(np.polyfit(*zip(*fits), 1)[0]))
+            span = max(x for x, _ in fits) - min(x for x, _ in fits)
+    return {"per_seed": per_seed, "span": span, **_spread(per_seed)} if per_seed else None
+
+
+def _interval(s: dict) -> list | None:
+    return None if s["mean"] is None else [s["min"], s["max"]]
+
+
+def _text(s: dict, digits: int = 3) -> str:
+    if s["mean"] is None:
+        return "n/a"
+    if s["n"] == 1:
+        return f"{s['mean']:.{digits}f}"
+    return f"{s['mean']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def _compare(a: dict, b: dict) -> str:
+    """'above', 'below' or 'overlap' for the seed ranges of spreads a and b."""
+    if a["min"] > b["max"]:
+        return "above"
+    if a["max"] < b["min"]:
+        return "below"
+    return "overlap"
+
+
+def _pair_claim(quantity: str, expected_side: str, ours: dict, ref: dict, ref_name: str,
+                source: str, note: str) -> dict | None:
+    """A claim that ``ours`` lies ``expected_side`` ("above"/"below") ``ref``; None when either
+    has no finite value (every seed diverged)."""
+    if ours["mean"] is None or ref["mean"] is None:
+        return None
+    side = _compare(ours, ref)
+    agrees = side == expected_side
+    verdict = "agrees" if agrees else \
+        "inconclusive: the seed ranges overlap" if side == "overlap" else "differs"
+    return {"quantity": quantity,
+            "expected": f"{expected_side} {ref_name}'s {_text(ref)} ({source})",
+            "ours": ours["mean"], "ci": _interval(ours), "verdict": verdict, "agrees": agrees,
+            "note": f"{note}; {ours['n']} seed(s), interval = seed-to-seed [min, max]"}
+
+
+def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
+    """The claim rows (fragment.json's contract); a claim whose runs are missing is left out."""
+    out = []
+    rows = recall_rows(recall) if recall else []
+    if rows:
+        longest = max(r["pairs"] for r in rows)
+        train = rows[0]["train_pairs"]
+        cell = {(r["mechanism"], r["pairs"]): r for r in rows}
+        for mech, source in (("ssmax", "Nakanishi 2025: s·ln n generalises to more keys than "
+                                       "a fixed temperature"),
+                             ("llama4-temp", "Llama 4's temperature tuning, the same argument")):
+            if (mech, longest) in cell and ("scaled", longest) in cell:
+                out.append(_pair_claim(
+                    f"recall accuracy at {longest} pairs, trained at {train}: {mech} vs scaled",
+                    "above", cell[mech, longest]["accuracy"], cell["scaled", longest]["accuracy"],
+                    "scaled", source,
+                    f"{mech} at {train} pairs: {_text(cell[mech, train]['accuracy'])}; scaled: "
+                    f"{_text(cell['scaled', train]['accuracy'])}"))
+    lrows = lm_rows(lm) if lm else []
+    if lrows:
+        longest = max(r["context"] for r in lrows)
+        train = lrows[0]["train_context"]
+        cell = {(r["mechanism"], r["context"]): r for r in lrows}
+        for mech in ("ssmax", "llama4-temp"):
+            if (mech, longest) in cell and ("scaled", longest) in cell:
+                out.append(_pair_claim(
+                    f"small-LM validation loss at context {longest}, trained at {train}: "
+                    f"{mech} vs scaled (nats/byte)", "below", cell[mech, longest]["loss"],
+                    cell["scaled", longest]["loss"], "scaled",
+                    "a length-aware temperature extrapolates better",
+                    f"at {train}: {mech} {_text(cell[mech, train]['loss'])}, scaled "
+                    f"{_text(cell['scaled', train]['loss'])}"))
+    out = [c for c in out if c is not None]
+    for row in yarn_rows(lm) if lm else []:
+        fit = row["fit"]
+        if fit["mean"] is None:
+            continue
+        lo, hi = fit["min"] - M_STEP / 2, fit["max"] + M_STEP / 2
+        agrees = lo <= row["yarn"] <= hi
+        side = "below" if row["yarn"] > hi else "above"
+        out.append({
+            "quantity": f"YaRN √(1/t) minimising the loss at context {row['context']} "
+                        f"(s = {row['factor']}), scaled small LM",
+            "expected": f"{YARN_SLOPE:g}·ln s + 1 = {row['yarn']:.3f} (Peng et al. 2023, fitted "
+                        "on LLaMA 7B-65B)",
+            "ours": fit["mean"], "ci": _interval(fit),
+            "verdict": "agrees" if agrees else f"differs: ours is {side}",
+            "agrees": agrees,
+            "note": f"{fit['n']} seed(s); agrees when 0.1·ln s + 1 lies in the seed range "
+                    f"widened by half the grid step ({M_STEP / 2:g})"
+                    + ("; a fit sits at the grid's edge" if any(row["edge"]) else "")})
+    slope = yarn_slope(lm) if lm else None
+    if slope is not None:
+        tol = M_STEP / 2 / slope["span"]
+        agrees = slope["min"] - tol <= YARN_SLOPE <= slope["max"] + tol
+        out.append({
+            "quantity": "slope of the fitted √(1/t) against ln s, scaled small LM",
+            "expected": f"{YARN_SLOPE:g} (YaRN's 0.1·ln s + 1)",
+            "ours": slope["mean"], "ci": _interval(slope),
+            "verdict": "agrees" if agrees else
+            f"differs: ours is {'below' if slope['max'] + tol < YARN_SLOPE else 'above'}",
+            "agrees": agrees,
+            "note": f"{slope['n']} seed(s); agrees when {YARN_SLOPE:g} lies in the seed range "
+                    f"widened by half a grid step over the ln s span ({tol:.3f})"})
+    return json_safe(out)
+
+
+# --- figures --------------------------------------------------------------------------------------
+
+def _band(ax, x, spreads, name: str) -> None:
+    from attnscale.styles import style
+    st = style(name)
+    ax.plot(x, [s["mean"] for s in spreads], label=name, ms=4, **st)
+    if any(s["n"] > 1 for s in spreads):
+        ax.fill_between(x, [s["min"] for s in spreads], [s["max"] for s in spreads],
+                        color=st["color"], alpha=0.15, lw=0)
+
+
+def figure_recall(records: Sequence[dict]):
+    """Accuracy and attention entropy vs pairs, per mechanism (band: seed range); the trained
+    pair count dotted, ln n dashed."""
+    from attnscale.report.figures import new_figure
+    rows = recall_rows(records)
+    fig, (acc, ent) = new_figure(2, width=4.6, height=3.6)
+    for mech in _order(records):
+        rs = [r for r in rows if r["mechanism"] == mech]
+        x = [r["pairs"] for r in rs]
+        _band(acc, x, [r["accuracy"] for r in rs], mech)
+        _band(ent, x, [r["entropy"] for r in rs], mech)
+    pairs = sorted({r["pairs"] for r in rows})
+    ent.plot(pairs, [math.log(n) for n in pairs], "k--", lw=1, label="ln n (uniform)")
+    for ax, label in ((acc, "held-out accuracy"), (ent, "attention entropy (nats)")):
+        ax.axvline(rows[0]["train_pairs"], color="gray", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pairs n (trained at the dotted line)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    acc.legend(fontsize=7)
+    return fig
+
+
+def _binned(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v) // POSITION_BIN * POSITION_BIN
+    return (np.arange(n // POSITION_BIN) + 0.5) * POSITION_BIN, \
+        v[:n].reshape(-1, POSITION_BIN).mean(1)
+
+
+def _by_position(ax, records: Sequence[dict], curve) -> None:
+    from attnscale.styles import style
+    for mech in _order(records):
+        curves = [np.asarray(curve(r), dtype=np.float64) for r in _by_mechanism(records, mech)
+                  if r["result"].get("loss_by_position") is not None]
+        if not curves:
+            continue
+        x, y = _binned(np.mean(curves, axis=0))  # a None (diverged) value shows as a gap
+        ax.plot(x, y, label=mech, markevery=0.1, ms=4, **style(mech))
+    ax.axvline(records[0]["config"]["seq_len"], color="gray", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"position (mean over bins of {POSITION_BIN}; trained up to the dotted line)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def figure_lm_loss(records: Sequence[dict]):
+    """Validation loss vs position, per mechanism, mean over seeds."""
+    from attnscale.report.figures import new_figure
+    fig, (ax,) = new_figure(1, width=6.0, height=3.8)
+    _by_position(ax, records, lambda r: r["result"]["loss_by_position"])
+    ax.set_ylabel("validation loss (nats/byte)")
+    return fig
+
+
+def figure_lm_entropy(records: Sequence[dict]):
+    """Attention entropy vs position (mean over layers, heads, windows and seeds); ln(i + 1),
+    the uniform ceiling, dashed."""
+    from attnscale.report.figures import new_figure
+    fig, (ax,) = new_figure(1, width=6.0, height=3.8)
+    _by_position(ax, records, lambda r: np.mean(np.asarray(
+        r["result"]["entropy_by_position"], dtype=np.float64), axis=0))
+    n = len(records[0]["result"]["loss_by_position"])
+    x, y = _binned(np.log(np.arange(1, n + 1)))
+    ax.plot(x, y, "k--", lw=1, label="ln(i + 1) (uniform)")
+    ax.legend(fontsize=7)
+    ax.set_ylabel("attention entropy (nats)")
+    return fig
+
+
+def figure_yarn(records: Sequence[dict]):
+    """Loss at context 128·s vs the multiplier √(1/t), one panel per s: mean over seeds, the
+    fitted minimum (solid) and YaRN's 0.1 ln s + 1 (dashed)."""
+    from attnscale.report.figures import new_figure
+    from attnscale.styles import style
+    runs = [r for r in records if r["result"].get("yarn")]
+    rows = yarn_rows(records)
+    fig, axes = new_figure(max(1, len(rows)), width=3.6, height=3.3)
+    for ax, row in zip(axes, rows):
+        curves = [y for r in runs for y in r["result"]["yarn"] if y["factor"] == row["factor"]]
+        m = curves[0]["m"]
+        ax.plot(m, np.mean([c["loss"] for c in curves], axis=0), ms=3, **style("scaled"))
+        if row["fit"]["mean"] is not None:
+            ax.axvline(row["fit"]["mean"], color="k", lw=1, label="fitted")
+        ax.axvline(row["yarn"], color="k", ls="--", lw=1, label="0.1 ln s + 1")
+        ax.set_title(f"s = {row['factor']} (context {row['context']})", fontsize=9)
+        ax.set_xlabel("√(1/t): logits × (√(1/t))²")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/byte)")
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+# --- report fragment ------------------------------------------------------------------------------
+
+def _recall_setup(records: Sequence[dict]) -> str:
+    c = records[0]["config"]
+    seeds = len({r["config"]["seed"] for r in records})
+    lengths = records[0]["result"]["lengths"]
+    lo, hi = min(lengths), max(lengths)
+    fs = c["floor_scale"] if c["floor_scale"] is not None else c["pairs"]
+    return (f"Recall (the essay's task, one head, d_k = {c['d_k']}, d_model = {c['d_model']}, "
+            f"{c['n_keys']} keys, {c['n_values']} values) trained at {c['pairs']} pairs for "
+            f"{c['steps']} steps of batch {c['batch_size']}, then scored on {c['eval_size']} "
+            f"held-out sequences per pair count with no retraining; {seeds} seed(s). "
+            f"llama4-temp uses floor_scale = {fs:g} (the trained pair count, as Llama 4's 8192 "
+            f"is its chunked layers' span), so τ = 0.1·ln(1 + ⌊n/{fs:g}⌋) + 1 goes from "
+            f"{llama4_tau(lo, fs):.2f} to {llama4_tau(hi, fs):.2f} over the evaluated counts.")
+
+
+def _lm_setup(records: Sequence[dict]) -> str:
+    c = records[0]["config"]
+    seeds = len({r["config"]["seed"] for r in records})
+    return (f"The small byte-level LM (width {c['d_model']}, {c['n_layers']} layers, "
+            f"{c['n_heads']} heads, RoPE) trained at context {c['seq_len']} for {c['steps']} "
+            f"steps, {seeds} seed(s); evaluated with no fine-tuning on {c['eval_windows']} "
+            "validation windows, the loss at context L being the mean over the first L positions "
+            "(causal, so equal to scoring windows of length L).  llama4-temp uses floor_scale = "
+            f"{c['seq_len']}.  YaRN: the scaled model's RoPE frequencies are interpolated by "
+            f"NTK-by-parts (α = {YARN_ALPHA:g}, β = {YARN_BETA:g}) for context "
+            f"{c['seq_len']}·s, and the multiplier √(1/t) on q and k swept over "
+            f"{M_GRID[0]:.2f}-{M_GRID[-1]:.2f} in steps of {M_STEP:g}; the minimum is the vertex "
+            "of a parabola through the grid minimum and its neighbours.")
+
+
+def _table(names: Sequence[str], heads: Sequence, cell, label=str) -> list[str]:
+    """A markdown table: one row per name, one column per head, ``cell(name, head)`` text."""
+    return (["| mechanism | " + " | ".join(label(h) for h in heads) + " |",
+             "|---|" + "---|" * len(heads)]
+            + [f"| {name} | " + " | ".join(cell(name, h) for h in heads) + " |"
+               for name in names])
+
+
+def markdown(recall: Sequence[dict], lm: Sequence[dict]) -> str:
+    lines = []
+    if recall:
+        rows = recall_rows(recall)
+        pairs = sorted({r["pairs"] for r in rows})
+        cell = {(r["mechanism"], r["pairs"]): r for r in rows}
+        lines += ["#### Recall beyond the trained pair count", "", _recall_setup(recall), "",
+                  "Held-out accuracy, mean [seed min, max]:", "",
+                  *_table(_order(recall), pairs, lambda m, n: _text(cell[m, n]["accuracy"], 2),
+                          lambda n: f"{n} pairs"),
+                  "", "Attention entropy (nats), mean over seeds; ln n is the uniform ceiling:",
+                  "", *_table(["ln n", *_order(recall)], pairs,
+                              lambda m, n: f"{math.log(n):.2f}" if m == "ln n" else
+                              f"{cell[m, n]['entropy']['mean']:.2f}"),
+                  "", f"![accuracy and entropy vs pairs]({FRAGMENT_FILES['recall']})", ""]
+    if lm:
+        rows = lm_rows(lm)
+        ctx = sorted({r["context"] for r in rows})
+        cell = {(r["mechanism"], r["context"]): r for r in rows}
+        lines += ["#### Small-LM length extrapolation", "", _lm_setup(lm), "",
+                  "Validation loss (nats/byte) at each context, mean [seed min, max]:", "",
+                  *_table(_order(lm), ctx, lambda m, n: _text(cell[m, n]["loss"]))]
+        lines += ["", f"![loss vs position]({FRAGMENT_FILES['lm_loss']})", "",
+                  f"![attention entropy vs position]({FRAGMENT_FILES['lm_entropy']})", ""]
+        yrows = yarn_rows(lm)
+        if yrows:
+            lines += ["#### YaRN's temperature law", "",
+                      "Validation loss (nats/byte) at context 128·s: with YaRN's interpolation "
+                      "at the fitted √(1/t) and at 1, and plain RoPE with no interpolation.", "",
+                      "| s | context | fitted √(1/t) | 0.1·ln s + 1 | loss at fit | loss at 1 "
+                      "| plain RoPE |", "|---|---|---|---|---|---|---|"]
+            for r in yrows:
+                at_fit = _spread(r["loss_at_fit"])
+                at_1 = _spread([v for v in r["loss_at_1"] if v is not None])
+                plain = cell.get(("scaled", r["context"]))
+                lines.append(f"| {r['factor']} | {r['context']} | {_text(r['fit'])} | "
+                             f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} | "
+                             f"{_text(plain['loss']) if plain else 'n/a'} |")
+            lines += ["", f"![loss vs the YaRN multiplier]({FRAGMENT_FILES['yarn']})", ""]
+    lines += ["#### Claims", "", "| claim | expected | ours | verdict |", "|---|---|---|---|"]
+    for c in claims(recall, lm):
+        ours = "n/a" if c["ours"] is None else f"{c['ours']:.3f}"
+        if c["ci"] is not None and c["ci"][0] != c["ci"][1]:
+            ours += f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]"
+        lines.append(f"| {c['quantity']} | {c['expected']} | {ours} | {c['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir, recall: Sequence[dict], lm: Sequence[dict], *,
+                 force: bool = False) -> dict:
+    """Write fragment.md, fragment.json (``attnscale reproduce --include``), length_study.json
+    (every table and claim) and the figures of the sections that have runs, all or nothing."""
+    from attnscale.errors import ConfigError
+    from attnscale.io import check_output_path, staged_dir
+    from attnscale.report.figures import save
+    if not recall and not lm:
+        raise ConfigError("the length study holds no finished run to draw from.")
+    out = check_output_path("--out", out_dir, kind="dir", files=FRAGMENT_FILES.values(),
+                            force=force)
+    found = claims(recall, lm)
+    summary = json_safe({"recall": recall_rows(recall) if recall else [],
+                         "lm": lm_rows(lm) if lm else [], "yarn": yarn_rows(lm) if lm else [],
+                         "yarn_slope": yarn_slope(lm) if lm else None, "claims": found})
+    written = {}
+    with staged_dir(out, param="--out", force=force) as staging:
+        def text(key: str, value: str) -> None:
+            (staging / FRAGMENT_FILES[key]).write_text(value, "utf-8")
+            written[key] = str(out / FRAGMENT_FILES[key])
+
+        def figure(key: str, fig) -> None:
+            save(fig, staging / FRAGMENT_FILES[key])
+            written[key] = str(out / FRAGMENT_FILES[key])
+        text("json", json.dumps({"title": TITLE, "claims": found}, indent=1, allow_nan=False))
+        text("summary", json.dumps(summary, indent=1, allow_nan=False))
+        text("markdown", markdown(recall, lm))
+        if recall:
+            figure("recall", figure_recall(recall))
+        if lm:
+            figure("lm_loss", figure_lm_loss(lm))
+            figure("lm_entropy", figure_lm_entropy(lm))
+            if summary["yarn"]:
+                figure("yarn", figure_yarn(lm))
+    return {"files": written, "claims": found, "summary": summary}
