@@ -1,4 +1,4 @@
-"""cli._common.study_sweep: the one home of the conventions every ``study`` command shares."""
+"""cli.study.study_sweep: the one home of the conventions every ``study`` command shares."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import sweep_experiments  # noqa: F401  (registers test-marked)
 from attnscale import sweep
-from attnscale.cli._common import study_sweep
+from attnscale.cli.study import study_sweep
 from attnscale.errors import ConfigError
 
 

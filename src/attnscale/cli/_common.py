@@ -7,9 +7,8 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
 
 from attnscale.errors import ConfigError
@@ -118,29 +117,3 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
 
-
-def study_sweep(args, experiment: str, study: str, start: Callable[[str, dict], Any]):
-    """The conventions every ``study`` command on the sweep engine shares: exactly one of
-    ``--out DIR`` (runs ``start(DIR, executor)``, which returns ``sweep.run``'s results; the same
-    grid again continues it), ``--resume DIR`` or ``--from DIR`` (read only); the store must hold an
-    ``experiment`` sweep with a finished run, and failed or pending runs are reported on stderr.
-    ``study`` names the study in errors ("a recall study").  Returns (folder, results)."""
-    from attnscale import sweep
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
-    executor = {"workers": args.workers, "ray_address": args.ray}
-    if args.from_dir is not None:
-        out, results = args.from_dir, sweep.load(args.from_dir)
-    elif args.resume is not None:
-        out, results = args.resume, sweep.resume(args.resume, **executor)
-    else:
-        out, results = args.out, start(args.out, executor)
-    if results.spec.experiment != experiment:
-        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not {study}.")
-    if not results.ok:
-        raise ConfigError(f"{out!r} holds no finished run to draw from.")
-    if results.failed or results.pending:
-        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
-              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
-              file=sys.stderr)
-    return out, results

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from attnscale.cli import _recall
-from attnscale.cli._common import (
-    add_command, add_output, format_table, print_json, study_sweep,
-)
-from attnscale.errors import parse_int_list, parse_name_list
+from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.errors import ConfigError, parse_int_list, parse_name_list
 from attnscale.experiments.recall.experiments import STUDY_SEEDS
 from attnscale.experiments.recall.outputs import STUDY_FILES
 from attnscale.mechanisms import MECHANISMS, check_mechanism
@@ -36,6 +36,33 @@ EXAMPLES = """
 
 SUMMARY_COLUMNS = ["mechanism", "d_k", "seeds", "steps_to_loss_0_1_mean", "steps_to_loss_0_1_std",
                    "reached_0_1", "accuracy_mean", "accuracy_min", "final_loss_mean"]
+
+
+def study_sweep(args, experiment: str, study: str, start: Callable[[str, dict], Any]):
+    """The conventions every ``study`` command on the sweep engine shares: exactly one of
+    ``--out DIR`` (runs ``start(DIR, executor)``, which returns ``sweep.run``'s results; the same
+    grid again continues it), ``--resume DIR`` or ``--from DIR`` (read only); the store must hold an
+    ``experiment`` sweep with a finished run, and failed or pending runs are reported on stderr.
+    ``study`` names the study in errors ("a recall study").  Returns (folder, results)."""
+    from attnscale import sweep
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    executor = {"workers": args.workers, "ray_address": args.ray}
+    if args.from_dir is not None:
+        out, results = args.from_dir, sweep.load(args.from_dir)
+    elif args.resume is not None:
+        out, results = args.resume, sweep.resume(args.resume, **executor)
+    else:
+        out, results = args.out, start(args.out, executor)
+    if results.spec.experiment != experiment:
+        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not {study}.")
+    if not results.ok:
+        raise ConfigError(f"{out!r} holds no finished run to draw from.")
+    if results.failed or results.pending:
+        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
+              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
+              file=sys.stderr)
+    return out, results
 
 
 def _recall_study(args) -> int:

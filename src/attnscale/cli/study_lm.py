@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.cli._common import (
-    add_command, add_output, format_table, print_json, study_sweep,
-)
+from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli.study import study_sweep
 from attnscale.errors import ConfigError, check_unique, parse_int_list
 from attnscale.experiments.lm.study import (DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS,
                                             FRAGMENT_FILES, QUICK_VARIANTS, WORTSMAN_LRS,

@@ -6,7 +6,6 @@ tested on synthetic curves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
