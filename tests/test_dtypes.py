@@ -86,3 +86,25 @@ def test_hf_llama_cast_after_set_mechanism(name, dtype):
     tol = TOL[dtype] * 5  # RMSNorm and the MLP round in the dtype too
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_multihead_attention_bf16_autocast(name, training):
+    """float32 weights under CPU bf16 autocast (the LM's --bf16): forward and backward run, the
+    output matches the float32 module at bf16 tolerance, gradients stay float32 and finite."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(D_MODEL, HEADS, name).train(training)
+    twin = copy.deepcopy(mha)
+    x = _x(torch.float32).requires_grad_()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        out = mha(x, causal=True)
+    want = twin(x.detach(), causal=True)
+    tol = TOL[torch.bfloat16]
+    assert_close(out.float(), want, rtol=tol, atol=tol)
+    out.float().square().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    assert bool(torch.isfinite(x.grad).all())
+    grads = [p.grad for p in mha.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)

@@ -221,3 +221,10 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig, code):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     assert _names(out) == []
+
+
+def test_json_safe_makes_non_finite_numbers_null_for_strict_json():
+    record = {"loss": [1.5, float("nan"), float("inf")], "best": (-float("inf"), 2), "name": "x"}
+    safe = io.json_safe(record)
+    assert safe == {"loss": [1.5, None, None], "best": [None, 2], "name": "x"}
+    assert json.loads(json.dumps(safe, allow_nan=False)) == safe

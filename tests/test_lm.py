@@ -214,15 +214,7 @@ def test_deterministic_per_seed(text_dir):
     assert a["train_loss"] != c["train_loss"]
 
 
-# sigma-reparam's σ = uᵀ(W v) mixes a float32 u with an autocast-bf16 W v in torch.dot
-# (mechanisms/sigma_reparam.py, _sigma); strict, so this test fails once that is fixed.
-_BF16_BROKEN = {"sigma-reparam": "sigma_reparam._sigma: torch.dot of float32 and bf16"}
-
-
-@pytest.mark.parametrize("mechanism", [
-    pytest.param(m, marks=pytest.mark.xfail(reason=_BF16_BROKEN[m], strict=True,
-                                            raises=RuntimeError))
-    if m in _BF16_BROKEN else m for m in MECHANISMS])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_bf16_autocast(text_dir, mechanism):
     r = train_lm(tiny(text_dir, bf16=True, mechanism=mechanism, steps=2))
     assert all(math.isfinite(x) for x in r["train_loss"]) and math.isfinite(r["final_val_loss"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import sweep_experiments
+from sweep_experiments import gone, wait_until
 from attnscale import sweep
 from attnscale.errors import ConfigError
 from attnscale.io import MANIFEST
@@ -305,38 +306,33 @@ def _driver(*argv: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_lines(out: Path, count: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_for_lines(out: Path, count: int, proc: subprocess.Popen) -> None:
     path = out / RESULTS_FILE
-    while time.monotonic() < deadline:
+
+    def written() -> bool:
         if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
+            return True
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"no {count} records within {timeout} s")
+        return False
+
+    wait_until(written, f"{count} records")
 
 
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie awaiting its reaper counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _assert_all_gone(pids: set[int], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
-        time.sleep(0.05)
-    assert pids and all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+def _assert_all_gone(pids: set[int]) -> None:
+    assert pids
+    wait_until(lambda: all(gone(p) for p in pids),
+               f"workers {sorted(p for p in pids if not gone(p))} gone")
 
 
 def _stop(driver: subprocess.Popen, how: signal.Signals, marks: Path) -> None:
     """Stop the driver with ``how``; SIGINT exits 130 and SIGTERM 143, cleanly.  Either way no
     worker may outlive it."""
     driver.send_signal(how)
+    if how == signal.SIGKILL:
+        # Nothing can run in a SIGKILLed driver: the fork server dies with it, and the workers
+        # with the fork server, even while their trials wait at closed gates.
+        driver.wait(timeout=60)
+        _assert_all_gone({pid for pid, _ in sweep_experiments.held(marks).values()})
     _, err = driver.communicate(timeout=60)
     if how == signal.SIGKILL:
         assert driver.returncode == -signal.SIGKILL
@@ -348,14 +344,19 @@ def _stop(driver: subprocess.Popen, how: signal.Signals, marks: Path) -> None:
 
 
 def test_interrupt_terminate_kill_then_resume_runs_every_trial_once(tmp_path, marks):
+    """The trials are gated (see sweep_experiments): before each stop exactly one more trial is let
+    through, so the driver is always stopped with trials running and others left, whatever the
+    machine's load."""
     out = tmp_path / "s"
     grid = {"x": list(range(12))}
-    fixed = {"marks": str(marks), "sleep": 0.25}
+    fixed = {"marks": str(marks), "gate": True}
     driver = _driver("test-marked", "--grid", "x=" + ",".join(map(str, grid["x"])),
-                     "--set", f"marks={marks}", "--set", "sleep=0.25", "--out", str(out),
+                     "--set", f"marks={marks}", "--set", "gate=true", "--out", str(out),
                      "--workers", "2")
     done = 0
     for how in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        recorded = {r["config"]["x"] for r in _lines(out)} if done else set()
+        (marks / f"go-{min(set(grid['x']) - recorded)}").touch()
         _wait_for_lines(out, done + 1, driver)
         _stop(driver, how, marks)
         assert (out / RESULTS_FILE).read_bytes().endswith(b"\n")   # finished trials kept whole
@@ -363,8 +364,10 @@ def test_interrupt_terminate_kill_then_resume_runs_every_trial_once(tmp_path, ma
         assert done < len(grid["x"])
         if how != signal.SIGKILL:
             driver = _driver("--resume", str(out), "--workers", "2")
+    assert done == 3   # one trial let through per stage
     with open(out / RESULTS_FILE, "ab") as fh:   # as if killed in the middle of a record
         fh.write(b'{"trial": "0123')
+    (marks / "go-all").touch()
     finished = sweep.resume(out, workers=2)
     assert finished.complete
     lines = _lines(out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 import sweep_experiments
+from sweep_experiments import wait_until
 from attnscale import sweep
 from attnscale.sweep.ray_exec import MAX_RETRIES
-from attnscale.sweep.store import RESULTS_FILE
 
 TESTS = Path(__file__).resolve().parent
 SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
@@ -65,14 +64,11 @@ def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable):
     assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + MAX_RETRIES, 3: 1}
 
 
-def _in_flight(marks: Path, out: Path) -> int:
-    """Trials started (a ran-X file) and not yet recorded."""
-    path = out / RESULTS_FILE
-    done = path.read_bytes().count(b"\n") if path.exists() else 0
-    return len(list(marks.glob("ran-*"))) - done
-
-
 def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
+    """Every trial is gated (see sweep_experiments), so the first two hold the only CPU of each
+    node.  The node is removed while its trial runs, and the gate opens only once that trial's
+    process is gone: exactly that trial runs twice (Ray's retry, on the other node), every other
+    trial once, and the sweep completes.  No step depends on timing."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # head runs no task
     try:
         doomed = cluster.add_node(num_cpus=1)
@@ -80,27 +76,40 @@ def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
         cluster.wait_for_nodes()
         marks, out = tmp_path / "marks", tmp_path / "s"
         marks.mkdir()
-        removed = threading.Event()
+        lost: list[int] = []
+        failures: list[BaseException] = []
+        sweep_over = threading.Event()   # the sweep returned: stop waiting for trials to start
 
-        def remove_when_both_nodes_are_busy():
-            deadline = time.monotonic() + 120
-            while _in_flight(marks, out) < 2 or not (out / RESULTS_FILE).exists():
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.02)
-            cluster.remove_node(doomed)       # takes the trial running on it down with it
-            removed.set()
+        def remove_the_node_under_its_trial():
+            try:
+                wait_until(lambda: len(sweep_experiments.held(marks)) >= 2 or sweep_over.is_set(),
+                           "a trial running on each node")
+                held = sweep_experiments.held(marks)
+                on_doomed = [x for x, (_, node) in held.items() if node == doomed.node_id]
+                assert len(held) == 2 and len(on_doomed) == 1, (held, doomed.node_id)
+                lost.append(on_doomed[0])
+                pid = held[on_doomed[0]][0]
+                cluster.remove_node(doomed)   # takes the trial running on it down with it
+                wait_until(lambda: sweep_experiments.gone(pid), "the removed node's trial gone")
+            except BaseException as err:  # reported by the test, after the sweep
+                failures.append(err)
+            finally:
+                (marks / "go-all").touch()   # never leave the sweep waiting
 
-        remover = threading.Thread(target=remove_when_both_nodes_are_busy)
+        remover = threading.Thread(target=remove_the_node_under_its_trial)
         remover.start()
         grid = {"x": list(range(8))}
-        res = sweep.run("test-marked", grid, out, fixed={"marks": str(marks), "sleep": 0.4},
-                        ray_address=cluster.address)
-        remover.join()
-        assert removed.is_set()
+        try:
+            res = sweep.run("test-marked", grid, out, fixed={"marks": str(marks), "gate": True},
+                            ray_address=cluster.address)
+        finally:
+            sweep_over.set()
+            remover.join()
+        if failures:
+            raise failures[0]
         assert res.complete and sorted(r["config"]["x"] for r in res) == grid["x"]
-        runs = sweep_experiments.runs(marks)
-        assert sorted(runs) == grid["x"] and sorted(runs.values())[-1] == 2   # one was retried
+        assert sweep_experiments.runs(marks) == {x: 1 + (x in lost) for x in grid["x"]}
+        assert len(lost) == 1
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -55,6 +56,18 @@ _MANIFEST_DEPTH = 3
 _STAGING_PID = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-")
 
 Data = str | bytes | Callable[[Path], object]
+
+
+def json_safe(obj):
+    """``obj`` with every NaN or infinite float replaced by None (a diverged run's loss), so that
+    it can be written as strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class Terminated(SystemExit):

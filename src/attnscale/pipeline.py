@@ -243,7 +243,12 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
+    Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
+    recast the kernels' float32 internals (their blocks, the mechanisms' statistics) to half.
     """
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace)
     check_qkv(q, k, v)
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:

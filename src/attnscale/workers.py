@@ -15,10 +15,11 @@ adopt 1 thread).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -86,3 +87,14 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
     if workers <= 1 or len(items) <= 1:
         return [call(x) for x in items]
     return list(worker_pool(workers).map(call, items))
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads, restoring the previous count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -69,6 +69,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnscale {args.command}: terminated", file=sys.stderr)
         return int(err.code)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -116,3 +116,4 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from attnscale.cli import _recall
 from attnscale.cli._common import add_command, add_output, format_table, print_json
@@ -36,6 +38,33 @@ SUMMARY_COLUMNS = ["mechanism", "d_k", "seeds", "steps_to_loss_0_1_mean", "steps
                    "reached_0_1", "accuracy_mean", "accuracy_min", "final_loss_mean"]
 
 
+def study_sweep(args, experiment: str, study: str, start: Callable[[str, dict], Any]):
+    """The conventions every ``study`` command on the sweep engine shares: exactly one of
+    ``--out DIR`` (runs ``start(DIR, executor)``, which returns ``sweep.run``'s results; the same
+    grid again continues it), ``--resume DIR`` or ``--from DIR`` (read only); the store must hold an
+    ``experiment`` sweep with a finished run, and failed or pending runs are reported on stderr.
+    ``study`` names the study in errors ("a recall study").  Returns (folder, results)."""
+    from attnscale import sweep
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    executor = {"workers": args.workers, "ray_address": args.ray}
+    if args.from_dir is not None:
+        out, results = args.from_dir, sweep.load(args.from_dir)
+    elif args.resume is not None:
+        out, results = args.resume, sweep.resume(args.resume, **executor)
+    else:
+        out, results = args.out, start(args.out, executor)
+    if results.spec.experiment != experiment:
+        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not {study}.")
+    if not results.ok:
+        raise ConfigError(f"{out!r} holds no finished run to draw from.")
+    if results.failed or results.pending:
+        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
+              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
+              file=sys.stderr)
+    return out, results
+
+
 def _recall_study(args) -> int:
     """Run the grid on the sweep engine (or continue it, or only read it), then draw the table,
     figure and markdown from the store in the same folder."""
@@ -47,26 +76,13 @@ def _recall_study(args) -> int:
          for m in parse_name_list("--mechanisms", args.mechanisms)]
     grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
             "seed": parse_int_list("--seed", args.seed, minimum=0)}
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
-    executor = {"workers": args.workers, "ray_address": args.ray}
-    if args.from_dir is not None:
-        out, results = args.from_dir, sweep.load(args.from_dir)
-    elif args.resume is not None:
-        out, results = args.resume, sweep.resume(args.resume, **executor)
-    else:
+
+    def start(out: str, executor: dict):
         base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
         fixed = {k: getattr(base, k) for k in ("pairs", "steps", "lr", "batch_size", "optimizer")}
-        out = args.out
-        results = sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
-    if results.spec.experiment != "recall":
-        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not a recall study.")
-    if not results.ok:
-        raise ConfigError(f"{out!r} holds no finished run to draw from.")
-    if results.failed or results.pending:
-        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
-              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
-              file=sys.stderr)
+        return sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
+
+    out, results = study_sweep(args, "recall", "a recall study", start)
     result = write_study(out, [run_result(r) for r in results.ok], force=args.force)
     if args.json:
         print_json({"rows": result["summary"]})

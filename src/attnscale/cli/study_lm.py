@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli.study import study_sweep
 from attnscale.errors import ConfigError, check_unique, parse_int_list
 from attnscale.experiments.lm.study import (DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS,
                                             FRAGMENT_FILES, QUICK_VARIANTS, WORTSMAN_LRS,
@@ -66,26 +67,13 @@ def _study(args) -> int:
         variants = list(QUICK_VARIANTS) if args.mechanisms == _DEFAULTS["mechanisms"] else variants
         widths = [min(widths)] if args.widths == _DEFAULTS["widths"] else widths
         seeds = seeds[:1] if args.seeds == _DEFAULTS["seeds"] else seeds
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
-    executor = {"workers": args.workers, "ray_address": args.ray}
-    if args.from_dir is not None:
-        out, results = args.from_dir, sweep.load(args.from_dir)
-    elif args.resume is not None:
-        out, results = args.resume, sweep.resume(args.resume, **executor)
-    else:
+
+    def start(out: str, executor: dict):
         grid = {"variant": variants, "lr": lrs, "d_model": widths, "seed": seeds}
         fixed = {k: v for k, v in (("steps", args.steps), ("data", args.data)) if v is not None}
-        out = args.out
-        results = sweep.run("lm", grid, out, fixed=fixed, force=args.force, **executor)
-    if results.spec.experiment != "lm":
-        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not an lm study.")
-    if not results.ok:
-        raise ConfigError(f"{out!r} holds no finished run to draw from.")
-    if results.failed or results.pending:
-        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
-              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
-              file=sys.stderr)
+        return sweep.run("lm", grid, out, fixed=fixed, force=args.force, **executor)
+
+    out, results = study_sweep(args, "lm", "an lm study", start)
     records = [r["result"] for r in results.ok]
     report = write_report(records, out, force=args.force)
     rows = sensitivity_rows(records)

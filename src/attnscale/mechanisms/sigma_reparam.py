@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
+from attnscale.precision import upcast
 
 # Power-iteration steps at construction, so σ(W_0) starts near converged (torch's spectral_norm
 # does 15; these are cheap, once); afterwards one step per training forward.
@@ -30,24 +31,36 @@ class SigmaReparam(nn.Module):
         w = weight.detach()
         self.register_buffer("u", F.normalize(w.new_empty(w.shape[0]).normal_(), dim=0))
         self.register_buffer("v", F.normalize(w.new_empty(w.shape[1]).normal_(), dim=0))
-        self._power_iteration(w, INIT_POWER_ITERS)
-        self.gamma = nn.Parameter(self._sigma(w).detach())
+        with torch.autocast(w.device.type, enabled=False):
+            self._power_iteration(upcast(w), INIT_POWER_ITERS)
+            self.gamma = nn.Parameter(self._sigma(upcast(w)).detach().to(w.dtype))
+
+    # Power iteration and σ run in float32 at least (attnscale.precision.upcast) with autocast off,
+    # whatever the dtype of the module (u, v may be bf16 buffers) or the autocast state: under bf16
+    # autocast the matrix-vector products would otherwise come out bf16 beside float32 u and v.
 
     @torch.no_grad()
     def _power_iteration(self, w: Tensor, steps: int) -> None:
+        u, v = upcast(self.u), upcast(self.v)
         for _ in range(steps):
-            self.v.copy_(F.normalize(w.t() @ self.u, dim=0))
-            self.u.copy_(F.normalize(w @ self.v, dim=0))
+            v = F.normalize(w.t() @ u, dim=0)
+            u = F.normalize(w @ v, dim=0)
+        self.v.copy_(v)
+        self.u.copy_(u)
 
     def _sigma(self, w: Tensor) -> Tensor:
         # σ = uᵀ W v with u, v held constant, so dσ/dW = u vᵀ.  Clones, because the next training
         # forward updates the buffers in place before this graph's backward may have run.
-        return torch.dot(self.u.clone(), w @ self.v.clone())
+        u, v = (upcast(t.clone()) for t in (self.u, self.v))
+        return torch.dot(u, w @ v)
 
     def forward(self, w: Tensor) -> Tensor:
-        if self.training:
-            self._power_iteration(w.detach(), 1)
-        return (self.gamma / self._sigma(w)) * w
+        # The weight returned keeps w's dtype; the layer that uses it casts it as autocast says.
+        with torch.autocast(w.device.type, enabled=False):
+            w_work = upcast(w)
+            if self.training:
+                self._power_iteration(w_work.detach(), 1)
+            return ((self.gamma / self._sigma(w_work)) * w_work).to(w.dtype)
 
 
 @register("sigma-reparam")

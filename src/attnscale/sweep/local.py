@@ -203,8 +203,9 @@ def _context():
         ctx = multiprocessing.get_context("forkserver")
         # The driver's script (experiments it defines), attnscale's experiments, and
         # torch._dynamo, which torch.optim imports at the first optimizer (about 1 s, once here
-        # rather than once per worker).
-        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo"])
+        # rather than once per worker); the guard makes the fork server die with the driver.
+        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo",
+                                    "attnscale.sweep._forkserver_guard"])
         return ctx
     return multiprocessing.get_context("spawn")
 

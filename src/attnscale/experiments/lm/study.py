@@ -498,7 +498,7 @@ def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> di
     import json
 
     from attnscale.errors import ConfigError
-    from attnscale.experiments.recall.metrics import json_safe
+    from attnscale.io import json_safe
     from attnscale.io import check_output_path, staged_dir
     from attnscale.report.figures import save
     if not records:

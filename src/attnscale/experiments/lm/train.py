@@ -42,11 +42,11 @@ from torch import Tensor
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
-from attnscale.experiments.recall.metrics import json_safe
-from attnscale.experiments.recall.trainer import num_threads
+from attnscale.io import json_safe
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
+from attnscale.workers import num_threads
 
 # --- Wortsman et al. 2023 (arXiv 2309.14322), section 2.1 ----------------------------------------
 ADAM_BETAS = (0.9, 0.95)

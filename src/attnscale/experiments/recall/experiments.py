@@ -25,8 +25,9 @@ from attnscale.experiments.recall.config import RecallConfig, sqrt_dk, sweep
 from attnscale.experiments.recall.model import RecallNet, StackedRecall
 from attnscale.experiments.recall.task import eval_set
 from attnscale.experiments.recall.trainer import (
-    TRAIN_THREADS, RunResult, evaluate, num_threads, run_all, train_runs,
+    TRAIN_THREADS, RunResult, evaluate, run_all, train_runs,
 )
+from attnscale.workers import num_threads
 
 # The all-mechanism study's grid (issue 4: "d_k in {16, 64, 256, 1024} x 3 seeds").
 STUDY_D_KS = (16, 64, 256, 1024)

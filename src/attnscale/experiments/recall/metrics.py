@@ -6,10 +6,12 @@ tested on synthetic curves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from attnscale.io import json_safe  # noqa: F401  (its home is attnscale.io; experiments/length
+#                                   still imports it from here)
 
 # Smoothed loss s_t = EMA_DECAY * s_{t-1} + (1 - EMA_DECAY) * loss_t, started at s_0 = loss_0.
 # 0.98 averages over ~50 steps (1 / (1 - 0.98)): enough to read a milestone off a noisy batch loss,
@@ -97,18 +99,6 @@ def power_law_exponent(x: Sequence[float], y: Sequence[float]) -> float:
     lx = np.log(np.asarray(x, dtype=np.float64))
     ly = np.log(np.asarray(y, dtype=np.float64))
     return float(np.polyfit(lx, ly, 1)[0])
-
-
-def json_safe(obj):
-    """``obj`` with every NaN or infinite float replaced by None (a diverged run's loss), so that
-    it can be written as strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def mean_spread(values: Sequence[float | None]) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from attnscale.io import check_output_path, staged_dir
 from attnscale.experiments.recall import metrics
+from attnscale.io import json_safe
 from attnscale.experiments.recall.experiments import study_summary
 from attnscale.experiments.recall.figures import study_figure
 from attnscale.experiments.recall.trainer import RunResult, config_dict
@@ -71,7 +72,7 @@ def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult], *,
     summary = study_summary(runs)
     shared = {k: v for k, v in config_dict(runs[0].config).items()
               if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies
-    result = metrics.json_safe({"config": shared, "summary": summary,
+    result = json_safe({"config": shared, "summary": summary,
                                 "runs": [{**r.row(), "config": config_dict(r.config)}
                                          for r in runs]})
     with staged_dir(out_dir, force=force) as staging:

@@ -15,14 +15,14 @@ writing its loss into a preallocated tensor.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from attnscale.errors import ConfigError, check_int_list, check_name_list
+from attnscale.io import json_safe
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
@@ -30,6 +30,7 @@ from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRec
 from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
 from attnscale.stats import columns, logit_std, row_stats
+from attnscale.workers import num_threads
 
 TRAIN_THREADS = 1
 # Held-out sequences per evaluation forward (bounds the (M, chunk, P, d_k) key tensor).
@@ -62,7 +63,7 @@ class RunResult:
         """The issue's JSON record for ``attnscale compare --json`` (loss_curve = per-step loss;
         non-finite numbers of a diverged run become null)."""
         c = self.config
-        return metrics.json_safe({
+        return json_safe({
             "mechanism": c.mechanism, "seed": c.seed, "steps_to_loss_1": self.steps_to_loss_1,
             "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
             "eval_accuracy": self.eval_accuracy, "grad_wq_norm_step0": self.grad_wq_norm_step0,
@@ -72,7 +73,7 @@ class RunResult:
     def row(self) -> dict:
         """A flat record for tables and results.json (no curves)."""
         c = self.config
-        return metrics.json_safe({
+        return json_safe({
             "mechanism": c.mechanism, "seed": c.seed, "d_k": c.d_k, "optimizer": c.optimizer,
             "lr": c.lr, "qk_lr_mult": c.qk_lr_mult, "steps": c.steps,
             "steps_to_loss_1": self.steps_to_loss_1, "steps_to_loss_0_1": self.steps_to_loss_0_1,
@@ -81,17 +82,6 @@ class RunResult:
             "logit_grad_norm_step0": self.logit_grad_norm_step0,
             "plateaus": len(self.plateaus), "wall_seconds": self.wall_seconds,
             **{f"eval_{k}": v for k, v in self.eval_stats.items()}})
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` intra-op threads, restoring the previous count afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:

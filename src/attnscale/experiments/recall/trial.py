@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from attnscale.experiments.recall import metrics
+from attnscale.io import json_safe
 from attnscale.experiments.recall.config import RecallConfig, shared_key
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train, train_runs
 from attnscale.experiments.registry import experiment, params_from_dataclass
@@ -48,7 +49,7 @@ def recall_run(**config) -> dict:
 
 def trial_result(run: RunResult) -> dict:
     """The record's result: every measurement of ``run`` but its wall time."""
-    return metrics.json_safe({
+    return json_safe({
         "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
         "final_loss": run.final_loss, "eval_accuracy": run.eval_accuracy,
         "grad_wq_norm_step0": run.grad_wq_norm_step0,

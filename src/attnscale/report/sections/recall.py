@@ -18,6 +18,7 @@ import numpy as np
 
 from attnscale.experiments.recall import RecallConfig, compare, run_all
 from attnscale.experiments.recall import metrics
+from attnscale.io import json_safe
 from attnscale.experiments.recall.experiments import (
     adam_separation, grad_decomposition, init_reparam_sgd, logit_scaling, milestone_ratios,
 )
@@ -255,5 +256,5 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
             + [{"kind": "logit_scaling", **r} for r in scaling["rows"]]
             + [{"kind": "config", **config_dict(base)}])
     m = {claim: value for claim, value in m.items() if value is not None}
-    return Section("A Training Demo (associative recall)", metrics.json_safe(rows), m, figures,
+    return Section("A Training Demo (associative recall)", json_safe(rows), m, figures,
                    _table(demo, grads, adam, sgd, scaling, seeds))
