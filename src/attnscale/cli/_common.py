@@ -53,6 +53,27 @@ def add_output(p: argparse.ArgumentParser, flag: str, *, kind: str = "file",
         add_force(p)
 
 
+def add_executor_options(p: argparse.ArgumentParser) -> None:
+    """``--workers N`` and ``--ray [ADDRESS]``: where a sweep's trials run, for every command that
+    runs one (the same words everywhere)."""
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="local worker processes (default: one per core); each gets "
+                        "cores / N torch threads")
+    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run trials as Ray tasks: alone, a local Ray instance; 'auto', the "
+                        "cluster started on this machine; HOST:PORT or ray://HOST:10001, a "
+                        "remote one (needs pip install 'attnscale[ray]')")
+
+
+def add_study_store_options(p: argparse.ArgumentParser, drawn: str) -> None:
+    """``--resume DIR`` and ``--from DIR`` of a study whose ``--out`` is a sweep store;
+    ``drawn`` names what the study draws from its store."""
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the study stored in DIR with its own settings, then draw")
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help=f"only redraw {drawn} from the store in DIR, running nothing")
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """Check every registered output path of the command (see :func:`attnscale.io.check_output_path`);
     an option left unset is skipped, two options naming the same path are an error."""

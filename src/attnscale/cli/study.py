@@ -12,7 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from attnscale.cli import _recall
-from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli._common import (
+    add_command, add_executor_options, add_output, add_study_store_options, format_table,
+    print_json,
+)
 from attnscale.errors import ConfigError, parse_int_list, parse_name_list
 from attnscale.experiments.recall.experiments import STUDY_SEEDS
 from attnscale.experiments.recall.outputs import STUDY_FILES
@@ -99,15 +102,8 @@ def register_study(studies) -> None:
     add_output(q, "--out", kind="dir", files=STUDY_FILES.values(), metavar="DIR",
                help="output directory: the runs' store (see 'attnscale sweep'), and the table, "
                     "figure and markdown drawn from it")
-    q.add_argument("--resume", metavar="DIR", help="continue the study stored in DIR, then draw")
-    q.add_argument("--from", dest="from_dir", metavar="DIR",
-                   help="only redraw the table, figure and markdown from the store in DIR")
-    q.add_argument("--workers", type=int, metavar="N",
-                   help="worker processes (default: one per core); the runs of a d_k share one "
-                        "batched model per worker")
-    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run on Ray instead: alone, a local instance; 'auto' or HOST:PORT, a "
-                        "cluster (see 'attnscale sweep --help')")
+    add_study_store_options(q, "the table, figure and markdown")
+    add_executor_options(q)  # the runs of a d_k share one batched model per worker
     q.add_argument("--mechanisms", default="all",
                    help="comma-separated mechanism names, or 'all' (default: %(default)s)")
     q.add_argument("--seed", default=",".join(map(str, STUDY_SEEDS)),

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli._common import (
+    add_command, add_executor_options, add_output, add_study_store_options, format_table,
+    print_json,
+)
 from attnscale.errors import ConfigError, check_int
 
 EXAMPLES = """
@@ -55,16 +58,9 @@ def register_study(studies) -> None:
     add_output(q, "--out", kind="dir", files=[SETTINGS_FILE, *FRAGMENT_FILES.values()],
                metavar="DIR", help="study folder: the two sweep stores, the figures and "
                                    "fragment.md/fragment.json for 'reproduce --include'")
-    q.add_argument("--from", dest="from_dir", metavar="DIR",
-                   help="only redraw the figures and fragment from the stores in DIR")
     q.add_argument("--quick", action="store_true",
                    help="2 seeds, fewer steps, recall at width 64: about 10 minutes on 2 cores")
-    q.add_argument("--resume", metavar="DIR",
-                   help="continue the study stored in DIR with its own settings, then draw")
-    q.add_argument("--workers", type=int, metavar="N",
-                   help="worker processes, one trial each at a time (default: one per core)")
-    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run on Ray instead: alone, a local instance; 'auto' or HOST:PORT, a "
-                        "cluster (see 'attnscale sweep --help')")
+    add_study_store_options(q, "the figures and fragment")
+    add_executor_options(q)
     q.add_argument("--json", action="store_true", help="print the claims as one JSON object")
     q.set_defaults(func=_run)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli._common import (
+    add_command, add_executor_options, add_output, add_study_store_options, format_table,
+    print_json,
+)
 from attnscale.cli.study import study_sweep
 from attnscale.errors import ConfigError, check_unique, parse_int_list
 from attnscale.experiments.lm.study import (DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS,
@@ -95,9 +98,7 @@ def register_study(studies) -> None:
     add_output(q, "--out", kind="dir", files=FRAGMENT_FILES.values(), metavar="DIR",
                help="study folder: the runs' store (see 'attnscale sweep'), and the figures and "
                     "fragment drawn from it; the same grid again continues it")
-    q.add_argument("--resume", metavar="DIR", help="continue the study stored in DIR, then draw")
-    q.add_argument("--from", dest="from_dir", metavar="DIR",
-                   help="only redraw the figures and fragment from the store in DIR")
+    add_study_store_options(q, "the figures and fragment")
     q.add_argument("--mechanisms", default=_DEFAULTS["mechanisms"],
                    help="comma-separated variants, e.g. 'scaled,qk-layernorm(divisor=False)' "
                         "(default: %(default)s)")
@@ -113,8 +114,6 @@ def register_study(studies) -> None:
     q.add_argument("--quick", action="store_true",
                    help="scaled, unscaled, qk-layernorm, softcap x 7 LRs x the smallest width x "
                         "the first seed (lists given explicitly still win)")
-    q.add_argument("--workers", type=int, metavar="N", help="local worker processes")
-    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run trials on Ray (needs pip install 'attnscale[ray]')")
+    add_executor_options(q)
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(func=_study)

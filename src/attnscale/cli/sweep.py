@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from attnscale.cli._common import add_command, add_output, format_table, print_json
+from attnscale.cli._common import (
+    add_command, add_executor_options, add_output, format_table, print_json,
+)
 from attnscale.errors import ConfigError
 from attnscale.sweep.store import SPEC_FILE
 
@@ -137,13 +139,7 @@ def register(sub) -> None:
                    help="also re-run the trials that failed")
     p.add_argument("--extend", action="store_true",
                    help="let --grid add values to the stored grid (runs just the new trials)")
-    p.add_argument("--workers", type=int, metavar="N",
-                   help="local worker processes (default: one per core); each gets "
-                        "cores / N torch threads")
-    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run trials as Ray tasks: alone, a local Ray instance; 'auto', the "
-                        "cluster started on this machine; HOST:PORT or ray://HOST:10001, a "
-                        "remote one (needs pip install 'attnscale[ray]')")
+    add_executor_options(p)
     p.add_argument("--cpus-per-trial", type=float, metavar="C",
                    help="Ray: CPUs (and torch threads) per trial (default: the experiment's "
                         "thread count, else 1)")
