@@ -38,11 +38,12 @@ from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_name_list,
 )
-from attnscale.mechanisms import MECHANISMS, build_mechanism, check_mechanism
+from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
 from attnscale.stats import columns, row_stats
+from attnscale.workers import num_threads
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
 # (fresh multi-MB buffers cost a page fault per 4 KB), large enough to amortise Python overhead.
@@ -51,6 +52,11 @@ CHUNK_ELEMENTS = 1 << 16
 DIRECT_CHUNK_ELEMENTS = 1 << 23
 # Samples of q.k per chunk in the variance check.
 VARIANCE_CHUNK = 1 << 18
+# torch threads for the sampling loops.  The chunks are 64k logits (8M key coordinates on the
+# module paths): an OpenMP fork-join per op costs more than it saves, and on a loaded machine
+# spinning threads slow it down by an order of magnitude (3x measured for the rotated-frame path
+# at n = 65536 on 2 busy cores).
+MONTE_CARLO_THREADS = 1
 # Refuse a request whose working set exceeds this fraction of the machine's physical memory.
 MEMORY_FRACTION = 0.5
 # Bytes per logit of a chunk's working set: float32 logits, the float64 shortcut samples and the
@@ -185,7 +191,7 @@ def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: i
     check_time(f"pairs={pairs} for {len(d_ks)} d_k", len(d_ks) * pairs * SECONDS_PER_PAIR)
     rows = []
     bar = progress(None, desc="variance", total=len(d_ks) * pairs, enabled=show_progress)
-    with _one_thread(), contextlib.closing(bar):
+    with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
         for d_k in d_ks:
             gen = rng(seed, "variance", d_k)
             moments = _Moments()
@@ -218,22 +224,6 @@ def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) ->
     q = torch.randn(trials, d_k, 1, generator=gen, dtype=torch.float64)     # (T, d, 1)
     k = torch.randn(trials, n, d_k, generator=gen, dtype=torch.float64)     # (T, n, d)
     return (k @ q)[..., 0]                                                  # (T, n)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run torch ops on one thread, restoring the caller's setting on exit.
-
-    The chunks here are 64k logits (8M key coordinates on the module paths): an OpenMP fork-join
-    per op costs more than it saves, and on a loaded machine spinning threads slow it down by an
-    order of magnitude (3x measured for the rotated-frame path at n = 65536 on 2 busy cores).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _accumulate(acc: dict[str, list[float]], z: torch.Tensor) -> None:
@@ -276,7 +266,7 @@ def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
 def _check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
     """Names of registry mechanisms defined at init, distinct; a single name is allowed."""
     names = check_name_list(param, [mechanisms] if isinstance(mechanisms, str) else mechanisms)
-    at_init = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
+    at_init = defined_at_init()
     for name in names:
         check_mechanism(name, param=param)
         if name not in at_init:
@@ -352,7 +342,7 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
                    enabled=show_progress)
     rows = []
-    with _one_thread(), contextlib.closing(bar):
+    with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
         for (d_k, n_keys), cell in plan.items():
             rows += _saturation_cell(d_k, n_keys, trials, seed, mechanisms, cell, bar.update)
     return rows
@@ -441,7 +431,7 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
                  max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
     check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)
     acc: dict[str, dict[str, list[float]]] = {name: {}}
-    with _one_thread():
+    with num_threads(MONTE_CARLO_THREADS):
         _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
                       rng(seed, "saturation-reference", d_k, n))
     return _summarise(acc[name], trials)

@@ -28,8 +28,14 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 del _module
 
-__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "mechanism_options",
-           "register"]
+__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "defined_at_init",
+           "mechanism_options", "register"]
+
+
+def defined_at_init() -> tuple[str, ...]:
+    """The mechanisms whose temperature is a rule on q and k known at init (no trained weights),
+    in registry order: those the Monte Carlo experiments can measure."""
+    return tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
 
 
 def mechanism_options(name: str) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.lm.data import eval_windows, load_corpus
 from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
-from attnscale.experiments.recall.metrics import json_safe
+from attnscale.io import json_safe
 from attnscale.mechanisms.base import Mechanism, Scale
 from attnscale.pipeline import Observation, key_mask, observe
 from attnscale.pipeline import logits as pipeline_logits

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attnscale.errors import ConfigError, parse_int_list
-from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import eval_set
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, evaluate, train_runs
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
+from attnscale.io import json_safe
 
 # The pair counts the study evaluates (issue 13, section 3); trained at the first.
 EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
@@ -91,7 +91,7 @@ def recall_length(**config) -> dict:
             by_length[n] = stats
 
     (run,) = train_runs([base], show_progress=False, after=at_lengths)
-    return metrics.json_safe({
+    return json_safe({
         "options": dict(base.options), "lengths": lengths,
         **{stat: [by_length[n][stat] for n in lengths] for stat in STATS},
         "final_loss": run.final_loss, "steps_to_loss_0_1": run.steps_to_loss_0_1,

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnscale.experiments.length.lm import M_GRID, M_STEP, YARN_ALPHA, YARN_BETA
-from attnscale.experiments.recall.metrics import json_safe, mean_spread
+from attnscale.experiments.recall.metrics import mean_spread
+from attnscale.io import json_safe
 from attnscale.mechanisms.llama4_temp import llama4_tau
 from attnscale.mechanisms.yarn import YARN_SLOPE, yarn_m
 

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnscale.io import json_safe  # noqa: F401  (its home is attnscale.io; experiments/length
-#                                   still imports it from here)
 
 # Smoothed loss s_t = EMA_DECAY * s_{t-1} + (1 - EMA_DECAY) * loss_t, started at s_0 = loss_0.
 # 0.98 averages over ~50 steps (1 / (1 - 0.98)): enough to read a milestone off a noisy batch loss,

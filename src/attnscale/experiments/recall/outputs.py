@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
-from attnscale.io import check_output_path, staged_dir
-from attnscale.experiments.recall import metrics
-from attnscale.io import json_safe
+from attnscale.io import check_output_path, json_safe, staged_dir
 from attnscale.experiments.recall.experiments import study_summary
 from attnscale.experiments.recall.figures import study_figure
 from attnscale.experiments.recall.trainer import RunResult, config_dict
@@ -57,18 +54,14 @@ def study_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_study_out(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
-    """Check the study's output folder before any training (:func:`attnscale.io.check_output_path`)."""
-    return check_output_path("--out", out_dir, kind="dir", files=STUDY_FILES.values(), force=force)
-
-
 def write_study(out_dir: str | os.PathLike, runs: Sequence[RunResult], *,
                 force: bool = False) -> dict:
     """Write the study's JSON (summary rows and per-run rows), markdown fragment and figure.
 
     Returns ``{"summary": [...], "runs": [...], "files": {...}}``.
     """
-    out_dir = check_study_out(out_dir, force=force)
+    out_dir = check_output_path("--out", out_dir, kind="dir", files=STUDY_FILES.values(),
+                                force=force)
     summary = study_summary(runs)
     shared = {k: v for k, v in config_dict(runs[0].config).items()
               if k not in ("mechanism", "seed", "d_k", "options")}  # what the grid varies

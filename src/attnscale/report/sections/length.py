@@ -21,7 +21,7 @@ from attnscale.constants import Z95
 from attnscale.errors import ConfigError
 from attnscale.measure.montecarlo import saturation
 from attnscale.measure.planted import PLANTED_MARGIN, planted_key
-from attnscale.mechanisms import MECHANISMS
+from attnscale.mechanisms import defined_at_init
 from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, save
 from attnscale.styles import style
@@ -150,7 +150,7 @@ def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
                 trials=trials_for) -> tuple[list[dict], list[dict]]:
     """The section's two experiments: saturation rows for every mechanism defined at init and
     planted-key rows for :data:`PLANTED_MECHANISMS`, with ``trials(n)`` trials at each n."""
-    at_init = tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
+    at_init = defined_at_init()
     sat, planted = [], []
     for n in ns:
         sat += saturation((d_k,), n, trials(n), seed, at_init)

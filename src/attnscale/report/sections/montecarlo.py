@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from attnscale.mechanisms import MECHANISMS
+from attnscale.mechanisms import MECHANISMS, defined_at_init
 from attnscale.measure.montecarlo import (
     ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, jacobian_crossing, saturation,
     small_head_thresholds, variance,
@@ -149,7 +149,7 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
 
 def report_section_mechanisms(fig_dir: Path, *, seed: int) -> Section:
     """Saturation at init for every mechanism whose temperature is a rule on q and k."""
-    at_init = tuple(name for name, cls in MECHANISMS.items() if cls.defined_at_init)
+    at_init = defined_at_init()
     mech_rows = saturation(ESSAY_D_KS, ESSAY_N, MECHANISM_TRIALS, seed, at_init)
     fig, (ax1, ax2) = new_figure(2, width=5.5, height=4.2)
     plot_vs_dk(ax1, mech_rows, "max_weight", at_init)
