@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from attnscale.attention import MultiHeadAttention
-from attnscale.errors import check_choice, check_float, check_int, check_int_list, check_name_list
-from attnscale.errors import check_unique
+from attnscale.errors import (
+    check_choice, check_float, check_int, check_int_list, check_name_list, check_unique,
+)
 from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_memory, check_time
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress

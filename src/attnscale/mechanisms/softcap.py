@@ -2,15 +2,10 @@
 
 The cap bounds |z| < c after scaling and before masking, so no logit can run away however the
 weights drift.  Gemma 2 uses c = 50 for attention logits; Grok-1's released model.py uses 30.  It is
-<<<<<<< HEAD
 the one mechanism that is not a scale on q and k, so it runs on
 :func:`attnscale.kernels.softcap.capped_attention` instead of fused SDPA: a blockwise kernel on
 the CPU, FlexAttention on CUDA.  c · tanh(s / c) is formed from one expm1, accurate for any c
 (it tends to s as c grows).
-=======
-the one mechanism that is not a scale on q and k, so it runs on the blockwise kernel of
-:mod:`attnscale.kernels.softcap` instead of fused SDPA.
->>>>>>> pipeline
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ def plot_vs_dk(ax, rows: Sequence[dict], stat: str, mechanisms: Sequence[str]) -
         x = [r["d_k"] for r in rs]
         y = [r[f"{stat}_mean"] for r in rs]
         se = [r[f"{stat}_se"] for r in rs]
-        c = style(mech)["color"]
-        ax.plot(x, y, label=mech, ms=4, **style(mech))
+        line = style(mech)
+        ax.plot(x, y, label=mech, ms=4, **line)
         ax.fill_between(x, [a - Z95 * b for a, b in zip(y, se)],
-                        [a + Z95 * b for a, b in zip(y, se)], color=c, alpha=0.2, lw=0)
+                        [a + Z95 * b for a, b in zip(y, se)], color=line["color"], alpha=0.2, lw=0)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("head dimension $d_k$")
     ax.grid(True, which="both", alpha=0.3)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from attnscale.sweep.trial import Task, experiment_for, outcome, run_trial, strict_json
+from attnscale.workers import num_threads
 
 Chunk = tuple[Task, ...]
 
@@ -61,22 +62,18 @@ def run_chunk(chunk: Chunk) -> list[dict]:
     to one at a time when that fails."""
     if len(chunk) == 1:
         return [run_trial(chunk[0])]
-    import torch
     first = chunk[0]
     start = time.perf_counter()
-    before = torch.get_num_threads()
     try:
         exp = experiment_for(first)
-        torch.set_num_threads(exp.threads or first.threads)
-        results = list(exp.run_batch([dict(t.config) for t in chunk]))
+        with num_threads(exp.threads or first.threads):
+            results = list(exp.run_batch([dict(t.config) for t in chunk]))
         if len(results) != len(chunk):
             raise ValueError(f"run_batch of {first.experiment!r} gave {len(results)} results "
                              f"for {len(chunk)} configs")
         texts = [strict_json(first.experiment, r) for r in results]
     except Exception:  # each trial alone then reports its own error, if any
         texts = None
-    finally:
-        torch.set_num_threads(before)
     if texts is None:
         return [run_trial(t) for t in chunk]
     wall = (time.perf_counter() - start) / len(chunk)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnscale.experiments import registry
+from attnscale.workers import num_threads
 
 # Hex digits of the trial id: 64 bits, so a collision within any sweep is negligible.
 ID_CHARS = 16
@@ -87,15 +88,11 @@ def run_trial(task: Task) -> dict:
     The result must be JSON without NaN or infinity (experiments write ``None`` for a diverged
     number); it is round-tripped through JSON here so every executor returns the same values.
     """
-    import torch  # every experiment is torch code; the thread count must be set before it runs
     start = time.perf_counter()
-    before = torch.get_num_threads()
     try:
         exp = experiment_for(task)
-        torch.set_num_threads(exp.threads or task.threads)
-        text = strict_json(task.experiment, exp.fn(**task.config))
+        with num_threads(exp.threads or task.threads):
+            text = strict_json(task.experiment, exp.fn(**task.config))
         return outcome(task, "ok", json.loads(text), None, time.perf_counter() - start)
     except Exception as err:  # a failing trial is a result, not a crash of the sweep
         return outcome(task, "error", None, error_text(err), time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)

@@ -178,8 +178,8 @@ def _figure_init_reparam(fig_dir: Path, adam_runs: list[RunResult], sgd: dict) -
     for r, label, dash in ((reparam, "init-reparam, lr", None),
                            (boosted, f"scaled, {sgd['qk_lr_mult']:g}x lr on W_Q, W_K", "--"),
                            (plain, "scaled, lr", ":")):
-        line = style(r.mechanism, markevery=MARKEVERY, ms=4)
-        ax2.plot(r.smoothed, label=label, **(line if dash is None else {**line, "linestyle": dash}))
+        dashed = {} if dash is None else {"linestyle": dash}
+        ax2.plot(r.smoothed, label=label, **style(r.mechanism, markevery=MARKEVERY, ms=4, **dashed))
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.set_title(f"SGD, lr {sgd['lr']:g}", fontsize=9)
