@@ -277,7 +277,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         _RUNNING.reset(token)
     if rows is not None:
         if full_mask is not None:  # queries with no key attended everything: not a row
-            rows[..., 0].masked_fill_(n_keys[..., 0] == 0, 0.0)
+            rows[..., 0].masked_fill_((n_keys[..., 0] == 0).to(rows.device), 0.0)
         for sink in seen._sinks:
             sink(rows)
     return out

@@ -60,13 +60,11 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, len(ROW_STATS_COLUMNS), dtype=torch.float64)
-    period = 1
     if limit is not None:
         if limit.dtype != torch.int64:
             raise ValueError(f"limit must be int64, got {limit.dtype}")
         limit = limit.detach().cpu().contiguous()
-        period = limit.numel()
-        if period < 1:
+        if limit.numel() < 1:
             raise ValueError("limit must have at least one entry")
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)

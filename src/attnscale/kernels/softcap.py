@@ -248,10 +248,9 @@ class _Tiles:
             j1 = min(j0 + STATS_ROWS, n_r)
             hi = min(n_k, i0 + j1) if self.causal else n_k
             z = self.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
-            limit = None
-            if self.causal:
-                limit = torch.arange(i0 + j0 + 1, i0 + j1 + 1, dtype=torch.int64)
-            out[:, j0:j1].copy_(row_stats(z, limit=limit, threads=threads))
+            limit = self.causal_counts(i, j1)  # keys of the block's first j1 queries, or None
+            out[:, j0:j1].copy_(row_stats(z, limit=None if limit is None else limit[j0:],
+                                          threads=threads))
 
     def rows_of(self, t: Tensor, b: int, heads: slice, i: int) -> Tensor:
         """The (h, r, ·) view of a (B, H, Nq, ·) tensor that row block i of a head group covers."""
