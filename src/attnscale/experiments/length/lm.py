@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from attnscale.errors import ConfigError, parse_int_list
+from attnscale.experiments.length.recall import lengths_text
 from attnscale.experiments.lm.data import eval_windows, load_corpus
 from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
@@ -174,7 +175,7 @@ def _params() -> dict[str, Param]:
         params.pop(key)
     params["steps"] = Param(int, LM_STEPS)
     params["eval_windows"] = Param(int, LM_WINDOWS)
-    params["lengths"] = Param(str, ",".join(map(str, EVAL_LENGTHS)))
+    params["lengths"] = Param(str, lengths_text(EVAL_LENGTHS))
     params["yarn"] = Param(bool, True)   # the YaRN sweep, on the scaled model's trials only
     params["yarn_factors"] = Param(str, ",".join(map(str, YARN_FACTORS)))
     return params

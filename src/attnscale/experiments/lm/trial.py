@@ -10,27 +10,17 @@ result is the run record of :func:`~attnscale.experiments.lm.train_lm` without i
 
 from __future__ import annotations
 
-import typing
-from dataclasses import fields
-
 from attnscale.experiments.lm.study import parse_variant
 from attnscale.experiments.lm.train import RunConfig, train_lm
-from attnscale.experiments.registry import Param, experiment
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 
 _JOINED = ("mechanism", "options")  # RunConfig fields given as one "variant"
 
 
 def _params() -> dict[str, Param]:
-    hints = typing.get_type_hints(RunConfig)
-    out = {"variant": Param(str, RunConfig.mechanism)}
-    for f in fields(RunConfig):
-        if f.name in _JOINED:
-            continue
-        args = typing.get_args(hints[f.name])
-        optional = type(None) in args
-        kind = next(a for a in args if a is not type(None)) if optional else hints[f.name]
-        out[f.name] = Param(kind, f.default, optional)
-    return out
+    """RunConfig's fields as sweep parameters, with mechanism and options joined as ``variant``."""
+    return {"variant": Param(str, RunConfig.mechanism),
+            **{k: p for k, p in params_from_dataclass(RunConfig).items() if k not in _JOINED}}
 
 
 def run_config(config: dict) -> RunConfig:
