@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.length.recall import lengths_text
-from attnscale.experiments.lm.data import eval_windows, load_corpus
+from attnscale.experiments.lm.data import Corpus, eval_windows
 from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
 from attnscale.io import json_safe
@@ -188,10 +188,10 @@ def _split(config: dict) -> tuple[RunConfig, list[int], list[int] | None]:
     yarn = config.pop("yarn") and config["mechanism"] == "scaled"  # YaRN extends scaled only
     options = {"floor_scale": float(config["seq_len"])} if config["mechanism"] == "llama4-temp" \
         else {}
-    run = RunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10),
-                    max_seq_len=max([config["seq_len"], *lengths]))
-    # Validated at the training context (the memory estimate is for training).
-    RunConfig(**{**run.to_json(), "max_seq_len": None}).validated()
+    # Built and validated at the training context (the memory estimate is for training); the
+    # trained model is extended to the evaluation lengths afterwards (LM.set_rope).
+    run = RunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10))
+    run.validated()
     return run, lengths, factors if yarn else None
 
 
@@ -204,12 +204,9 @@ def lm_length(**config) -> dict:
     """Train the small LM at ``seq_len``, then evaluate loss and attention entropy by position
     up to the longest of ``lengths``; with ``yarn``, the YaRN temperature sweep per factor."""
     run, lengths, factors = _split(config)
-    train = run.to_json()
-    train["max_seq_len"] = None   # trained at seq_len; extended after
     out: dict = {}
 
-    def extrapolate(model: LM) -> None:
-        corpus = load_corpus(run.data)
+    def extrapolate(model: LM, corpus: Corpus) -> None:
         longest = max(lengths)
         inputs, targets = eval_windows(corpus.val, run.eval_windows, longest)
         base = rope_frequencies(model.config.d_head)
@@ -235,7 +232,7 @@ def lm_length(**config) -> dict:
                                 "fit": fit_minimum(M_GRID, curve)})
         model.set_rope(base, run.seq_len)
 
-    record = train_lm(RunConfig(**train), after=extrapolate)
+    record = train_lm(run, after=extrapolate)
     return json_safe({
         "options": dict(run.options), "lengths": lengths, "loss_init": record["loss_init"],
         "final_val_loss": record["final_val_loss"], "diverged": record["diverged"], **out})

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnscale.errors import ConfigError, check_float, check_int
-from attnscale.experiments.lm.data import eval_windows, load_corpus, sample_batch
+from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
 from attnscale.measure.monitor import monitor
@@ -254,12 +254,13 @@ def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
 
 
 def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
-             after: Callable[[LM], None] | None = None, **overrides) -> dict:
+             after: Callable[[LM, Corpus], None] | None = None, **overrides) -> dict:
     """Train one run and return its record (JSON-ready; non-finite numbers become null).
 
     ``config`` is a :class:`RunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
-    ``train_lm(mechanism="unscaled", lr=3e-2)``.  ``after(model)``, when given, is called with the
-    trained model after its final evaluation (the length study evaluates it at longer contexts).
+    ``train_lm(mechanism="unscaled", lr=3e-2)``.  ``after(model, corpus)``, when given, is called
+    with the trained model and the corpus it was trained on after its final evaluation (the
+    length study evaluates it at longer contexts).
     """
     if isinstance(config, Mapping):
         config = RunConfig.from_json(config)
@@ -305,7 +306,7 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
         steps_done = t + 1
         final = evaluate(model, windows, config) if diverged_step is None else math.nan
         if after is not None:
-            after(model)
+            after(model, corpus)
     diverged = diverged_step is not None or not math.isfinite(final) or final > loss_init
     return json_safe({
         "experiment": "lm", "config": config.to_json(), "recipe": recipe(),
