@@ -116,6 +116,15 @@ def parse_int_list(param: str, text: str, minimum: int | None = None) -> list[in
     return check_int_list(param, ints, minimum)
 
 
+def split_key_value(param: str, text: str) -> tuple[str, str]:
+    """Split a CLI ``KEY=VALUE`` item into its stripped key and its value text."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{param} must look like key=value, got {text!r}.")
+    return key, value
+
+
 def parse_name_list(param: str, text: str) -> list[str]:
     """Parse a comma-separated CLI list of names such as ``"scaled,unscaled"``."""
     parts = [p.strip() for p in text.split(",")]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, split_key_value
 from attnscale.io import check_output_path
 
 
@@ -51,6 +51,13 @@ def add_output(p: argparse.ArgumentParser, flag: str, *, kind: str = "file",
     p.set_defaults(outputs=outputs)
     if "force" not in {a.dest for a in p._actions}:
         add_force(p)
+
+
+def check_one_study_folder(args: argparse.Namespace) -> None:
+    """A study command takes exactly one of ``--out DIR`` (run), ``--resume DIR`` or ``--from DIR``
+    (redraw)."""
+    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
+        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
 
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
@@ -94,10 +101,7 @@ def parse_options(items: Sequence[str], param: str = "--option") -> dict[str, ob
     given twice is an error (the last would silently win)."""
     options: dict[str, object] = {}
     for text in items:
-        key, sep, value = text.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"{param} must look like key=value, got {text!r}.")
+        key, value = split_key_value(param, text)
         if key in options:
             raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
         options[key] = _option_value(value)

@@ -6,12 +6,14 @@ import argparse
 import json
 
 from attnscale.cli._common import add_output, format_table, print_json
+from attnscale.errors import parse_name_list
 from attnscale.experiments.recall import RecallConfig
 from attnscale.experiments.recall.config import OPTIMIZERS
 from attnscale.experiments.recall.experiments import STUDY_D_KS, grad_decomposition, \
     milestone_ratios
 from attnscale.experiments.recall.trainer import RunResult
 from attnscale.io import atomic_write, figure_suffixes
+from attnscale.mechanisms import check_mechanism
 
 DEFAULT = RecallConfig()
 
@@ -47,6 +49,11 @@ def add_run_outputs(p: argparse.ArgumentParser, *, plot: bool) -> None:
     if plot:
         add_output(p, "--plot", metavar="FIGURE", suffixes=figure_suffixes(),
                    help="also save the smoothed loss curves (Figure 3); .png, .pdf, .svg, ...")
+
+
+def mechanisms(text: str) -> list[str]:
+    """The registry names of a ``--mechanisms`` list, each checked, none repeated."""
+    return [check_mechanism(m, param="--mechanisms") for m in parse_name_list("--mechanisms", text)]
 
 
 def config(args, **extra) -> RecallConfig:

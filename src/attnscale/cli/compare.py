@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from attnscale.cli import _recall
 from attnscale.cli._common import add_command
-from attnscale.errors import parse_int_list, parse_name_list
+from attnscale.errors import parse_int_list
 from attnscale.experiments.recall import compare
-from attnscale.mechanisms import check_mechanism
 
 EXAMPLES = """
   attnscale compare                                 # the essay's demo: scaled vs unscaled
@@ -18,8 +17,7 @@ EXAMPLES = """
 
 
 def _compare(args) -> int:
-    mechanisms = [check_mechanism(m, param="--mechanisms")
-                  for m in parse_name_list("--mechanisms", args.mechanisms)]
+    mechanisms = _recall.mechanisms(args.mechanisms)
     seeds = parse_int_list("--seed", args.seed, minimum=0)
     runs = compare(mechanisms, _recall.config(args), seeds=seeds)
     _recall.save(runs, args)

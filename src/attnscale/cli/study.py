@@ -13,13 +13,13 @@ from typing import Any
 
 from attnscale.cli import _recall
 from attnscale.cli._common import (
-    add_command, add_executor_options, add_output, add_study_store_options, format_table,
-    print_json,
+    add_command, add_executor_options, add_output, add_study_store_options,
+    check_one_study_folder, format_table, print_json,
 )
-from attnscale.errors import ConfigError, parse_int_list, parse_name_list
+from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.recall.experiments import STUDY_SEEDS
 from attnscale.experiments.recall.outputs import STUDY_FILES
-from attnscale.mechanisms import MECHANISMS, check_mechanism
+from attnscale.mechanisms import MECHANISMS
 
 # One module per study subcommand, in the order ``attnscale study --help`` lists them.
 STUDY_MODULES = (
@@ -48,8 +48,7 @@ def study_sweep(args, experiment: str, study: str, start: Callable[[str, dict], 
     ``experiment`` sweep with a finished run, and failed or pending runs are reported on stderr.
     ``study`` names the study in errors ("a recall study").  Returns (folder, results)."""
     from attnscale import sweep
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    check_one_study_folder(args)
     executor = {"workers": args.workers, "ray_address": args.ray}
     if args.from_dir is not None:
         out, results = args.from_dir, sweep.load(args.from_dir)
@@ -75,8 +74,7 @@ def _recall_study(args) -> int:
     from attnscale.experiments.recall.outputs import write_study
     from attnscale.experiments.recall.trial import run_result
     mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
-        [check_mechanism(m, param="--mechanisms")
-         for m in parse_name_list("--mechanisms", args.mechanisms)]
+        _recall.mechanisms(args.mechanisms)
     grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
             "seed": parse_int_list("--seed", args.seed, minimum=0)}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from attnscale.cli._common import (
-    add_command, add_executor_options, add_output, add_study_store_options, format_table,
-    print_json,
+    add_command, add_executor_options, add_output, add_study_store_options,
+    check_one_study_folder, format_table, print_json,
 )
 from attnscale.errors import ConfigError, check_int
 
@@ -25,8 +25,7 @@ COLUMNS = ["quantity", "ours", "ci", "verdict"]
 
 def _run(args) -> int:
     from attnscale.experiments.length.study import redraw, run_study
-    if sum(x is not None for x in (args.out, args.resume, args.from_dir)) != 1:
-        raise ConfigError("give one of --out DIR (run), --resume DIR or --from DIR (redraw).")
+    check_one_study_folder(args)
     if args.from_dir is not None:
         if args.quick or args.workers is not None or args.ray is not None:
             raise ConfigError("--from only redraws; it takes no --quick, --workers or --ray.")

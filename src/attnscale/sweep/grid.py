@@ -20,17 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, split_key_value
 from attnscale.experiments.registry import Experiment
 from attnscale.sweep.trial import Trial, canonical_json, trial_id
-
-
-def _split(option: str, text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"{option} must look like key=value, got {text!r}.")
-    return key, value
 
 
 def _unique(label: str, values: list) -> list:
@@ -81,7 +73,7 @@ def parse_grid(exp: Experiment, items: Sequence[str]) -> dict[str, list]:
     """``["key=v1,v2", 'key=[json, ...]']`` from ``--grid``, typed by the parameters."""
     grid: dict[str, list] = {}
     for text in items:
-        key, raw = _split("--grid", text)
+        key, raw = split_key_value("--grid", text)
         p = exp.key(key)
         if key in grid:
             raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid.")
@@ -105,7 +97,7 @@ def parse_fixed(exp: Experiment, items: Sequence[str]) -> dict[str, Any]:
     """``["key=value"]`` from ``--set``, typed by the parameters."""
     fixed: dict[str, Any] = {}
     for text in items:
-        key, raw = _split("--set", text)
+        key, raw = split_key_value("--set", text)
         p = exp.key(key, "setting")
         if key in fixed:
             raise ConfigError(f"--set {key} is given twice.")
