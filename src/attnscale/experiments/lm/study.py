@@ -445,9 +445,10 @@ def figure_entropy(records: Sequence[dict]):
 TITLE = "Which mechanism keeps a small LM trainable across learning rates"
 
 
-def markdown(records: Sequence[dict]) -> str:
-    """fragment.md: setup, LR sensitivity table, claims with verdicts, figures (headings of
-    level 4 and below: the report puts the fragment under its own level-3 title)."""
+def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
+    """fragment.md: setup, LR sensitivity table, ``claim_rows`` (:func:`claims`) with their
+    verdicts, figures (headings of level 4 and below: the report puts the fragment under its own
+    level-3 title)."""
     rows = sensitivity_rows(records)
     widths = sorted({r["width"] for r in rows})
     cell = {(r["mechanism"], r["width"]): r for r in rows}
@@ -472,7 +473,7 @@ def markdown(records: Sequence[dict]) -> str:
         lines.append(f"| {var} | " + " | ".join(
             _range_text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
     lines += ["", "#### Claims", "", "| claim | measured | verdict |", "|---|---|---|"]
-    for c in claims(records):
+    for c in claim_rows:
         lines.append(f"| {c['claim']} | {c['measured']} | {c['verdict']} |")
     lines += ["", f"![final validation loss vs learning rate]({FRAGMENT_FILES['loss_vs_lr']})",
               "", f"![LR sensitivity vs width]({FRAGMENT_FILES['sensitivity']})",
@@ -481,12 +482,12 @@ def markdown(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def fragment_claims(records: Sequence[dict]) -> list[dict]:
+def fragment_claims(claim_rows: Sequence[dict]) -> list[dict]:
     """The claim rows of fragment.json (``attnscale reproduce --include``): quantity, expected,
     ours, ci, verdict, agrees, note; claims that could not be measured are left out."""
     return [{"quantity": c["claim"], "expected": c["expected"], "ours": c["ours"],
              "ci": c["ci"], "verdict": c["verdict"], "agrees": c["agrees"], "note": c["measured"]}
-            for c in claims(records) if c["agrees"] is not None]
+            for c in claim_rows if c["agrees"] is not None]
 
 
 def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> dict:
@@ -498,8 +499,7 @@ def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> di
     import json
 
     from attnscale.errors import ConfigError
-    from attnscale.io import json_safe
-    from attnscale.io import check_output_path, staged_dir
+    from attnscale.io import check_output_path, json_safe, staged_dir
     from attnscale.report.figures import save
     if not records:
         raise ConfigError("write_report needs at least one run record.")
@@ -508,13 +508,13 @@ def write_report(records: Sequence[dict], out_dir, *, force: bool = False) -> di
     all_claims = claims(records)
     summary = json_safe({"sensitivity": sensitivity_rows(records),
                          "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims})
-    fragment = json_safe({"title": TITLE, "claims": fragment_claims(records)})
+    fragment = json_safe({"title": TITLE, "claims": fragment_claims(all_claims)})
     with staged_dir(out, param="out_dir", force=force) as staging:
         def write(key: str, text: str) -> None:
             (staging / FRAGMENT_FILES[key]).write_text(text, "utf-8")
         write("json", json.dumps(fragment, indent=1, allow_nan=False))
         write("summary", json.dumps(summary, indent=1, allow_nan=False))
-        write("markdown", markdown(records))
+        write("markdown", markdown(records, all_claims))
         save(figure_loss_vs_lr(records), staging / FRAGMENT_FILES["loss_vs_lr"])
         save(figure_sensitivity(records), staging / FRAGMENT_FILES["sensitivity"])
         save(figure_logit_growth(records), staging / FRAGMENT_FILES["logit_growth"])
