@@ -46,7 +46,8 @@ from pathlib import Path
 from attnscale.errors import ConfigError
 
 __all__ = ["MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write", "check_output_path",
-           "figure_suffixes", "owned", "remove_stale_staging", "sigterm_as_exit", "staged_dir"]
+           "figure_suffixes", "fsync_dir", "owned", "remove_stale_staging", "replace_atomically",
+           "sigterm_as_exit", "staged_dir"]
 
 MANIFEST = ".attnscale-manifest.json"
 STAGING_PREFIX = ".attnscale-staging-"
@@ -204,7 +205,7 @@ def _record(folder: Path, names: Iterable[str]) -> None:
     files = {n: e for n, e in sorted(files.items()) if (folder / n).is_file()}
     text = json.dumps({"written_by": "attnscale", "version": __version__, "files": files},
                       indent=1)
-    _replace_atomically(folder / MANIFEST, text)
+    replace_atomically(folder / MANIFEST, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,21 +250,41 @@ def remove_stale_staging(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def _replace_atomically(path: Path, data: Data) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (a no-op where directories can't be
+    opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(path: Path, data: Data, *, durable: bool = False) -> None:
     """Write ``data`` (text, bytes, or a callback given the temporary path) to a temporary file in
-    ``path``'s folder, then rename it onto ``path``."""
+    ``path``'s folder, named as staging is (so a killed run's leftover is recognised and removed),
+    then rename it onto ``path``.  ``durable``: the file is fsync'd before the rename and the
+    folder after it (text and bytes only)."""
     tmp = path.parent / f"{_staging_name()}-{path.name}"  # keeps the extension (matplotlib)
     try:
         if callable(data):
             data(tmp)
-        elif isinstance(data, str):
-            tmp.write_text(data, encoding="utf-8")
         else:
-            tmp.write_bytes(data)
+            text = isinstance(data, str)
+            with open(tmp, "x" if text else "xb", encoding="utf-8" if text else None) as fh:
+                fh.write(data)
+                if durable:
+                    fh.flush()
+                    os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+    if durable:
+        fsync_dir(path.parent)
 
 
 def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
@@ -281,7 +302,7 @@ def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
         if path.exists() and not force:
             _refuse_foreign(param, path.parent, [path.name])
         path.parent.mkdir(parents=True, exist_ok=True)
-        _replace_atomically(path, data)
+        replace_atomically(path, data)
         _record(path.parent, [path.name])
         remove_stale_staging(path.parent)
     return path

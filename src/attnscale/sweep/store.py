@@ -22,12 +22,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from attnscale.errors import ConfigError
-from attnscale.io import STAGING_PREFIX, atomic_write, check_output_path
+from attnscale.io import atomic_write, check_output_path, fsync_dir, replace_atomically
 from attnscale.sweep.grid import SweepSpec
 
 SPEC_FILE = "sweep.json"
@@ -35,37 +34,6 @@ RESULTS_FILE = "results.jsonl"
 FORMAT = "attnscale-sweep"
 FORMAT_VERSION = 1
 RECORD_KEYS = ("trial", "config", "status", "result", "error", "wall_seconds", "host")
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (a no-op where directories can't be
-    opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` all or nothing, and durably: a temporary file named as
-    :mod:`attnscale.io` names its staging (so a killed run's leftover is recognised and removed),
-    fsync'd before the rename, the folder fsync'd after it."""
-    tmp = path.parent / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def record_line(record: dict) -> str:
@@ -173,7 +141,7 @@ class Store:
             created = not self.results_path.exists()
             self._fh = open(self.results_path, "ab")
             if created:
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
         self._fh.write(record_line(record).encode())
         self._fh.flush()
         os.fsync(self._fh.fileno())
@@ -192,5 +160,6 @@ class Store:
             return
         self.close()
         ids = [t for t in order if t in latest] + [t for t in latest if t not in set(order)]
-        _write_durably(self.results_path, "".join(record_line(latest[t]) for t in ids))
+        replace_atomically(self.results_path, "".join(record_line(latest[t]) for t in ids),
+                           durable=True)
 
