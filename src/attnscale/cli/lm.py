@@ -23,12 +23,12 @@ _COLUMNS = ["mechanism", "width", "lr", "seed", "loss_init", "final_val_loss", "
 
 
 def _row(record: dict) -> dict:
+    from attnscale.experiments.lm.study import peak_logit
     c = record["config"]
-    peaks = [m for row in record["trace"] for m in row["attn_logit_max"] if m is not None]
     return {"mechanism": c["mechanism"], "width": c["d_model"], "lr": c["lr"], "seed": c["seed"],
             "loss_init": record["loss_init"], "final_val_loss": record["final_val_loss"],
             "final_val_bpb": record["final_val_bpb"], "diverged": record["diverged"],
-            "attn_logit_max": max(peaks, default=None),
+            "attn_logit_max": peak_logit(record),
             "tokens_per_second": record["timing"]["tokens_per_second"]}
 
 
