@@ -38,6 +38,7 @@ from pathlib import Path
 
 from attnscale.errors import ConfigError, check_unique
 from attnscale.report.model import Section
+from attnscale.report.writer import cell, with_interval
 
 FRAGMENT_MD = "fragment.md"
 FRAGMENT_JSON = "fragment.json"
@@ -175,22 +176,16 @@ def load_studies(paths) -> list[Study]:
     return studies
 
 
-def _fmt(x: float | None) -> str:
-    return "—" if x is None else f"{x:.4g}"
-
-
 def _claims_markdown(claims: tuple[dict, ...]) -> list[str]:
     """The study's claim rows as a table in the layout of the report's own claims table."""
     lines = ["| quantity | expected | ours [95% CI] | verdict |", "|---|---|---|---|"]
     for c in claims:
-        ours = _fmt(c["ours"])
-        if c.get("ci") is not None:
-            ours += f" [{_fmt(c['ci'][0])}, {_fmt(c['ci'][1])}]"
+        ours = with_interval(c["ours"], c.get("ci"))
         if c.get("note"):
             ours += f" ({c['note']})"
         cells = [c["quantity"], c["expected"], ours,
                  f"{'✅' if c['agrees'] else '❌'} {c['verdict']}"]
-        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+        lines.append("| " + " | ".join(cell(x) for x in cells) + " |")
     return lines
 
 

@@ -19,21 +19,26 @@ from attnscale.report.model import Measurement, Section, judge
 SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
 
 
-def _cell(text: str) -> str:
+def cell(text: str) -> str:
     """Escape a markdown table cell (quantities such as ||J||_F contain pipes)."""
     return text.replace("|", "\\|")
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
+def number(x: float | None) -> str:
+    """A number as the report's tables show it; None (not measured) is a dash."""
+    return "—" if x is None else f"{x:.4g}"
+
+
+def with_interval(value: float | None, interval) -> str:
+    """``value [lo, hi]``, or ``value`` alone when there is no interval."""
+    text = number(value)
+    if interval is not None:
+        text += f" [{number(interval[0])}, {number(interval[1])}]"
+    return text
 
 
 def _ours(m: Measurement) -> str:
-    interval = m.interval()
-    text = _fmt(m.value)
-    if interval is not None:
-        text += f" [{_fmt(interval[0])}, {_fmt(interval[1])}]"
-    return text
+    return with_interval(m.value, m.interval())
 
 
 def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]:
@@ -53,7 +58,7 @@ def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]
         ours = _ours(m) + (f" ({m.note})" if m.note else "")
         cells = [claim.section, claim.quantity, claim.essay, ours,
                  f"{'✅' if verdict.agrees else '❌'} {verdict.text}"]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
         lo_hi = m.interval()
         records.append({"claim": claim.id, "section": claim.section, "quantity": claim.quantity,
                         "essay": claim.essay, "ours": m.value, "se": m.se,
