@@ -13,9 +13,8 @@ from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism, build_mechanism
-from attnscale.pipeline import (  # noqa: F401  (re-exported: the pipeline's public names)
-    MASKED_BIAS, AttentionTrace, Observation, ObserverHandle, add_observer, causal_counts,
-    key_counts, key_mask, observe, observers, run, running,
+from attnscale.pipeline import (  # noqa: F401  (re-exported: the names in __all__)
+    AttentionTrace, Observation, add_observer, causal_counts, key_mask, observe, observers, run,
 )
 from attnscale.precision import upcast
 
