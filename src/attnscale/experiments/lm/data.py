@@ -203,22 +203,28 @@ def load_corpus(data: str | os.PathLike | None = None) -> Corpus:
 def sample_batch(tokens: Tensor, batch_size: int, seq_len: int,
                  generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Random windows of ``tokens``: inputs and next-byte targets, each (B, N) int64."""
-    if tokens.numel() < seq_len + 1:
-        raise ConfigError(f"the corpus split has {tokens.numel()} tokens, fewer than "
-                          f"seq_len + 1 = {seq_len + 1}.")
+    _check_length(tokens, seq_len, "corpus")
     starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
-    idx = starts.unsqueeze(-1) + torch.arange(seq_len + 1)      # (B, N + 1)
-    window = tokens[idx].long()                                  # (B, N + 1)
-    return window[:, :-1], window[:, 1:]
+    return _windows(tokens, starts, seq_len)
 
 
 def eval_windows(tokens: Tensor, n_windows: int, seq_len: int) -> tuple[Tensor, Tensor]:
     """``n_windows`` evenly spaced windows over the whole split (no randomness, the same for every
     run): inputs and targets, each (W, N) int64."""
-    if tokens.numel() < seq_len + 1:
-        raise ConfigError(f"the validation split has {tokens.numel()} tokens, fewer than "
-                          f"seq_len + 1 = {seq_len + 1}.")
+    _check_length(tokens, seq_len, "validation")
     starts = torch.linspace(0, tokens.numel() - seq_len - 1, n_windows).long()
+    return _windows(tokens, starts, seq_len)
+
+
+def _check_length(tokens: Tensor, seq_len: int, split: str) -> None:
+    if tokens.numel() < seq_len + 1:
+        raise ConfigError(f"the {split} split has {tokens.numel()} tokens, fewer than "
+                          f"seq_len + 1 = {seq_len + 1}.")
+
+
+def _windows(tokens: Tensor, starts: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """The windows of ``seq_len + 1`` tokens from ``starts`` (W,): inputs and next-byte targets,
+    each (W, N) int64."""
     idx = starts.unsqueeze(-1) + torch.arange(seq_len + 1)      # (W, N + 1)
-    window = tokens[idx].long()
+    window = tokens[idx].long()                                  # (W, N + 1)
     return window[:, :-1], window[:, 1:]

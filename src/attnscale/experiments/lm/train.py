@@ -205,9 +205,9 @@ def _optimizer(model: LM, config: RunConfig) -> torch.optim.AdamW:
                              foreach=True)
 
 
-def _autocast(config: RunConfig):
-    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16,
-                          enabled=config.bf16)
+def _autocast(device: str, bf16: bool):
+    """bf16 autocast on ``device`` when ``bf16``; a no-op context otherwise."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
 
 
 @torch.no_grad()
@@ -224,7 +224,7 @@ def loss_by_position(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: i
         for lo in range(0, len(x_all), batch_size):
             x = x_all[lo:lo + batch_size].to(device)
             y = y_all[lo:lo + batch_size].to(device)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            with _autocast(device, bf16):
                 logits = model(x)                                            # (b, N, 256)
             ce = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")  # (b, N)
             total += ce.double().sum(0).cpu()
@@ -287,7 +287,7 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
                 x, y = sample_batch(corpus.train, config.batch_size, config.seq_len, gen)
                 x, y = x.to(config.device), y.to(config.device)
                 mon.step = t  # the monitor observes the forward passes whose step % k == 0
-                with _autocast(config):
+                with _autocast(config.device, config.bf16):
                     logits = model(x)                                       # (B, N, 256)
                 ce, loss = lm_loss(logits, y)
                 opt.zero_grad(set_to_none=True)
