@@ -377,14 +377,17 @@ def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trial
 
 
 def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: int,
-                  gen: torch.Generator, advance=lambda k: None) -> None:
-    """Accumulate statistics of each module's ``logits`` on q, k drawn by ``sample`` in chunks."""
+                  gen: torch.Generator, advance=lambda k: None, on_logits=None) -> None:
+    """Accumulate statistics of each module's ``logits`` on q, k drawn by ``sample`` in chunks;
+    ``on_logits(name, z)``, when given, also sees every chunk's logits."""
     for size in _chunk_sizes(trials, max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))):
         q, k = sample(d_k, n, size, gen)
         for name, mod in modules.items():
             with torch.no_grad():
                 z = mod.logits(q, k)[:, 0, 0, :]                      # (T, n)
             _accumulate(acc[name], z)
+            if on_logits is not None:
+                on_logits(name, z)
         advance(size)
 
 

@@ -25,8 +25,8 @@ import torch
 
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.measure.montecarlo import (
-    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, _accumulate, _check_mechanisms, _chunk_sizes,
-    _frame_qk, _int_list, _summarise, check_memory,
+    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, _check_mechanisms, _frame_qk, _int_list,
+    _module_stats, _summarise, check_memory,
 )
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
@@ -84,16 +84,12 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
     rows = []
     with contextlib.closing(bar), torch.no_grad():
         for n in ns:
-            gen = rng(seed, "planted", d_k, n)
             acc: dict[str, dict] = {name: {} for name in names}
             weights: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-            for size in _chunk_sizes(trials, max(1, DIRECT_CHUNK_ELEMENTS // (n * d_k))):
-                q, k = planted_frame_qk(d_k, n, size, margin, gen)
-                for name, mod in modules.items():
-                    z = mod.logits(q, k)[:, 0, 0, :]                          # (T, n)
-                    _accumulate(acc[name], z)
-                    weights[name].append(planted_weight(z).double())
-                bar.update(size)
+            _module_stats(acc, modules, lambda d, n_, t, g: planted_frame_qk(d, n_, t, margin, g),
+                          d_k, n, trials, rng(seed, "planted", d_k, n), advance=bar.update,
+                          on_logits=lambda name, z: weights[name].append(
+                              planted_weight(z).double()))
             for name in names:
                 w = torch.cat(weights[name])
                 rows.append({"mechanism": name, "d_k": d_k, "n": n, "trials": trials,
