@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnscale.errors import ConfigError, split_key_value
+from attnscale.errors import ConfigError, parse_options  # noqa: F401  (the commands' --option)
 from attnscale.io import check_output_path
 
 
@@ -94,27 +94,6 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path in seen:
             raise ConfigError(f"{out.flag} and {seen[path]} name the same path {str(value)!r}.")
         seen[path] = out.flag
-
-
-def parse_options(items: Sequence[str], param: str = "--option") -> dict[str, object]:
-    """``KEY=VALUE`` items as a dict, each value read as an int, a float or else a string; a key
-    given twice is an error (the last would silently win)."""
-    options: dict[str, object] = {}
-    for text in items:
-        key, value = split_key_value(param, text)
-        if key in options:
-            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
-        options[key] = _option_value(value)
-    return options
-
-
-def _option_value(text: str) -> object:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def print_json(obj: object) -> None:
