@@ -181,14 +181,31 @@ def running() -> bool:
     return _RUNNING.get()
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) fit together."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule | None = None) -> None:
+    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) are tensors of one
+    floating dtype that fit together, and fit ``mechanism`` when it states the ``n_heads`` and
+    ``d_head`` it was built for (a registry mechanism's per-head parameters and 1/√d depend on
+    them: a mismatch is a size error or, worse, a silently wrong temperature)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if not t.is_floating_point():
+            raise ConfigError(f"{name} must be a floating-point tensor, got {t.dtype}; cast it, "
+                              f"e.g. {name}.float().")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ConfigError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
+                          f"{v.dtype}.")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ConfigError(f"q, k, v shapes do not fit together: {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    heads, d_head = getattr(mechanism, "n_heads", None), getattr(mechanism, "d_head", None)
+    if heads is not None and d_head is not None and (q.shape[1], q.shape[-1]) != (heads, d_head):
+        name = getattr(mechanism, "name", "") or type(mechanism).__name__
+        raise ConfigError(f"mechanism {name!r} was built for n_heads={heads}, d_head={d_head}; "
+                          f"q has {q.shape[1]} heads of size {q.shape[-1]}.")
 
 
 def causal_counts(n_q: int, n_k: int, device: torch.device | str | None = None) -> Tensor:
@@ -249,7 +266,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, mechanism)
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)

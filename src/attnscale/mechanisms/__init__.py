@@ -49,7 +49,10 @@ def check_mechanism(name: str, options: Iterable[str] = (), *, param: str | None
     ``name``.  An unknown one is a :class:`ConfigError` (prefixed by ``param`` when given) that
     suggests the closest match.  Option values are checked when the mechanism is built."""
     where = f"{param}: " if param else ""
-    if not isinstance(name, str) or name not in MECHANISMS:
+    if not isinstance(name, str):  # None, a number, a class: nothing to suggest a name from
+        raise ConfigError(f"{where}a mechanism is named by a string, got {name!r} "
+                          f"({type(name).__name__}). Choices: {', '.join(MECHANISMS)}.")
+    if name not in MECHANISMS:
         raise ConfigError(f"{where}Unknown mechanism {name!r}.{did_you_mean(str(name), MECHANISMS)}"
                           f" Choices: {', '.join(MECHANISMS)}.")
     allowed = mechanism_options(name)

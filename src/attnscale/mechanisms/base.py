@@ -82,6 +82,7 @@ class Mechanism(nn.Module):
 
         fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to every key (Nk).
         """
+        pipeline.check_qkv(q, k, k, self)  # shapes, dtypes and this mechanism's heads (k as v)
         q, k = upcast(q), upcast(k)
         q, k, scale = self.prepare(q, k, k.shape[-2] if n_keys is None else n_keys)
         return pipeline.logits(q, k, scale, self.cap)  # (B, H, Nq, Nk)
