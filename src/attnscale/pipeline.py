@@ -293,8 +293,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     finally:
         _RUNNING.reset(token)
     if rows is not None:
-        if full_mask is not None:  # queries with no key attended everything: not a row
-            rows[..., 0].masked_fill_((n_keys[..., 0] == 0).to(rows.device), 0.0)
+        if full_mask is not None:  # queries with no key attended everything: count 0 and
+            # every statistic 0, as row_stats gives a row without keys
+            rows.masked_fill_((n_keys == 0).to(rows.device), 0.0)
         for sink in seen._sinks:
             sink(rows)
     return out
