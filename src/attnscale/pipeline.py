@@ -349,4 +349,4 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)
-    return capped_attention(q, k, v, scale, cap, mask, causal, rows=rows)
+    return capped_attention(q, k, v, scale, cap, mask, causal, rows=rows, row_stats=row_stats)
