@@ -37,7 +37,7 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     materialised PyTorch formulation, which those can record (the blockwise kernel hands raw
     memory to C and runs blocks on worker threads).
 
-    ``rows``: a float64 (B, H, Nq, 6) tensor that the blockwise kernel fills, in its forward, with
+    ``rows``: a float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) tensor that the blockwise kernel fills, in its forward, with
     :func:`attnscale.stats.row_stats` of each query's masked logits, taken from its own logit
     blocks (one extra elementwise pass and the row kernel per block; the output does not change
     by a bit).  Only where :func:`forms_logits` is true.
@@ -118,7 +118,7 @@ class _CappedAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                 cap: float, causal: bool, block_elements: int, rows: Tensor | None) -> Tensor:
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype;
-        # rows: None, or float64 (B, H, Nq, 6) to fill with each query's row statistics.
+        # rows: None, or float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) to fill with each query's row statistics.
         fused = _fused_softcap(q)
         q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
