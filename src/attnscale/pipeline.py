@@ -54,7 +54,7 @@ The contract:
   and the materialised ``trace=True`` path -- ``Observation.offers_rows`` is True and an observer
   may call ``observation.request_rows(sink)`` instead of scoring q kᵀ itself: after the output is
   computed, ``sink(rows)`` receives :func:`attnscale.stats.row_stats` of every query's masked
-  logits, float64 (B, H, Nq, 6), taken from the computation's own logit blocks, with ``count``
+  logits, float64 (B, H, Nq, len(ROW_STATS_COLUMNS)), taken from the computation's own logit blocks, with ``count``
   0 for queries that have no key to attend.  The statistics equal a recomputation from
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
@@ -273,6 +273,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     else:
         n_keys = key_counts(None, causal, q, k)
     qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)          # mechanism
+    track = getattr(mechanism, "track_logits", None)  # qk-clip's S_max, over the attended keys
+    if track is not None:
+        track(qs, ks, scale, full_mask, causal and full_mask is None)
     cap = mechanism.cap
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
