@@ -36,18 +36,21 @@ def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled", *,
               mask: Tensor | None = None, causal: bool = False,
-              trace: bool = False) -> Tensor | AttentionTrace:
+              trace: bool = False, gate: Tensor | None = None) -> Tensor | AttentionTrace:
     """Attention output (B, H, Nq, d_v) for q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v).
 
     ``mechanism`` is a built :class:`~attnscale.mechanisms.Mechanism` or a registry name (built at
     its init values).  ``mask`` is boolean (True = attend), broadcastable to (B, H, Nq, Nk);
     ``causal`` is top-left aligned.  With ``trace=True`` the same pipeline runs materialised and
     returns an :class:`AttentionTrace` (logits, weights, out), O(B · H · Nq · Nk) memory.
+    ``gate`` (broadcastable to (B, H, Nq, d_v)) multiplies the output: a gating mechanism's
+    ``gate_values`` of the layer input.
     """
     if not isinstance(trace, bool):
         raise ConfigError(f"trace must be True or False, got {trace!r}.")
     check_qkv(q, k, v)  # before a registry name is built for q's dtype and heads
-    return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace)
+    return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace,
+               gate=gate)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",
@@ -126,7 +129,8 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.w_q(x))   # (B, H, N, d)
         k = self._split(self.w_k(kv))  # (B, H, Nk, d)
         v = self._split(self.w_v(kv))  # (B, H, Nk, d)
-        o = attention(q, k, v, self.mechanism, mask=mask, causal=causal)  # (B, H, N, d)
+        gate = self.mechanism.gate_values(x) if self.mechanism.gate else None  # (B, H, N, 1|d)
+        o = attention(q, k, v, self.mechanism, mask=mask, causal=causal, gate=gate)  # (B,H,N,d)
         b, h, n, d = o.shape
         return self.w_o(o.transpose(1, 2).reshape(b, n, h * d))  # (B, N, d_model)
 

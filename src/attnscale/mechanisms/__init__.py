@@ -23,7 +23,8 @@ from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
 from attnscale.mechanisms import scaled, unscaled, init_reparam, qknorm  # noqa: E402,F401
 from attnscale.mechanisms import qk_layernorm, qk_rmsnorm, cosine, learned_temp  # noqa: E402,F401
 from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noqa: E402,F401
-from attnscale.mechanisms import llama4_temp, qk_clip  # noqa: E402,F401
+from attnscale.mechanisms import llama4_temp, qk_clip, logn, sink, sigmoid  # noqa: E402,F401
+from attnscale.mechanisms import adaptive_temp, gated, clip_qkv  # noqa: E402,F401
 
 # Then every other module of this folder (a new mechanism's file), sorted by name.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
