@@ -131,24 +131,3 @@ def parse_name_list(param: str, text: str) -> list[str]:
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"{param} must be a comma-separated list of names, got {text!r}.")
     return check_unique(param, parts)
-
-
-def parse_options(items: Sequence[str], param: str = "--option") -> dict[str, object]:
-    """``KEY=VALUE`` items as a dict, each value read as an int, a float or else a string; a key
-    given twice is an error (the last would silently win)."""
-    options: dict[str, object] = {}
-    for text in items:
-        key, value = split_key_value(param, text)
-        if key in options:
-            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
-        options[key] = _option_value(value)
-    return options
-
-
-def _option_value(text: str) -> object:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text

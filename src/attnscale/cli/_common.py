@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnscale.errors import ConfigError, parse_options  # noqa: F401  (the commands' --option)
+from attnscale.errors import ConfigError, split_key_value
 from attnscale.io import check_output_path
 
 
@@ -94,6 +94,13 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path in seen:
             raise ConfigError(f"{out.flag} and {seen[path]} name the same path {str(value)!r}.")
         seen[path] = out.flag
+
+
+def parse_options(items: Sequence[str], mechanism: str, param: str = "--option"
+                  ) -> dict[str, object]:
+    """``KEY=VALUE`` options of ``mechanism``: :func:`attnscale.mechanisms.parse_options`."""
+    from attnscale.mechanisms import parse_options  # the registry, only when options are read
+    return parse_options(items, mechanism, param)
 
 
 def print_json(obj: object) -> None:

@@ -197,7 +197,8 @@ def _on_engine(store: Path, grid: dict, fixed: dict) -> list[RunResult]:
     (a run that fails is an error: the report's numbers need every run)."""
     from attnscale.experiments.recall.trial import run_result
     from attnscale.study.launcher import run_trials
-    return [run_result(r) for r in run_trials(Trials("recall", grid, fixed), store)]
+    # One worker: the report runs its Monte Carlo sections beside this one (report.parallel).
+    return [run_result(r) for r in run_trials(Trials("recall", grid, fixed), store, workers=1)]
 
 
 def report_section(fig_dir: Path, *, seed: int) -> Section:
