@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import attnscale
 import attnscale.cli as cli_module
 from attnscale.attention import MultiHeadAttention, observe
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, parse_typed
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import (MECHANISMS, build_mechanism, check_mechanism, mechanism_options,
                                   option_types, parse_option)
@@ -564,7 +564,8 @@ def test_lm_threads_bind_any_cpu_spelling(text_dir):
 def _texts(value) -> list[str]:
     """Ways a user writes ``value`` on a command line."""
     if isinstance(value, bool):
-        return [str(value).lower(), str(value).upper(), str(value)]
+        return [str(value).lower(), str(value).upper(), str(value), "yes" if value else "no",
+                str(int(value))]
     if isinstance(value, int):
         return [str(value), f"{float(value)}", f"{float(value):e}"]
     if isinstance(value, float):
@@ -578,7 +579,8 @@ def test_every_option_reads_by_its_declared_type(name):
     value; a text of the wrong kind is a one-line ConfigError naming the option."""
     import inspect
     params = inspect.signature(MECHANISMS[name].__init__).parameters
-    for option, kind in option_types(name).items():
+    plain = {k: t for k, t in option_types(name).items() if t in (bool, int, float, str)}
+    for option, kind in plain.items():
         default = params[option].default
         for text in _texts(default):
             got = parse_option(name, option, text)
@@ -588,6 +590,26 @@ def test_every_option_reads_by_its_declared_type(name):
                 parse_option(name, option, "maybe")
             _one_line(err.value)
     assert set(option_types(name)) <= set(mechanism_options(name))
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    (bool, "true", True), (bool, "FALSE", False), (bool, "yes", True), (bool, "0", False),
+    (int, "7", 7), (int, "1e3", 1000), (int, "20.0", 20), (int, "-3", -3),
+    (int, "123456789012345678901", 123456789012345678901),
+    (float, "2e1", 20.0), (float, "20", 20.0), (str, " a b ", " a b ")])
+def test_parse_typed_reads_cli_text(kind, text, value):
+    got = parse_typed("--x", text, kind)
+    assert type(got) is kind and got == value
+
+
+@pytest.mark.parametrize("kind, text, what", [
+    (bool, "maybe", "true or false"), (bool, "", "true or false"), (int, "1.5", "an integer"),
+    (int, "x", "an integer"), (int, "nan", "an integer"), (float, "inf", "a finite number"),
+    (float, "nan", "a finite number"), (float, "[30]", "a finite number")])
+def test_parse_typed_refuses_other_text(kind, text, what):
+    with pytest.raises(ConfigError, match=f"--x must be {what}, got") as err:
+        parse_typed("--x", text, kind)
+    _one_line(err.value)
 
 
 def test_declared_types_are_found():
@@ -609,7 +631,7 @@ def test_every_option_flag_reads_booleans(cli, words):
     code, out, err = cli(*words, "--mechanism", name, "--option", f"{option}=maybe",
                          "--steps", "1")
     assert code == 2 and not out, err
-    assert "true or false" in _one_line(err) and option in err
+    assert f"--option {option} must be true or false" in _one_line(err)
 
 
 def test_train_records_a_false_boolean_option(cli):
