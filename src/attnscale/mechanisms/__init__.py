@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import pkgutil
 import typing
 from collections.abc import Iterable
 
-from attnscale.errors import ConfigError, did_you_mean
+from attnscale.errors import ConfigError, did_you_mean, parse_typed
 from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
 
 # Explicit imports, in the order of the issue's table; importing a module registers its mechanism.
@@ -48,50 +47,30 @@ def mechanism_options(name: str) -> tuple[str, ...]:
 
 
 def option_types(name: str) -> dict[str, type]:
-    """The declared type of each option of ``name`` that has a plain one (bool, int, float, str),
-    read from the annotations of its ``__init__``."""
-    hints = typing.get_type_hints(MECHANISMS[name].__init__)
-    return {option: hints[option] for option in mechanism_options(name)
-            if hints.get(option) in (bool, int, float, str)}
+    """The type of each option ``name`` takes: its annotation (``cap: float``), else the type of
+    its default."""
+    init = MECHANISMS[name].__init__
+    try:
+        hints = typing.get_type_hints(init)
+    except (NameError, TypeError):
+        hints = {}
+    params = inspect.signature(init).parameters
+    return {k: hints.get(k, type(params[k].default)) for k in mechanism_options(name)}
 
 
 def parse_option(name: str, key: str, text: str, *, param: str = "--option") -> object:
     """The value of option ``key`` of mechanism ``name`` written as ``text`` (``KEY=VALUE`` on a
-    command line, ``name(key=value)`` in a variant), read by the option's declared type: the one
-    rule every command that takes mechanism options uses.
-
-    bool: ``true`` / ``false`` (any case); int: an integer, or a float with an integral value
-    (``1e3``); float: any float; str: the text.  An option without a plain declared type (or one
-    the mechanism does not take, which :func:`check_mechanism` then reports) reads as an int,
-    else a float, else the text.  A value that does not parse is a :class:`ConfigError`.
+    command line, ``name(key=value)`` in a variant), read by the option's type
+    (:func:`option_types`) with :func:`attnscale.errors.parse_typed`, the rule the sweep's
+    ``--set`` and ``--grid`` read text by too: ``divisor=false`` is False, ``max_len=1e3`` is
+    1000.  An option without a plain type (bool, int, float, str), or one the mechanism does not
+    take (which :func:`check_mechanism` then reports), reads as an int, else a float, else the
+    text.  A value that does not parse is a :class:`ConfigError` naming ``param`` and ``key``.
     """
     kind = option_types(name).get(key) if name in MECHANISMS else None
-    if kind is str:
-        return text
-    if kind is bool:
-        if text.strip().lower() not in ("true", "false"):
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is true or false, got "
-                              f"{text!r}.")
-        return text.strip().lower() == "true"
-    try:
-        number = float(text)
-    except ValueError:
-        number = None
-    if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-        if number is None or not math.isfinite(number) or not number.is_integer():
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is an integer, got "
-                              f"{text!r}.")
-        return int(number)
-    if kind is float:
-        if number is None:
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is a number, got "
-                              f"{text!r}.")
-        return number
-    for cast in (int, float):  # undeclared: the most specific reading
+    if kind in (bool, int, float, str):
+        return parse_typed(f"{param} {key}", text, kind)
+    for cast in (int, float):  # no plain type: the most specific reading
         try:
             return cast(text)
         except ValueError:
