@@ -22,6 +22,21 @@ All statistics are therefore written around the top key ``t``: with
 ``1 - p_t = S / (1 + S)`` and ``log p_i = (z_i - z_t) - log1p(S)``, so no quantity is ever formed
 as a difference of two numbers close to 1.  Half-precision inputs are computed in float32
 (:func:`attnscale.precision.upcast`); integer logits are a ``TypeError``.
+
+Other normalisers (:func:`attnscale.pipeline.normalise`).  :func:`row_stats` takes
+``normaliser=``; the columns keep their names, and their definitions become:
+
+* ``"sink"`` (p_i = e^{z_i} / (e^{b} + Σ_j e^{z_j}), the sink an outcome without a value): max
+  weight, entropy and ``||J||_F`` are those of the whole softmax over the keys *and* the sink (the
+  distribution the row's softmax forms, and the Jacobian its gradient passes through); ``count``,
+  ``logit_std`` and ``logit_absmax`` cover the keys only.  A row with every key masked has all its
+  mass on the sink: count 0 and every statistic 0, as for any row without keys;
+* ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1): max weight ``max_i σ(z_i)``; entropy of
+  the normalised row p / Σp, which is ``softmax(ln σ(z))``; ``||J||_F = ||diag(σ(1 - σ))||_F =
+  sqrt(Σ_i σ_i² (1 - σ_i)²)``, the Jacobian of the elementwise map.
+
+:func:`row_mass` is the weight the keys carry, Σ_i p_i: 1 under softmax, 1 minus the sink's mass
+under a sink, anything in [0, n] under sigmoid.
 """
 
 from __future__ import annotations
@@ -37,8 +52,11 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["ROW_STATS_COLUMNS", "columns", "entropy", "jacobian_fro", "logit_std", "max_weight",
-           "row_stats", "softmax_stats"]
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "columns", "entropy", "jacobian_fro", "logit_std",
+           "max_weight", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats"]
+
+# The normalisers the statistics are defined for (attnscale.pipeline.NORMALISERS names the same).
+NORMALISERS = ("softmax", "sink", "sigmoid")
 
 
 def _logits(z: Tensor) -> Tensor:
@@ -155,7 +173,63 @@ def logit_std(z: Tensor) -> Tensor:
     return _special_rows(zmax, torch.where(count >= 2, _sqrt(var), torch.zeros_like(var)))
 
 
-def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = None) -> Tensor:
+def sigmoid_stats(z: Tensor) -> dict[str, Tensor]:
+    """Max weight, entropy of the normalised row and ``||diag(σ(1-σ))||_F`` of p = σ(z), and the
+    total mass Σ p; each of shape (...).  Masked keys (``-inf``) carry p = 0; a row without keys
+    gives 0 everywhere, a row holding NaN gives NaN.  Differentiable.
+    """
+    z = _logits(z)
+    p = torch.sigmoid(z)                                          # 0 at masked keys
+    log_p = torch.nn.functional.logsigmoid(z)                     # -inf at masked keys
+    zmax = z.amax(dim=-1)
+    # The normalised row p / Σp is softmax(ln σ(z)): its entropy, stable near one-hot.
+    ent = softmax_stats(log_p)["entropy"]
+    jac = torch.linalg.vector_norm(p * torch.sigmoid(-z), dim=-1)  # σ(1 - σ) = σ(z) σ(-z)
+    empty = torch.isneginf(zmax)
+    nan = torch.isnan(zmax)
+
+    def special(x: Tensor) -> Tensor:
+        x = torch.where(empty, torch.zeros_like(x), x)
+        return torch.where(nan, torch.full_like(x, math.nan), x)
+
+    return {"max_weight": special(p.amax(dim=-1)), "entropy": special(ent),
+            "jacobian_fro": special(jac), "mass": special(p.sum(dim=-1))}
+
+
+def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+    """Σ_i p_i over the keys of each row, float64 (...): 1 under softmax (0 for a row without
+    keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid; NaN for rows holding NaN."""
+    z = _logits(z)
+    if normaliser == "sigmoid":
+        return sigmoid_stats(z)["mass"].double()
+    zmax = z.amax(dim=-1)
+    if normaliser == "sink":
+        lse = torch.logsumexp(z, dim=-1)                          # -inf for a row without keys
+        b = _sink_column(z, sink)[..., 0]
+        return torch.sigmoid(lse - b).double()                    # e^lse / (e^lse + e^b)
+    _check_normaliser(normaliser)
+    return _special_rows(zmax, torch.ones_like(zmax)).double()
+
+
+def _check_normaliser(normaliser: str) -> None:
+    if normaliser not in NORMALISERS:
+        raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got "
+                          f"{normaliser!r}.")
+
+
+def _sink_column(z: Tensor, sink: Tensor | None) -> Tensor:
+    """The sink logits as a column (..., 1) beside logits z (B, H, Nq, Nk) or (H, ..., n): ``sink``
+    is (H,), or anything broadcastable to (..., 1)."""
+    if sink is None:
+        raise ConfigError("the 'sink' normaliser needs the sink logits.")
+    sink = sink.to(z.dtype)
+    if sink.dim() == 1 and z.dim() >= 3:  # one per head, heads at dim -3
+        sink = sink.view(-1, 1, 1)
+    return sink.expand(*z.shape[:-1], 1)
+
+
+def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = None,
+              normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
     """Every statistic of every row of ``softmax(z)``: the one entry point for per-row statistics.
 
     Args:
@@ -164,10 +238,14 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             first ``limit[r % P]`` keys (clamped to [0, n]), the others count as masked -- causal
             attention without writing a mask, with P the query rows per (batch, head).
         threads: worker threads of the compiled kernel (default ``torch.get_num_threads()``).
+        normaliser: ``"softmax"``, ``"sink"`` or ``"sigmoid"``; the columns' definitions for the
+            last two are in the module doc.
+        sink: the per-head sink logits (H,) (or broadcastable to (..., 1)) for ``"sink"``.
     Returns:
-        float64 tensor (..., 6) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
-        row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std`` and
-        ``logit_absmax`` (``max |z|`` over unmasked keys).  :func:`columns` names them.  Masked,
+        float64 tensor (..., 7) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
+        row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std``,
+        ``logit_absmax`` (``max |z|`` over unmasked keys) and ``logit_max`` (the signed
+        ``max z`` over unmasked keys, QK-Clip's S_max).  :func:`columns` names them.  Masked,
         NaN and ``+inf`` rows follow the module doc (``count`` still counts their keys).
 
     float32 CPU logits go through the compiled kernel when it is available, unless ``z`` needs
@@ -175,11 +253,14 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     formulation, which is differentiable.  The two agree to float32 rounding.
     """
     z = _logits(z)
+    _check_normaliser(normaliser)
     if limit is not None:
         if not isinstance(limit, Tensor) or limit.dtype != torch.int64 or limit.numel() < 1:
             raise ConfigError(f"limit must be a non-empty int64 tensor, got {limit!r}.")
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
+    if normaliser != "softmax":
+        return _normalised_row_stats(z, limit, threads, normaliser, sink)
     needs_grad = z.requires_grad and torch.is_grad_enabled()
     if (z.dtype == torch.float32 and z.device.type == "cpu" and not needs_grad
             and native.available()):
@@ -196,10 +277,32 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     absmax = _special_rows(zmax, z.masked_fill(masked, 0.0).abs().amax(dim=-1))
     count = (~masked).sum(dim=-1).to(s["entropy"].dtype)
     out = torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], logit_std(z),
-                       absmax], dim=-1)
+                       absmax, _special_rows(zmax, zmax)], dim=-1)
     return out.double()
 
 
 def columns(rows: Tensor) -> dict[str, Tensor]:
     """Name the last dimension of :func:`row_stats`'s result: ``{column: rows[..., i]}``."""
     return {name: rows[..., i] for i, name in enumerate(ROW_STATS_COLUMNS)}
+
+
+def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, normaliser: str,
+                          sink: Tensor | None) -> Tensor:
+    """:func:`row_stats` for the sink and sigmoid normalisers (see the module doc)."""
+    keys = row_stats(z, limit=limit, threads=threads)            # count, logit_std, absmax
+    if limit is not None:  # written out: the sink column and logsigmoid need the hidden keys
+        n = z.shape[-1]
+        rows = z.numel() // n
+        lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
+        z = z.masked_fill(torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1),
+                          -math.inf)
+    if normaliser == "sink":
+        full = row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads)
+        out = torch.cat([keys[..., :1], full[..., 1:4], keys[..., 4:]], dim=-1)
+    else:
+        s = sigmoid_stats(z)
+        out = torch.cat([keys[..., :1]] + [s[c].double().unsqueeze(-1) for c in
+                                           ("max_weight", "entropy", "jacobian_fro")]
+                        + [keys[..., 4:]], dim=-1)
+    # A row without keys: every statistic 0 (the sink alone is not a row of keys).
+    return torch.where(keys[..., :1] == 0, torch.zeros_like(out), out)

@@ -30,6 +30,8 @@ from typing import TypeVar
 
 import torch
 
+from attnscale.errors import ConfigError
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -79,6 +81,37 @@ def _single_threaded() -> None:
         restore = threading.Thread(target=torch.set_num_threads, args=(before,))
         restore.start()
         restore.join()
+
+
+def check_device(param: str, device: object) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can compute on, or a one-line
+    :class:`~attnscale.errors.ConfigError` naming ``param``.
+
+    Devices are told apart by kind (``torch.device(x).type``), never by their text, so ``"cpu:0"``
+    is the CPU.  ``meta`` holds no data and is refused; CUDA needs a visible device of that
+    index; any other kind (``mps``, ``xla``...) must accept a tensor in this torch build.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{param}: {device!r} is not a torch device (e.g. cpu, cuda, "
+                          "cuda:1).") from None
+    if dev.type == "meta":
+        raise ConfigError(f"{param}: {device!r} holds no data and cannot train or measure; use "
+                          "cpu or cuda.")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ConfigError(f"{param}: {device!r}: this torch build sees no CUDA device.")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"{param}: {device!r}: only {count} CUDA device(s) visible.")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(1, device=dev)
+        except (RuntimeError, AssertionError, ValueError):  # backend missing or not built in
+            raise ConfigError(f"{param}: {device!r} is not available in this torch build "
+                              f"({torch.__version__}).") from None
+    return dev
 
 
 def workers_for(device: torch.device, pieces: int) -> int:

@@ -54,6 +54,11 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
         raise ValueError("rows: this call does not run the blockwise kernel (see forms_logits)")
     if rows is not None and row_stats is None:
         raise ValueError("rows needs row_stats, the reducer that fills it")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        # No query, or no key: the output is empty or all zeros (an empty softmax row weighs
+        # nothing), and ``rows`` keeps its zeros (count 0).  The materialised formulation gives
+        # exactly that, with gradients, on no memory; the blocked kernels need a block to cut.
+        return _capped_materialised(q, k, upcast(v), scale, cap, mask, causal).to(v.dtype)
     if flex.usable(q):
         return flex.capped_attention(q, k, v, scale, cap, mask, causal)
     if _tracing(q):
