@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.errors import ConfigError, check_float, check_int, did_you_mean
 from attnscale.io import owned, sigterm_as_exit
 from attnscale.progress import progress
 from attnscale.experiments import registry
@@ -123,8 +123,10 @@ def resume(out: str | os.PathLike, *, grid: Mapping[str, Sequence[Any]] | None =
 
 
 def _stored(store: Store, force: bool) -> SweepSpec:
-    """The stored spec, refused when ``sweep.json`` was changed by hand unless ``force``."""
+    """The stored spec, its values checked; refused when ``sweep.json`` was changed by hand,
+    unless ``force``."""
     spec = store.read_spec()
+    experiment_of(spec, store)  # a bad value is named before --force is suggested
     if not force and not owned(store.spec_path):
         raise ConfigError(f"{str(store.spec_path)!r} was changed since attnscale wrote it; "
                           f"restore it, or pass --force to continue the sweep as the file now "
@@ -149,6 +151,11 @@ def experiment_of(spec: SweepSpec, store: Store | None = None) -> registry.Exper
             raise ConfigError(f"the sweep's experiment {spec.experiment!r}{where} is registered "
                               f"by module {spec.module!r}, which cannot be imported "
                               f"({err}).") from None
+    if spec.experiment not in registry.EXPERIMENTS:
+        raise ConfigError(f"the sweep's experiment {spec.experiment!r}{where} is not registered "
+                          f"by module {spec.module!r}."
+                          f"{did_you_mean(spec.experiment, registry.EXPERIMENTS)} Restore the "
+                          f"file, or start the sweep again in a new folder.")
     exp = registry.get(spec.experiment)
     for field, values in (("grid", spec.grid), ("base", {k: [v] for k, v in spec.base.items()})):
         for key, items in values.items():

@@ -153,7 +153,12 @@ class Store:
         whether that record is a last line missing only its newline."""
         if not self.results_path.exists():
             return [], 0, False
-        data = self.results_path.read_bytes()
+        try:
+            data = self.results_path.read_bytes()
+        except OSError as err:
+            raise ConfigError(f"{str(self.results_path)!r} cannot be read "
+                              f"({err.strerror or err}); it must be the sweep's results "
+                              f"file.") from None
         end = data.rfind(b"\n") + 1                      # a torn last line has no newline
         records = [self._record(number, line)
                    for number, line in enumerate(data[:end].split(b"\n"), start=1)
