@@ -8,6 +8,7 @@ code 2; any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable, Sequence
 
 
@@ -165,3 +166,32 @@ def parse_name_list(param: str, text: str) -> list[str]:
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"{param} must be a comma-separated list of names, got {text!r}.")
     return check_unique(param, parts)
+
+
+def _distinct_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` that refuses a key given twice in one JSON object (``json.loads``
+    would keep the last one silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} is given twice in one object")
+        self.key = key
+
+
+def parse_json(param: str, text: str | bytes, what: str = "JSON") -> object:
+    """JSON text from a user (a CLI value, a file they wrote) as Python values.  Text that is not
+    JSON (``what`` says what was expected), or an object that gives a key twice
+    (``{"cap": 20, "cap": 30}``), is a ConfigError naming ``param``."""
+    try:
+        return json.loads(text, object_pairs_hook=_distinct_keys)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{param}: {err}; give each key once.") from None
+    except ValueError as err:
+        raise ConfigError(f"{param} must be {what} ({err}).") from None

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import pkgutil
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from attnscale.errors import ConfigError, did_you_mean, parse_typed
 from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
@@ -30,8 +31,8 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 del _module
 
-__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "defined_at_init",
-           "mechanism_options", "option_types", "parse_option", "register"]
+__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "canonical_options", "check_mechanism",
+           "defined_at_init", "mechanism_options", "option_types", "parse_option", "register"]
 
 
 def defined_at_init() -> tuple[str, ...]:
@@ -76,6 +77,32 @@ def parse_option(name: str, key: str, text: str, *, param: str = "--option") -> 
         except ValueError:
             pass
     return text
+
+
+def canonical_options(names: str | Iterable[str], options: Mapping[str, object]) -> dict:
+    """``options`` with each number in the one form its option's type gives it, so that equal
+    settings are one: ``{"cap": 20}``, ``{"cap": 20.0}`` and ``{"cap": 2e1}`` are all
+    ``{"cap": 20.0}`` for softcap, and an integral float is an int for an int option.  ``names``:
+    the mechanism, or several (a grid's), an option being typed where those that take it agree.
+    Unknown names, options and values are left as they are, for :func:`check_mechanism` and the
+    mechanism to refuse."""
+    names = [names] if isinstance(names, str) else list(names)
+    types: dict[str, set] = {}
+    for name in names:
+        if isinstance(name, str) and name in MECHANISMS:
+            for key, kind in option_types(name).items():
+                types.setdefault(key, set()).add(kind)
+    out = {}
+    for key, value in options.items():
+        kind = types.get(key, set())
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and len(kind) == 1:
+            (kind,) = kind
+            if kind is float:
+                value = float(value)
+            elif kind is int and isinstance(value, float) and value.is_integer():
+                value = int(value)
+        out[key] = value
+    return out
 
 
 def check_mechanism(name: str, options: Iterable[str] = (), *, param: str | None = None) -> str:

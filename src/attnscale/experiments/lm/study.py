@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from attnscale.mechanisms import build_mechanism
+from attnscale.mechanisms import build_mechanism, canonical_options
 
 # Wortsman et al. 2023's learning-rate grid (Figure 1).
 WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
@@ -62,7 +62,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     check_mechanism(name.strip(), param="mechanisms")
     options = parse_options(items, name.strip(), param=f"mechanism variant {text!r}")
     check_mechanism(name.strip(), options, param="mechanisms")
-    return name.strip(), options
+    return name.strip(), canonical_options(name.strip(), options)
 
 
 def grid(variants: Sequence[str] = DEFAULT_VARIANTS, lrs: Sequence[float] = WORTSMAN_LRS,
