@@ -70,7 +70,7 @@ The contract:
   and the materialised ``trace=True`` path -- ``Observation.offers_rows`` is True and an observer
   may call ``observation.request_rows(sink)`` instead of scoring q kᵀ itself: after the output is
   computed, ``sink(rows)`` receives :func:`attnscale.stats.row_stats` of every query's masked
-  logits, float64 (B, H, Nq, 6), taken from the computation's own logit blocks, with ``count``
+  logits, float64 (B, H, Nq, len(ROW_STATS_COLUMNS)), taken from the computation's own logit blocks, with ``count``
   0 for queries that have no key to attend.  The statistics equal a recomputation from
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
@@ -222,14 +222,31 @@ def running() -> bool:
     return _RUNNING.get()
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) fit together."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule | None = None) -> None:
+    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) are tensors of one
+    floating dtype that fit together, and fit ``mechanism`` when it states the ``n_heads`` and
+    ``d_head`` it was built for (a registry mechanism's per-head parameters and 1/√d depend on
+    them: a mismatch is a size error or, worse, a silently wrong temperature)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if not t.is_floating_point():
+            raise ConfigError(f"{name} must be a floating-point tensor, got {t.dtype}; cast it, "
+                              f"e.g. {name}.float().")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ConfigError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
+                          f"{v.dtype}.")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ConfigError(f"q, k, v shapes do not fit together: {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    heads, d_head = getattr(mechanism, "n_heads", None), getattr(mechanism, "d_head", None)
+    if heads is not None and d_head is not None and (q.shape[1], q.shape[-1]) != (heads, d_head):
+        name = getattr(mechanism, "name", "") or type(mechanism).__name__
+        raise ConfigError(f"mechanism {name!r} was built for n_heads={heads}, d_head={d_head}; "
+                          f"q has {q.shape[1]} heads of size {q.shape[-1]}.")
 
 
 def causal_counts(n_q: int, n_k: int, device: torch.device | str | None = None) -> Tensor:
@@ -329,7 +346,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, mechanism)
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
@@ -337,6 +354,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         n_keys = key_counts(None, causal, q, k)
     qs, ks, scale, offset = apply_rule(mechanism, upcast(q), upcast(k), n_keys, full_mask,
                                        causal)                             # mechanism, adapt
+    track = getattr(mechanism, "track_logits", None)  # qk-clip's S_max, over the attended keys
+    if track is not None:
+        track(qs, ks, scale, full_mask, causal and full_mask is None)
     if mechanism.acts_on_values:
         v = mechanism.prepare_values(v)                                    # values
     cap, normaliser = mechanism.cap, mechanism.normaliser
@@ -365,8 +385,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     finally:
         _RUNNING.reset(token)
     if rows is not None:
-        if full_mask is not None:  # queries with no key attended everything: not a row
-            rows[..., 0].masked_fill_((n_keys[..., 0] == 0).to(rows.device), 0.0)
+        if full_mask is not None:  # queries with no key attended everything: count 0 and
+            # every statistic 0, as row_stats gives a row without keys
+            rows.masked_fill_((n_keys == 0).to(rows.device), 0.0)
         for sink_fn in seen._sinks:
             sink_fn(rows)
     return _gated(out, gate)
@@ -446,4 +467,4 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)
-    return capped_attention(q, k, v, scale, how.cap, mask, causal, rows=rows)
+    return capped_attention(q, k, v, scale, how.cap, mask, causal, rows=rows, row_stats=row_stats)

@@ -242,9 +242,10 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             last two are in the module doc.
         sink: the per-head sink logits (H,) (or broadcastable to (..., 1)) for ``"sink"``.
     Returns:
-        float64 tensor (..., 6) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
-        row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std`` and
-        ``logit_absmax`` (``max |z|`` over unmasked keys).  :func:`columns` names them.  Masked,
+        float64 tensor (..., 7) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
+        row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std``,
+        ``logit_absmax`` (``max |z|`` over unmasked keys) and ``logit_max`` (the signed
+        ``max z`` over unmasked keys, QK-Clip's S_max).  :func:`columns` names them.  Masked,
         NaN and ``+inf`` rows follow the module doc (``count`` still counts their keys).
 
     float32 CPU logits go through the compiled kernel when it is available, unless ``z`` needs
@@ -276,7 +277,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     absmax = _special_rows(zmax, z.masked_fill(masked, 0.0).abs().amax(dim=-1))
     count = (~masked).sum(dim=-1).to(s["entropy"].dtype)
     out = torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], logit_std(z),
-                       absmax], dim=-1)
+                       absmax, _special_rows(zmax, zmax)], dim=-1)
     return out.double()
 
 

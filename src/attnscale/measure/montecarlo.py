@@ -267,7 +267,7 @@ def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
     return float(scale) if isinstance(scale, float) else None
 
 
-def _check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
+def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
     """Names of registry mechanisms defined at init, distinct; a single name is allowed."""
     names = check_name_list(param, [mechanisms] if isinstance(mechanisms, str) else mechanisms)
     at_init = defined_at_init()
@@ -341,7 +341,7 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     ns = _int_list("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
-    mechanisms = _check_mechanisms(mechanisms)
+    mechanisms = check_mechanisms(mechanisms)
     plan = _plan(d_ks, ns, trials, mechanisms)
     bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
                    enabled=show_progress)
@@ -433,7 +433,7 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     n = check_int("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
-    name, = _check_mechanisms([mechanism], "mechanism")
+    name, = check_mechanisms([mechanism], "mechanism")
     check_memory(f"n={n} keys per query at d_k={d_k}",
                  max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE)
     check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)

@@ -25,7 +25,7 @@ import torch
 
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.measure.montecarlo import (
-    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, _check_mechanisms, _frame_qk, _int_list,
+    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, check_mechanisms, _frame_qk, _int_list,
     _module_stats, _summarise, check_memory,
 )
 from attnscale.mechanisms import MECHANISMS, build_mechanism
@@ -70,7 +70,7 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     margin = check_float("margin", margin)
-    names = _check_mechanisms(mechanisms)
+    names = check_mechanisms(mechanisms)
     for name in names:
         if not MECHANISMS[name].rotation_invariant:
             raise ConfigError(f"mechanisms: {name!r} is not rotation invariant, so the planted-key "

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import pkgutil
+import typing
 from collections.abc import Iterable
 
 from attnscale.errors import ConfigError, did_you_mean
@@ -30,7 +32,7 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 del _module
 
 __all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "defined_at_init",
-           "mechanism_options", "register"]
+           "mechanism_options", "option_types", "parse_option", "register"]
 
 
 def defined_at_init() -> tuple[str, ...]:
@@ -45,12 +47,67 @@ def mechanism_options(name: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def option_types(name: str) -> dict[str, type]:
+    """The declared type of each option of ``name`` that has a plain one (bool, int, float, str),
+    read from the annotations of its ``__init__``."""
+    hints = typing.get_type_hints(MECHANISMS[name].__init__)
+    return {option: hints[option] for option in mechanism_options(name)
+            if hints.get(option) in (bool, int, float, str)}
+
+
+def parse_option(name: str, key: str, text: str, *, param: str = "--option") -> object:
+    """The value of option ``key`` of mechanism ``name`` written as ``text`` (``KEY=VALUE`` on a
+    command line, ``name(key=value)`` in a variant), read by the option's declared type: the one
+    rule every command that takes mechanism options uses.
+
+    bool: ``true`` / ``false`` (any case); int: an integer, or a float with an integral value
+    (``1e3``); float: any float; str: the text.  An option without a plain declared type (or one
+    the mechanism does not take, which :func:`check_mechanism` then reports) reads as an int,
+    else a float, else the text.  A value that does not parse is a :class:`ConfigError`.
+    """
+    kind = option_types(name).get(key) if name in MECHANISMS else None
+    if kind is str:
+        return text
+    if kind is bool:
+        if text.strip().lower() not in ("true", "false"):
+            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is true or false, got "
+                              f"{text!r}.")
+        return text.strip().lower() == "true"
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        if number is None or not math.isfinite(number) or not number.is_integer():
+            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is an integer, got "
+                              f"{text!r}.")
+        return int(number)
+    if kind is float:
+        if number is None:
+            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is a number, got "
+                              f"{text!r}.")
+        return number
+    for cast in (int, float):  # undeclared: the most specific reading
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def check_mechanism(name: str, options: Iterable[str] = (), *, param: str | None = None) -> str:
     """Check a mechanism name and the names of its ``options`` without building it; return
     ``name``.  An unknown one is a :class:`ConfigError` (prefixed by ``param`` when given) that
     suggests the closest match.  Option values are checked when the mechanism is built."""
     where = f"{param}: " if param else ""
-    if not isinstance(name, str) or name not in MECHANISMS:
+    if not isinstance(name, str):  # None, a number, a class: nothing to suggest a name from
+        raise ConfigError(f"{where}a mechanism is named by a string, got {name!r} "
+                          f"({type(name).__name__}). Choices: {', '.join(MECHANISMS)}.")
+    if name not in MECHANISMS:
         raise ConfigError(f"{where}Unknown mechanism {name!r}.{did_you_mean(str(name), MECHANISMS)}"
                           f" Choices: {', '.join(MECHANISMS)}.")
     allowed = mechanism_options(name)

@@ -142,6 +142,7 @@ class Mechanism(nn.Module):
 
         fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to every key (Nk).
         """
+        pipeline.check_qkv(q, k, k, self)  # shapes, dtypes and this mechanism's heads (k as v)
         q, k = upcast(q), upcast(k)
         q, k, scale, offset = pipeline.apply_rule(self, q, k, k.shape[-2] if n_keys is None
                                                   else n_keys, None, False)

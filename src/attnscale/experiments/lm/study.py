@@ -50,7 +50,7 @@ def variant(record: dict) -> str:
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
-    :func:`variant`; values read as ``--option`` reads them, true/false as booleans."""
+    :func:`variant`; values read as ``--option`` reads them, by each option's declared type."""
     from attnscale.cli._common import parse_options
     from attnscale.errors import ConfigError
     from attnscale.mechanisms import check_mechanism
@@ -58,15 +58,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     if sep and not rest.endswith(")"):
         raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
     items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
-    options = booleans(parse_options(items, param=f"mechanism variant {text!r}"))
+    check_mechanism(name.strip(), param="mechanisms")
+    options = parse_options(items, name.strip(), param=f"mechanism variant {text!r}")
     check_mechanism(name.strip(), options, param="mechanisms")
     return name.strip(), options
-
-
-def booleans(options: dict) -> dict:
-    """Option values "true" and "false" (any case) as booleans (qk-layernorm's ``divisor``)."""
-    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
-            for k, v in options.items()}
 
 
 def grid(variants: Sequence[str] = DEFAULT_VARIANTS, lrs: Sequence[float] = WORTSMAN_LRS,

@@ -46,7 +46,7 @@ from attnscale.io import json_safe
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
-from attnscale.workers import num_threads
+from attnscale.workers import check_device, num_threads
 
 # --- Wortsman et al. 2023 (arXiv 2309.14322), section 2.1 ----------------------------------------
 ADAM_BETAS = (0.9, 0.95)
@@ -97,12 +97,7 @@ class RunConfig:
             raise ConfigError("data must be a path to a text file or folder, got ''.")
         if not isinstance(self.bf16, bool):
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device {self.device!r} is not a torch device.") from None
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r}: this torch build sees no CUDA device.")
+        check_device("device", self.device)
         self.model_config().validated()
         check_memory(self)
         return self
@@ -267,7 +262,9 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
     config = replace(config or RunConfig(), **overrides).validated()
     corpus = load_corpus(config.data)
     windows = eval_windows(corpus.val, config.eval_windows, config.seq_len)
-    threads = num_threads(config.threads) if config.device == "cpu" else contextlib.nullcontext()
+    # --threads binds the CPU's intra-op threads: any CPU spelling ("cpu", "cpu:0"), by kind.
+    on_cpu = torch.device(config.device).type == "cpu"
+    threads = num_threads(config.threads) if on_cpu else contextlib.nullcontext()
     with threads:
         model = build_lm(config.model_config(), seed=config.seed, device=config.device).train()
         opt = _optimizer(model, config)
