@@ -11,7 +11,7 @@ from attnscale.study.fragment import FRAGMENT_MD
 from attnscale.study.launcher import STUDY_FILE
 from attnscale.study.recall import FIGURE, STUDY, SUMMARY
 from attnscale.report.include import load_study
-from attnscale.io import MANIFEST
+from attnscale.io import LOCK, MANIFEST
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 
 # A tiny model and run length: the CLI plumbing, not the science.
@@ -60,7 +60,7 @@ def test_study_writes_table_figure_and_markdown(cli, tmp_path):
                                                           for d in (4, 8)}
     assert all(r["seeds"] == 2 for r in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == \
-        sorted([MANIFEST, SPEC_FILE, RESULTS_FILE, STUDY_FILE, "fragment.json", FRAGMENT_MD,
+        sorted([LOCK, MANIFEST, SPEC_FILE, RESULTS_FILE, STUDY_FILE, "fragment.json", FRAGMENT_MD,
                 SUMMARY, FIGURE])
     md = (tmp_path / FRAGMENT_MD).read_text()
     assert "| qknorm |" in md and "d_k=8" in md

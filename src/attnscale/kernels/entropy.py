@@ -1,8 +1,9 @@
 """Row entropies of softmax(q kᵀ) over the keys each query attends, blockwise and differentiable,
 without the (B, H, Nq, Nk) logits: the statistics pass of adaptive temperature.
 
-Forward: each block of logits goes through :func:`attnscale.stats.row_stats` (attnscale's row
-kernel for float32 CPU logits).  Backward, recomputing each block: with p = softmax(z) and
+Forward: each block of logits goes through the caller's ``row_stats`` reducer
+(:func:`attnscale.stats.row_stats`, attnscale's row kernel for float32 CPU logits; the kernels sit
+below the statistics module, which runs this package's row kernel, so they are handed it).  Backward, recomputing each block: with p = softmax(z) and
 H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
 dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel.
 """
@@ -12,25 +13,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
-from attnscale.stats import columns, row_stats
+from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, RowStats, _Tiles
 from attnscale.workers import parallel_map, workers_for
 
+ENTROPY = ROW_STATS_COLUMNS.index("entropy")
 
-def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+
+def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, *,
+                row_stats: RowStats) -> Tensor:
     """H(softmax(q kᵀ)) per query, nats: (B, H, Nq, 1) in q's dtype.
 
     q (B, H, Nq, d) already carries the scale; k (B, H, Nk, d); ``mask`` boolean (True = attend)
     broadcastable to (B, H, Nq, Nk); ``causal`` top-left.  A query with no key gets 0; a row
-    holding NaN gets NaN.
+    holding NaN gets NaN.  ``row_stats``: :func:`attnscale.stats.row_stats`.
     """
-    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS)
+    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS,
+                             row_stats)
 
 
 class _RowEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-                block_elements: int) -> Tensor:
+                block_elements: int, row_stats: RowStats) -> Tensor:
         ent = q.new_empty(*q.shape[:-1], 1)                               # (B, H, Nq, 1)
         tiles = _Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
@@ -42,8 +47,8 @@ class _RowEntropy(torch.autograd.Function):
             for i, (q_blk, ent_blk) in enumerate(zip(*tiles.split(b, heads, q, ent))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                stats = columns(row_stats(z, threads=1 if workers > 1 else None))
-                ent_blk.copy_(stats["entropy"].unsqueeze(-1))
+                rows = row_stats(z, threads=1 if workers > 1 else None)
+                ent_blk.copy_(rows[..., ENTROPY].unsqueeze(-1))
 
         with torch.no_grad():
             parallel_map(group, groups, workers)
@@ -78,4 +83,4 @@ class _RowEntropy(torch.autograd.Function):
 
         groups = list(tiles.groups())
         parallel_map(group, groups, workers_for(q.device, len(groups)))
-        return dq, dk_t.transpose(-2, -1), None, None, None
+        return dq, dk_t.transpose(-2, -1), None, None, None, None

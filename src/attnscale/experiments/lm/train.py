@@ -44,6 +44,7 @@ from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sam
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
 from attnscale.measure.monitor import monitor
+from attnscale.memory import check_memory
 from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
 from attnscale.workers import check_device, num_threads
@@ -99,7 +100,9 @@ class RunConfig:
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
         check_device("device", self.device)
         self.model_config().validated()
-        check_memory(self)
+        check_memory(f"this run (width {self.d_model}, {self.n_layers} layers, batch "
+                     f"{self.batch_size} x {self.seq_len})", training_bytes(self), self.device,
+                     hint="reduce the width, depth, batch or sequence length")
         return self
 
     def model_config(self) -> LMConfig:
@@ -140,28 +143,6 @@ def training_bytes(config: RunConfig) -> int:
     floats = (FLOATS_PER_PARAM * params + ACTIVATION_FLOATS * tokens * d * layers
               + 3 * tokens * VOCAB_SIZE)
     return 4 * floats
-
-
-def available_bytes(device: str) -> int | None:
-    """Free memory on ``device`` (CUDA: free device memory; CPU: available RAM), or None."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def check_memory(config: RunConfig) -> None:
-    """Refuse up front a run whose estimated memory exceeds what the device has free."""
-    need, have = training_bytes(config), available_bytes(config.device)
-    if have is not None and need > have:
-        raise ConfigError(f"this run needs about {need / 2**30:.1f} GiB (width {config.d_model}, "
-                          f"{config.n_layers} layers, batch {config.batch_size} x "
-                          f"{config.seq_len}) but {config.device} has {have / 2**30:.1f} GiB "
-                          "free; reduce the width, depth, batch or sequence length.")
 
 
 def recipe() -> dict:
