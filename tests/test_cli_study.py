@@ -128,6 +128,30 @@ def test_the_analysis_refuses_to_pool_runs_of_another_setting(cli, tiny, tmp_pat
     assert (out / "fragment.md").read_bytes() == before
 
 
+def test_include_says_k_of_n_runs_and_the_version(cli, tiny, tmp_path):
+    from attnscale import __version__
+    from attnscale.report.include import beyond_the_essay, load_studies
+    out = tmp_path / "tiny"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+
+    def line() -> str:
+        (tmp_path / "fig").mkdir(exist_ok=True)
+        for p in (tmp_path / "fig").iterdir():
+            p.unlink()
+        md = beyond_the_essay(load_studies([out]), tmp_path / "fig").markdown
+        return next(x for x in md.splitlines() if "runs" in x and x.startswith("*"))
+
+    assert line() == f"*4 of 4 runs; attnscale {__version__}.*"
+    results = out / "results.jsonl"
+    results.write_text("".join(results.read_text().splitlines(keepends=True)[:3]))
+    assert line().startswith("*⚠️ 3 of 4 runs: 1 failed or never ran")
+    spec = json.loads((out / "sweep.json").read_text())
+    (out / "sweep.json").write_text(json.dumps({**spec, "attnscale": "0.0.1"}))
+    assert f"⚠️ run by attnscale 0.0.1, not this report's {__version__}" in line()
+    results.unlink()
+    assert line().startswith("*⚠️ 0 of 4 runs")
+
+
 # --- the rules, over every registered study -----------------------------------------------------
 
 STUDY_NAMES = list(STUDIES)
