@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,52 @@ def test_the_analysis_refuses_to_pool_runs_of_another_setting(cli, tiny, tmp_pat
     code, _, err = cli("study", "tiny-test", "--from", str(out))
     assert code == 2 and "differ in n (16, 32)" in err and err.count("\n") == 1, err
     assert (out / "fragment.md").read_bytes() == before
+
+
+def _two_stores(stores):
+    """The tiny analysis over both stores of a two-store study."""
+    return _analyse({"saturation": [*stores["small"], *stores["large"]]})
+
+
+TWO = dataclasses.replace(
+    TINY, name="two-test",
+    stores={"small": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0, 1)},
+                            {"d_k": 4, "n": 16, "trials": 10}),
+            "large": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0, 1)},
+                            {"d_k": 8, "n": 16, "trials": 10})},
+    quick={"small": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0,)},
+                           {"d_k": 4, "n": 16, "trials": 10}),
+           "large": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0,)},
+                           {"d_k": 8, "n": 16, "trials": 10})},
+    analyse=_two_stores)
+
+
+def test_a_resume_uses_the_stored_settings_and_a_failed_one_changes_nothing(cli, tmp_path):
+    register(TWO)
+    try:
+        out = tmp_path / "two"
+        code, stdout, err = cli("study", "two-test", "--out", str(out), "--quick", "--workers",
+                                "1", "--json")
+        assert code == 0, err
+        assert json.loads(stdout)["runs"] == {k: {"ok": 2, "failed": 0, "pending": 0}
+                                              for k in ("small", "large")}
+        # Ctrl-C before the second store started: the resume starts it on the stored (quick)
+        # settings, though the study's default is the full one.
+        shutil.rmtree(out / "large")
+        code, stdout, err = cli("study", "two-test", "--resume", str(out), "--workers", "1",
+                                "--json")
+        assert code == 0, err
+        assert sweep.load(out / "large").spec.grid["seed"] == [0]
+        # A resume that fails (a store it cannot read) writes nothing, not even the first store.
+        (out / "small" / "results.jsonl").write_text(
+            (out / "small" / "results.jsonl").read_text().splitlines()[0] + "\n")
+        (out / "large" / "sweep.json").write_text("{}")
+        before = _snapshot(out)
+        code, _, err = cli("study", "two-test", "--resume", str(out), "--workers", "1")
+        assert code == 2 and "sweep.json" in err and err.count("\n") == 1, err
+        assert _snapshot(out) == before
+    finally:
+        del STUDIES[TWO.name]
 
 
 def test_include_says_k_of_n_runs_and_the_version(cli, tiny, tmp_path):
@@ -282,3 +329,25 @@ def test_the_length_yarn_claims_at_the_edge_are_inconclusive():
           for s in (0, 1)]
     (claim,) = [c for c in claims([], lm) if "YaRN" in c["quantity"]]
     assert claim["verdict"].startswith("inconclusive") and claim["agrees"] is False
+
+
+def test_the_readme_adding_a_study_example_runs_and_redraws(cli, tmp_path):
+    """The README's "Adding a study" file, as written, registers a study the launcher runs."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Adding a study\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    try:
+        study = namespace["STUDY"]
+        assert STUDIES["max-weight"] is study
+        out = tmp_path / "mw"
+        done = launcher.run(study, out, fixed={"saturation": {"n": 16, "trials": 10}},
+                            workers=1, show_progress=False)
+        (claim,) = done.analysis.claims
+        assert claim["verdict"] == "agrees"   # unscaled's max weight is far above scaled's
+        assert load_study(out).claims == (claim,)
+        rc, stdout, err = cli("study", "max-weight", "--from", str(out), "--json")
+        assert rc == 0 and json.loads(stdout)["claims"] == [claim], err
+    finally:
+        STUDIES.pop("max-weight", None)
