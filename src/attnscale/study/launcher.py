@@ -415,4 +415,5 @@ def _draw(study: Study, folder: Path, results: Mapping[str, Any], *, force: bool
         check_pooling(study, key, recs)
     analysis = study.analyse(records)
     files = write_fragment(folder, study, analysis, force=force)
+    mark_folder(folder, command=f"attnscale study {study.name}", study=study.name)
     return Outcome(study, folder, analysis, files, runs)
