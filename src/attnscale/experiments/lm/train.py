@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.columns import named
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
@@ -224,9 +225,13 @@ def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
         by_layer.setdefault(r["layer"], []).append(r)
     heads = [by_layer[layer] for layer in sorted(by_layer)]
     return {"step": step, "output_logit_max": float(logits.detach().abs().amax()),
-            "attn_logit_max": [max(h["logit_absmax"] for h in hs) for hs in heads],
-            "entropy_min": [min(h["entropy_mean"] for h in hs) for hs in heads],
-            "entropy_mean": [sum(h["entropy_mean"] for h in hs) / len(hs) for hs in heads]}
+            "attn_logit_max": [max(h[_ABSMAX] for h in hs) for hs in heads],
+            "entropy_min": [min(h[_ENTROPY] for h in hs) for hs in heads],
+            "entropy_mean": [sum(h[_ENTROPY] for h in hs) / len(hs) for hs in heads]}
+
+
+# The monitor's record keys the trace reads (attnscale.columns names them).
+_ABSMAX, _ENTROPY = named("logit_absmax", "entropy_mean")
 
 
 def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from attnscale.columns import MEAN_STATS
 from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.io import json_safe
 from attnscale.progress import progress
@@ -155,7 +156,8 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
                             configs[0].n_keys, configs[0].n_values)
 
 
-_STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
+# The row statistics the evaluation averages (attnscale.columns names them).
+_STAT_NAMES = MEAN_STATS
 
 
 def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
