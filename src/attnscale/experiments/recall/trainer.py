@@ -27,7 +27,7 @@ from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.io import json_safe
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
+from attnscale.experiments.recall.config import RecallConfig, expand_grid, shared_key
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
@@ -307,7 +307,7 @@ def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallCo
     A repeated mechanism or seed is a ConfigError."""
     base = replace(config or RecallConfig(), **overrides)
     seeds = [base.seed] if seeds is None else check_int_list("seeds", seeds, minimum=0)
-    return train_runs(sweep(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
+    return train_runs(expand_grid(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
                       show_progress=show_progress)
 
 
