@@ -23,8 +23,10 @@ from torch.testing import assert_close
 from attnscale import stats
 from attnscale.kernels import native, rowstats
 
-COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
-EXACT = ("count", "logit_absmax")
+COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax",
+           "logit_max")
+EXACT = ("count", "logit_absmax", "logit_max")
+WIDTH = len(COLUMNS)
 RTOL = 1e-5   # float32 blocks of <= 128 terms per lane (see the module docstring)
 ATOL = 0.0    # all errors are relative: the statistics are sums of same-signed terms
 # 1 - max_weight is formed here in float64 from p_t close to 1: rounding p_t costs up to 1 ulp
@@ -46,13 +48,14 @@ ISA = pytest.mark.parametrize("portable", [False, True], ids=["native", "portabl
 
 
 def reference(z: torch.Tensor) -> torch.Tensor:
-    """The six columns from attnscale.stats in float64; rows without a valid key are all 0."""
+    """The columns from attnscale.stats in float64; rows without a valid key are all 0."""
     zd = z.double()
     valid = torch.isfinite(zd)
     s = stats.softmax_stats(zd)
     absmax = torch.where(valid, zd.abs(), torch.zeros_like(zd)).amax(dim=-1)
+    top = torch.where(valid, zd, -math.inf).amax(dim=-1)  # signed max over valid keys
     out = torch.stack([valid.sum(dim=-1).double(), s["max_weight"], s["entropy"],
-                       s["jacobian_fro"], stats.logit_std(zd), absmax], dim=-1)
+                       s["jacobian_fro"], stats.logit_std(zd), absmax, top], dim=-1)
     return torch.where(valid.any(dim=-1, keepdim=True), out, torch.zeros_like(out))
 
 
@@ -152,7 +155,7 @@ def test_near_one_hot_values_at_gap_100():
     got = rowstats.row_stats(z)[0]
     p2 = math.exp(-g) / (1 + math.exp(-g))
     want = torch.tensor([2.0, 1.0 - p2, -(1 - p2) * math.log1p(-p2) - p2 * math.log(p2),
-                         2 * (1 - p2) * p2, g / math.sqrt(2), g], dtype=torch.float64)
+                         2 * (1 - p2) * p2, g / math.sqrt(2), g, g], dtype=torch.float64)
     assert_close(got, want, rtol=RTOL, atol=0.0)
 
 
@@ -167,8 +170,8 @@ def test_all_equal_row_is_uniform(n, value, portable):
     z = torch.full((2, n), value)
     got = rowstats.row_stats(z, portable=portable)
     # Uniform p = 1/n: H = ln n, ||J||^2 = n (1/n)^2 (1 - 1/n)^2 + n (n - 1) / n^4 = (n - 1) / n^2.
-    want = torch.tensor([n, 1.0 / n, math.log(n), math.sqrt(n - 1) / n, 0.0, abs(value)],
-                        dtype=torch.float64).expand(2, 6)
+    want = torch.tensor([n, 1.0 / n, math.log(n), math.sqrt(n - 1) / n, 0.0, abs(value),
+                         value], dtype=torch.float64).expand(2, WIDTH)
     assert_rows_close(got, want, rtol=RTOL, atol=1e-12)  # std: 0 up to rounding of the mean
     assert_rows_close(got, reference(z), rtol=RTOL, atol=1e-12)
 
@@ -182,7 +185,7 @@ def test_two_way_tie_at_the_top(n, tops, portable):
     alone = torch.full((1, n), -math.inf)
     alone[0, list(tops)] = 3.0
     got = rowstats.row_stats(alone, portable=portable)
-    want = torch.tensor([[2.0, 0.5, math.log(2), 0.5, 0.0, 3.0]], dtype=torch.float64)
+    want = torch.tensor([[2.0, 0.5, math.log(2), 0.5, 0.0, 3.0, 3.0]], dtype=torch.float64)
     assert_rows_close(got, want)
     z = randn(4, n, seed=n + tops[1], std=2.0)
     z[:, list(tops)] = z.max(dim=-1, keepdim=True).values + 0.5
@@ -240,8 +243,9 @@ def test_one_valid_key(n, portable):
     values = torch.tensor([-7.5, 0.0, 123.0])[:len(positions)]
     z[torch.arange(len(positions)), positions] = values
     got = rowstats.row_stats(z, portable=portable)
-    want = torch.zeros(len(positions), 6, dtype=torch.float64)
+    want = torch.zeros(len(positions), WIDTH, dtype=torch.float64)
     want[:, 0], want[:, 1], want[:, 5] = 1.0, 1.0, values.abs().double()
+    want[:, 6] = values.double()
     assert_close(got, want, rtol=0, atol=0)
     assert_rows_close(got, reference(z))
 
@@ -253,7 +257,7 @@ def test_fully_masked_rows_are_zero(n, portable):
     z[1] = -math.inf
     z[3] = -math.inf
     got = rowstats.row_stats(z, portable=portable)
-    assert_close(got[[1, 3]], torch.zeros(2, 6, dtype=torch.float64), rtol=0, atol=0)
+    assert_close(got[[1, 3]], torch.zeros(2, WIDTH, dtype=torch.float64), rtol=0, atol=0)
     assert_rows_close(got, reference(z))
     assert (got[[0, 2], 0] == n).all()
 
@@ -316,9 +320,9 @@ def test_threads_are_bit_identical(portable):
 def test_four_dim_input_equals_flattened_call(n, portable):
     z = randn(2, 3, 5, n, seed=n)
     got = rowstats.row_stats(z, portable=portable)
-    assert got.shape == (2, 3, 5, 6)
+    assert got.shape == (2, 3, 5, WIDTH)
     flat = rowstats.row_stats(z.reshape(-1, n), portable=portable)
-    assert torch.equal(got, flat.reshape(2, 3, 5, 6))
+    assert torch.equal(got, flat.reshape(2, 3, 5, WIDTH))
     assert_rows_close(got, reference(z))
 
 
@@ -343,7 +347,7 @@ def _views() -> dict[str, torch.Tensor]:
 def test_non_contiguous_equals_contiguous(name, portable):
     z = _views()[name]
     got = rowstats.row_stats(z, portable=portable)
-    assert got.shape == (*z.shape[:-1], 6)
+    assert got.shape == (*z.shape[:-1], WIDTH)
     assert torch.equal(got, rowstats.row_stats(z.contiguous(), portable=portable))
     assert_rows_close(got, reference(z))
 
@@ -351,7 +355,7 @@ def test_non_contiguous_equals_contiguous(name, portable):
 def test_single_row_and_grad_input():
     z = randn(9, seed=3).requires_grad_()
     got = rowstats.row_stats(z)
-    assert got.shape == (6,)
+    assert got.shape == (WIDTH,)
     assert_rows_close(got, reference(z.detach()))
 
 
@@ -389,7 +393,7 @@ def test_nan_or_plus_inf_logits_give_nan_statistics(bad, portable):
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5), (2, 0, 4)])
 def test_empty_inputs(shape):
     got = rowstats.row_stats(torch.zeros(shape))
-    assert got.shape == (*shape[:-1], 6)
+    assert got.shape == (*shape[:-1], WIDTH)
     assert torch.equal(got, torch.zeros_like(got))
 
 

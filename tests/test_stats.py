@@ -344,14 +344,17 @@ def _torch_row_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
     z = z.double()
     valid = ~torch.isneginf(z)
     absmax = torch.where(valid, z, torch.zeros_like(z)).abs().amax(dim=-1)
-    return {"count": valid.sum(-1).double(), **all_stats(z), "logit_absmax": absmax}
+    top = z.amax(dim=-1)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # no key: 0
+    return {"count": valid.sum(-1).double(), **all_stats(z), "logit_absmax": absmax,
+            "logit_max": top}
 
 
 def test_row_stats_columns_are_named_once():
     assert stats.ROW_STATS_COLUMNS == ("count", "max_weight", "entropy", "jacobian_fro",
-                                       "logit_std", "logit_absmax")
+                                       "logit_std", "logit_absmax", "logit_max")
     rows = stats.row_stats(torch.randn(2, 3, 7))
-    assert rows.shape == (2, 3, 6) and rows.dtype == torch.float64
+    assert rows.shape == (2, 3, 7) and rows.dtype == torch.float64
     assert list(stats.columns(rows)) == list(stats.ROW_STATS_COLUMNS)
 
 

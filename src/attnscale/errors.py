@@ -69,6 +69,40 @@ def check_float(param: str, value: object, *, positive: bool = False) -> float:
     return out
 
 
+# CLI words for a boolean (any case): the one spelling every command reads.
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def parse_typed(param: str, text: str, kind: type) -> object:
+    """CLI text as a value of the declared type ``kind``: bool (:data:`TRUE_WORDS` or
+    :data:`FALSE_WORDS`), int (an integer, or a number with an integral value: ``1e3`` is 1000,
+    as JSON's ``1e3`` is), float (a finite number) or str (the text as given).  Anything else is a
+    one-line :class:`ConfigError` naming ``param`` and the type."""
+    if kind is str:
+        return text
+    word = text.strip().lower()
+    if kind is bool:
+        if word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise ConfigError(f"{param} must be true or false, got {text!r}.")
+    if kind not in (int, float):
+        raise TypeError(f"parse_typed: no text form for {kind!r}")
+    try:
+        number = float(word)
+    except ValueError:
+        number = None
+    if number is None or number != number or number in (float("inf"), float("-inf")):
+        what = "an integer" if kind is int else "a finite number"
+        raise ConfigError(f"{param} must be {what}, got {text!r}.")
+    if kind is float:
+        return number
+    if word.lstrip("+-").isdigit():
+        return int(word)  # exact beyond 2^53
+    if not number.is_integer():
+        raise ConfigError(f"{param} must be an integer, got {text!r}.")
+    return int(number)
+
+
 def check_int_list(param: str, values: object, minimum: int | None = None) -> list[int]:
     """Require a non-empty sequence of integers, each at least ``minimum``."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):

@@ -31,7 +31,7 @@
 
 /* Output columns, in this order (ROW_STATS_COLUMNS on the Python side). */
 enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, OUT_LOGIT_ABSMAX,
-       OUT_COLUMNS };
+       OUT_LOGIT_MAX, OUT_COLUMNS };
 
 /* Portable build: 128-bit vectors (SSE2 on x86-64, NEON on arm64). */
 #define W 4
@@ -113,7 +113,7 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)). */
-int attnscale_kernels_version(void) { return 2; }
+int attnscale_kernels_version(void) { return 3; }
 
 /* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
  * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one

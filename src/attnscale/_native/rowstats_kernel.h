@@ -50,6 +50,7 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
     double amax = fabs((double)zmax), amin = fabs((double)zmin);
     out[OUT_COUNT] = count;
     out[OUT_LOGIT_ABSMAX] = amax > amin ? amax : amin;
+    out[OUT_LOGIT_MAX] = (double)zmax;       /* signed: the top logit, QK-Clip's S_max */
     out[OUT_MAX_WEIGHT] = 1.0;
     if (count == 1.0) return;  /* one key: weight 1, entropy 0, Jacobian 0, std 0 */
 

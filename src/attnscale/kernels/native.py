@@ -28,10 +28,11 @@ from torch import Tensor
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
 # Output columns of the row-statistics kernel, in its order (enum OUT_* in _native/kernels.c).
-ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax")
+ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax",
+                     "logit_max")
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 2
+KERNELS_VERSION = 3
 
 
 @functools.lru_cache(maxsize=1)

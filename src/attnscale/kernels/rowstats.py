@@ -2,7 +2,7 @@
 
 :func:`row_stats` reduces float32 logits of shape (..., n) to the statistics of
 :mod:`attnscale.stats` for every row -- number of unmasked keys, max weight, entropy,
-``||J||_F``, logit std and ``max |z|`` -- reading each logit twice in one C kernel instead
+``||J||_F``, logit std, ``max |z|`` and the signed ``max z`` -- reading each logit twice in one C kernel instead
 of the ~20 tensor passes of the PyTorch formulation.  The numerics and the answers for special
 rows (no key: 0; NaN or ``+inf``: NaN) are those of :mod:`attnscale.stats` (centred on the top
 key, nothing cancels or underflows near one-hot); sums are taken in float32 over runs of 512 keys
@@ -42,7 +42,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         portable: run the 128-bit kernel even where AVX2 is available (to test it).
         threads: worker threads (default ``torch.get_num_threads()``).
     Returns:
-        float64 tensor (..., 6).  A row with no key (also n = 0) has count 0 and every
+        float64 tensor (..., len(ROW_STATS_COLUMNS)).  A row with no key (also n = 0) has count 0 and every
         statistic 0.
     Raises:
         RuntimeError: the kernel is not available (see :func:`attnscale.kernels.native.available`).

@@ -2,9 +2,11 @@
 
 The logits are ``scaled``'s, z = qᵀk / √d; the mechanism acts on the weights, between steps:
 
-* each head h tracks S_max^h, its largest pre-softmax logit (signed, over attended keys) in the
-  attention calls made in training mode since the last clip: ``prepare`` scores q kᵀ once more,
-  block by block, for the maximum alone.  Every train-mode call counts, so measure in ``eval()``;
+* each head h tracks S_max^h, its largest pre-softmax logit (signed, over the keys each query
+  attends: padding and any other mask, and causality, are left out) in the attention calls made
+  in training mode since the last clip: the pipeline hands every call's prepared q, k and mask to
+  :meth:`QKClip.track_logits`, which scores q kᵀ once more, block by block, for the maximum
+  alone.  Every train-mode call counts, so measure in ``eval()``;
 * after the optimizer step, a head with S_max^h > τ gets γ_h = τ / S_max^h, and its rows of W_Q
   and W_K are multiplied by γ_h^α and γ_h^(1-α); heads at or below τ are left untouched.
   K2 uses τ = 100 and α = 0.5, i.e. √γ_h on each of W_Q and W_K.
@@ -40,6 +42,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from attnscale.errors import ConfigError, check_float
+from attnscale.kernels.peak import head_peaks
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
 
 # Kimi K2's threshold on the max logit and its split of γ between W_Q and W_K (arXiv 2507.20534).
@@ -77,8 +80,6 @@ class QKClip(Mechanism):
         self.track = True
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
-        if self.training and self.track:
-            self._track(q, k, n_keys)
         return q, k, inv_sqrt(self.d_head)
 
     # --- tracking S_max ---------------------------------------------------------------------
@@ -89,29 +90,26 @@ class QKClip(Mechanism):
         if z.numel() == 0:
             return
         dims = [d for d in range(z.dim()) if d != z.dim() - 3]
-        new = torch.amax(z.detach(), dim=dims).to(device=self.s_max.device, dtype=torch.float64)
+        self._fold(torch.amax(z.detach(), dim=dims))
+
+    def _fold(self, new: Tensor) -> None:
+        """S_max ← max(S_max, new), per head; ``new`` (H,) of any float dtype."""
+        new = new.to(device=self.s_max.device, dtype=torch.float64)
         # Reassigned rather than updated in place: Module.to(dtype) may have cast the buffer to a
         # half type, which would round S_max (and so γ); float64 holds any logit exactly.
         self.s_max = torch.maximum(self.s_max.to(torch.float64), new)
 
-    @torch.no_grad()
-    def _track(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> None:
-        """S_max of the logits z = qᵀk / √d this attention call scores, block by block over the
-        queries (one extra q kᵀ, never all (Nq, Nk) logits at once).
+    def track_logits(self, q: Tensor, k: Tensor, scale: Scale, mask: Tensor | None,
+                     causal: bool) -> None:
+        """The pipeline's call, right after :meth:`prepare`, with the mask the softmax will use:
+        fold this call's largest logit per head into S_max, in training mode only.
 
-        prepare() sees key counts, not the mask: query i is taken to attend keys j < n_keys[i].
-        That is exact for full attention, causality (top-left) and right padding, with or
-        without causality; under other masks the row's first n_keys[i] keys stand in for them.
+        Only the keys each query attends count (:func:`attnscale.kernels.peak.head_peaks`):
+        padding, any boolean mask and causality; one extra q kᵀ, scored block by block.
         """
-        n_q, n_k = q.shape[-2], k.shape[-2]
-        rows = max(1, TRACK_BLOCK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * n_k))
-        cols = torch.arange(n_k, device=q.device)
-        for i0 in range(0, n_q, rows):
-            z = (q[..., i0:i0 + rows, :] @ k.transpose(-2, -1)) * inv_sqrt(self.d_head)
-            if isinstance(n_keys, Tensor):  # (..., Nq or 1, 1) keys per row
-                count = n_keys[..., i0:i0 + rows, :] if n_keys.shape[-2] > 1 else n_keys
-                z = z.masked_fill(cols >= count.to(q.device), -math.inf)
-            self.observe(z)  # (B, H, rows, Nk)
+        if self.training and self.track:
+            self._fold(head_peaks(q, k, scale, mask=mask, causal=causal,
+                                  block_elements=TRACK_BLOCK_ELEMENTS))
 
     def reset(self) -> None:
         """Forget the logits seen so far (S_max = -inf), as :meth:`clip` does after clipping."""

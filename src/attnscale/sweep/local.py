@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -32,10 +29,12 @@ from multiprocessing.connection import Connection, wait
 
 from attnscale.sweep.batch import Chunk, chunks, run_chunk
 from attnscale.sweep.trial import Task, outcome
+# The fork server (preloaded with attnscale's experiments) and the parent-death signal.
+from attnscale.workers import die_with_parent as _die_with_parent
+from attnscale.workers import process_context as _context
 
 # Seconds a stopping worker gets to exit after SIGTERM before it is killed.
 STOP_GRACE = 5.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def cpu_count() -> int:
@@ -51,13 +50,6 @@ def threads_per_worker(workers: int) -> int:
     return max(1, cpu_count() // workers)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the driver dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
 
 
 def _worker_main(conn: Connection) -> None:
@@ -218,19 +210,6 @@ def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
     finally:
         for worker in pool:
             worker.stop(force=not clean)
-
-
-def _context():
-    """The fork server, preloaded with attnscale's experiments; spawn where there is none."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        # The driver's script (experiments it defines), attnscale's experiments, and
-        # torch._dynamo, which torch.optim imports at the first optimizer (about 1 s, once here
-        # rather than once per worker); the guard makes the fork server die with the driver.
-        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo",
-                                    "attnscale.sweep._forkserver_guard"])
-        return ctx
-    return multiprocessing.get_context("spawn")
 
 
 def _replace(worker: _Worker, pool: list[_Worker], idle: list[_Worker], ctx) -> None:

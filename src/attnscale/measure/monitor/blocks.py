@@ -42,16 +42,17 @@ class HeadStats:
     logit_std_sum: Tensor     # sum of the per-row std of the unmasked logits
     logit_absmax: Tensor      # largest |z| over unmasked logits
     jacobian_fro_sum: Tensor  # sum of ||diag(p) - p p^T||_F
+    logit_max: Tensor         # largest signed z over unmasked logits (-inf before any row)
 
     @classmethod
     def zeros(cls, n_heads: int) -> HeadStats:
         z = torch.zeros(n_heads, dtype=torch.float64)
         return cls(z, z.clone(), torch.full_like(z, math.inf), z.clone(), z.clone(), z.clone(),
-                   z.clone())
+                   z.clone(), torch.full_like(z, -math.inf))
 
     @classmethod
     def from_rows(cls, rows: Tensor) -> HeadStats:
-        """Per-head sums of per-row statistics (B, H, Nq, 6) of :func:`attnscale.stats.row_stats`;
+        """Per-head sums of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`;
         rows whose count is 0 (no key to attend) are left out."""
         col = columns(rows)
         ok = col["count"] > 0
@@ -70,6 +71,7 @@ class HeadStats:
             logit_std_sum=total(col["logit_std"]),
             logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
             jacobian_fro_sum=total(col["jacobian_fro"]),
+            logit_max=extreme(col["logit_max"], -math.inf, torch.amax),
         )
 
     def merge(self, other: HeadStats) -> HeadStats:
@@ -79,7 +81,8 @@ class HeadStats:
             torch.minimum(self.entropy_min, other.entropy_min),
             self.max_weight_sum + other.max_weight_sum, self.logit_std_sum + other.logit_std_sum,
             torch.maximum(self.logit_absmax, other.logit_absmax),
-            self.jacobian_fro_sum + other.jacobian_fro_sum)
+            self.jacobian_fro_sum + other.jacobian_fro_sum,
+            torch.maximum(self.logit_max, other.logit_max))
 
     def pooled(self) -> HeadStats:
         """All heads together as one: every field of shape (1,)."""
@@ -88,7 +91,7 @@ class HeadStats:
         return HeadStats(total(self.queries), total(self.entropy_sum),
                          self.entropy_min.amin(0, keepdim=True), total(self.max_weight_sum),
                          total(self.logit_std_sum), self.logit_absmax.amax(0, keepdim=True),
-                         total(self.jacobian_fro_sum))
+                         total(self.jacobian_fro_sum), self.logit_max.amax(0, keepdim=True))
 
     def means(self) -> dict[str, list[float]]:
         """The record statistics per head (means over rows); NaN for a head that saw no row."""
@@ -99,7 +102,7 @@ class HeadStats:
                "entropy_mean": self.entropy_sum / safe, "entropy_min": self.entropy_min,
                "max_weight_mean": self.max_weight_sum / safe,
                "logit_std": self.logit_std_sum / safe, "logit_absmax": self.logit_absmax,
-               "jacobian_fro_mean": self.jacobian_fro_sum / safe}
+               "jacobian_fro_mean": self.jacobian_fro_sum / safe, "logit_max": self.logit_max}
         return {k: torch.where(none, math.nan, v).tolist() if k != "queries" else v.tolist()
                 for k, v in out.items()}
 
@@ -176,7 +179,7 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None) -> Tensor | None:
-    """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, 6) with the columns
+    """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
