@@ -215,14 +215,17 @@ def test_mechanism_options_are_typed_by_the_mechanism(name):
             assert canonical_options(name, {option: True}) == {option: True}
 
 
-@pytest.mark.parametrize("text", ["scaled,scaled()",
-                                  "softcap(cap=20),softcap(cap=20.0),softcap(cap=2e1)",
-                                  "qknorm(max_len=64),qknorm(max_len=64.0)"])
-def test_variants_with_one_meaning_are_one_trial(text):
-    import attnscale.cli.study_lm as study_lm
+@pytest.mark.parametrize("variants", [["scaled", "scaled()"],
+                                      ["softcap(cap=20)", "softcap(cap=20.0)", "softcap(cap=2e1)"],
+                                      ["qknorm(max_len=64)", "qknorm(max_len=64.0)"],
+                                      ["qk-layernorm(divisor=false)", "qk-layernorm(divisor=False)"]],
+                         ids=lambda v: ",".join(v))
+def test_variants_with_one_meaning_are_one_trial(variants):
+    from attnscale.experiments.lm.study import parse_variant
     lm = registry.get("lm")
     with pytest.raises(ConfigError, match="grid variant lists .* more than once"):
-        SweepSpec.build(lm, {"variant": study_lm.split_variants(text)})
+        SweepSpec.build(lm, {"variant": variants})
+    assert len({json.dumps(parse_variant(v)) for v in variants}) == 1   # the study's parser too
 
 
 def test_recall_options_with_one_meaning_are_one_trial():

@@ -75,7 +75,6 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         old = _stored(store, force)
         diffs = differences(old, spec, exp)
         if old.experiment == exp.name:
-            experiment_of(old, store)  # its stored values, checked
             check_pins(exp, old, str(store.path))
         if diffs and extend:
             spec = extended(old, spec, exp)
