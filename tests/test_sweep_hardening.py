@@ -477,11 +477,21 @@ def test_an_unwritable_results_file_is_refused_before_any_trial(cli, tmp_path):
     assert "leaked" not in err
     (out / RESULTS_FILE).rmdir()
     (out / RESULTS_FILE).write_bytes(before)
-    if os.geteuid() != 0:                          # a read-only file stops only other users
-        (out / RESULTS_FILE).chmod(0o444)
-        code, _, err = cli("sweep", "--resume", str(out), "--extend", "--grid", "d_k=4,8,16")
-        _one_line(code, err, RESULTS_FILE, "not writable")
-        (out / RESULTS_FILE).chmod(0o644)
+    # immutable (chattr +i, which stops root too, where the file system allows it), and
+    # read-only (which stops every user but root)
+    path = str(out / RESULTS_FILE)
+    for lock, unlock in ((["chattr", "+i", path], ["chattr", "-i", path]),
+                         (["chmod", "444", path], ["chmod", "644", path])):
+        if subprocess.run(lock, capture_output=True).returncode != 0:
+            continue
+        try:
+            if os.access(path, os.W_OK) and os.geteuid() == 0 and lock[0] == "chmod":
+                continue                           # root writes a read-only file anyway
+            code, _, err = cli("sweep", "--resume", str(out), "--extend", "--grid", "d_k=4,8,16")
+            _one_line(code, err, RESULTS_FILE, "not writable", "chmod u+w")
+            assert "leaked" not in err
+        finally:
+            subprocess.run(unlock, capture_output=True)
     assert (out / RESULTS_FILE).read_bytes() == before  # nothing ran
 
 
