@@ -134,3 +134,55 @@ def test_lightning_module_records(tmp_path):
     assert len(callback.guard.records) == 4 * 4  # steps x heads, one layer
     assert all(r["s_max"] is not None for r in callback.guard.records)
     assert len((tmp_path / "guard.jsonl").read_text().splitlines()) == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# attnscale guard plot
+
+
+@pytest.fixture(scope="module")
+def guard_log(tmp_path_factory):
+    from test_guard import batches, train
+
+    log = tmp_path_factory.mktemp("guard") / "run.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(make_hf("llama"), batches(6), lr=0.05, every=2, log=log, alarm_logit=1.0)
+    return log
+
+
+def test_cli_plot_writes_a_figure(cli, guard_log, tmp_path):
+    out = tmp_path / "fig.png"
+    code, stdout, _ = cli("guard", "plot", str(guard_log), "--out", str(out))
+    assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, _ = cli("guard", "plot", str(guard_log), "--out", str(out))  # ours: replaced
+    assert code == 0
+
+
+@pytest.mark.parametrize("make, extra, match", [
+    (lambda p: None, [], "is not a file"),
+    (lambda p: p.write_text("{not json\n"), [], "line 1 is not JSON"),
+    (lambda p: p.write_text('{"step": 0}\n'), [], "line 1 is not a guard record"),
+    (lambda p: p.write_text(""), [], "holds no guard records"),
+])
+def test_cli_plot_bad_logs_exit_2(cli, tmp_path, make, extra, match):
+    log = tmp_path / "bad.jsonl"
+    make(log)
+    code, _, err = cli("guard", "plot", str(log), "--out", str(tmp_path / "f.png"), *extra)
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_cli_plot_output_rules(cli, guard_log, tmp_path):
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", str(tmp_path / "f.txt"))
+    assert code == 2 and "must end in one of" in err
+    theirs = tmp_path / "theirs.png"
+    theirs.write_bytes(b"user data")
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", str(theirs))
+    assert code == 2 and "attnscale did not write it" in err
+    assert theirs.read_bytes() == b"user data"
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", "")
+    assert code == 2 and "must be a path" in err
+    code, _, err = cli("guard", "plot", str(guard_log), str(guard_log), "--out",
+                       str(tmp_path / "g.png"))
+    assert code == 2 and "two logs are named" in err
