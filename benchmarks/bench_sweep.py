@@ -34,7 +34,7 @@ from pathlib import Path
 from attnscale import sweep
 from attnscale.experiments import registry
 from attnscale.sweep.trial import canonical_json
-from attnscale.measure.saturation_trial import saturation_cell
+from attnscale.experiments.saturation import saturation_cell
 
 OVERHEAD_LIMIT = 0.050        # seconds per trial, local executor (issue 11)
 SPEEDUP_TARGET = 1.7          # 2 workers vs 1 (issue 11)

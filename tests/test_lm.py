@@ -355,6 +355,16 @@ def test_cli_bad_input(text_dir, capsys, argv, match):
     assert match in err and "\n" not in err
 
 
+def test_an_lm_run_too_large_is_refused_by_the_one_memory_check(text_dir, monkeypatch):
+    import attnscale.memory as memory
+    config = RunConfig(data=str(text_dir), steps=1)
+    assert config.validated() is config
+    monkeypatch.setattr(memory, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
+    with pytest.raises(ConfigError, match=r"^this run \(width .* GiB of memory at once, more "
+                                          r"than 50% of this machine's .*reduce the width"):
+        config.validated()
+
+
 def test_mechanism_missing_a_required_option(text_dir, capsys):
     @register("needs-option-test")
     class NeedsOption(Mechanism):

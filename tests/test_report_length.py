@@ -16,7 +16,8 @@ from attnscale.report.claims import CLAIMS_BY_ID
 from attnscale.report.model import judge
 from attnscale.report.reproduce import SECTIONS
 from attnscale.report.sections import length
-from attnscale.report.sections.length import build_section, fit_line, length_rows, t975
+from attnscale.report.sections.length import build_section, length_rows
+from attnscale.stats import fit_line, t975
 from attnscale.rng import rng
 
 AT_INIT = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]

@@ -117,7 +117,7 @@ def test_gradcheck_over_several_blocks():
     mask = _mask((5, 6), seed=1)
     for causal in (False, True):
         assert torch.autograd.gradcheck(
-            lambda q, k, v: _CappedAttention.apply(q, k, v, mask, 0.3, 1.5, causal, 7, None),
+            lambda q, k, v: _CappedAttention.apply(q, k, v, mask, 0.3, 1.5, causal, 7, None, None),
             (q, k, v), fast_mode=True)
 
 

@@ -130,6 +130,13 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
                           "attn_implementation='attnscale'; set config.attention_dropout = 0.")
     n_heads, d_head = query.shape[1], query.shape[-1]
     mechanism = getattr(module, MECHANISM_ATTR, None)
+    recorded = getattr(getattr(module, "config", None), MECHANISM_ATTR, None)
+    if mechanism is None and recorded is not None:
+        # Loaded by transformers' own from_pretrained: the config names a mechanism the layers
+        # lack, and the native temperature would run under that name.
+        raise ConfigError(f"config.{MECHANISM_ATTR} records {recorded.get('name')!r} but "
+                          f"{type(module).__name__} has no mechanism: load the model with "
+                          "attnscale.hf.from_pretrained, or call attnscale.hf.set_mechanism.")
     if mechanism is None:
         mechanism = _native(d_head, n_heads, inv_sqrt(d_head) if scaling is None else scaling,
                             softcap)
@@ -217,6 +224,20 @@ def _check_swappable(name: str, options: dict, param: str) -> None:
                           "attnscale.MultiHeadAttention for it.")
 
 
+def _require_attnscale(layer: nn.Module, args) -> None:
+    """Forward pre-hook of a layer holding a mechanism: its attention must still run on
+    ``"attnscale"``.  However the implementation was changed afterwards
+    (``model.set_attn_implementation("sdpa")``, ``config._attn_implementation = ...``), another
+    one would drop the mechanism silently while ``config.attnscale_mechanism`` still names it."""
+    implementation = getattr(getattr(layer, "config", None), "_attn_implementation", None)
+    if hasattr(layer, MECHANISM_ATTR) and implementation != ATTN_IMPLEMENTATION:
+        name = getattr(getattr(layer, MECHANISM_ATTR), "name", "") or "a mechanism"
+        raise ConfigError(f"{type(layer).__name__} holds mechanism {name!r}, which only "
+                          f"attn_implementation={ATTN_IMPLEMENTATION!r} applies, but the model now "
+                          f"runs {implementation!r}: set it back, or remove the mechanism first "
+                          "with attnscale.hf.set_mechanism(model, None).")
+
+
 def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
     """Make mechanism ``name`` own the temperature of every attention layer of ``model``.
 
@@ -224,6 +245,10 @@ def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
     as its submodule ``attnscale_mechanism`` (in the dtype and device of the layer's weights), and
     the model is switched to ``attn_implementation="attnscale"``.  ``name=None`` removes them and
     restores the native temperature.  Returns the qualified names of the layers changed.
+
+    Only ``"attnscale"`` applies the mechanism: a forward pass after the implementation was
+    changed (``model.set_attn_implementation("sdpa")``, ``config._attn_implementation = ...``)
+    is a ConfigError, not a silent return to the native temperature.
 
     Raises:
         ConfigError: unknown name or option (with a did-you-mean), a mechanism that acts on
@@ -248,6 +273,8 @@ def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
             delattr(layer, MECHANISM_ATTR)
         if name is not None:  # a submodule: trains and saves with the model
             setattr(layer, MECHANISM_ATTR, mechanisms[qualified])
+            if not any(hook is _require_attnscale for hook in layer._forward_pre_hooks.values()):
+                layer.register_forward_pre_hook(_require_attnscale)
     if name is None:
         if hasattr(model.config, MECHANISM_ATTR):
             delattr(model.config, MECHANISM_ATTR)

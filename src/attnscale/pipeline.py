@@ -1,25 +1,41 @@
 """The attention pipeline: the one place where q, k and v become an output, and its observers.
 
-The steps always run in this order, and only :func:`run` spells them out::
+The stages always run in this order, and only :func:`run` spells them out::
 
-    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise q, k; the temperature
-    z = scale * (q @ k.T)                           # logits
+    q, k, scale = mechanism.prepare(q, k, n_keys)   # mechanism: normalise or clamp q, k; temperature
+    scale = scale * mechanism.row_temperature(...)  # adapt: per-row factor (adaptive-temp only)
+    v = mechanism.prepare_values(v)                 # values (clip-qkv's clamp only)
+    z = scale * (q @ k.T) + mechanism.offset(n)     # logits (offset: sigmoid attention's bias)
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
     z = z.masked_fill(~mask, -inf)                  # mask
-    p = softmax(z)                                  # softmax
+    p = normalise(z)                                # normaliser: softmax | sink | sigmoid
     o = p @ v
+    o = o * gate                                    # output gate (gated, given the layer input)
 
-A *mechanism* is anything with ``prepare(q, k, n_keys) -> (q', k', scale)`` and a ``cap`` (float or
-None): a registry :class:`~attnscale.mechanisms.Mechanism`, or HF's native temperature.  It
-contributes only that rule.  :func:`attnscale.attention.attention` is the public entry point (it
-also accepts a registry name); mechanisms called as modules come here directly.  This module imports
-no mechanism, so :mod:`attnscale.mechanisms` can import it without a cycle.
+A *mechanism* is anything with the :class:`Rule` attributes: ``prepare(q, k, n_keys) -> (q', k',
+scale)``, a ``cap`` (float or None) and a ``normaliser``; a registry
+:class:`~attnscale.mechanisms.Mechanism`, or HF's native temperature.  It contributes only that
+rule.  :func:`attnscale.attention.attention` is the public entry point (it also accepts a registry
+name); mechanisms called as modules come here directly.  This module imports no mechanism, so
+:mod:`attnscale.mechanisms` can import it without a cycle.
+
+The normalisers (:func:`normalise`), over the keys a query attends:
+
+* ``"softmax"``: p_i = e^{z_i} / Σ_j e^{z_j};
+* ``"sink"``: p_i = e^{z_i} / (e^{b_h} + Σ_j e^{z_j}) with the mechanism's per-head sink logit b_h,
+  a key that carries no value (gpt-oss; softmax-off-by-one for b = 0).  A query with no key to
+  attend puts all its mass on the sink: zero weights, zero output;
+* ``"sigmoid"``: p_i = σ(z_i), elementwise; rows need not sum to 1 (Ramapuram et al. 2024).
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
-scaled_dot_product_attention``; a capped mechanism runs on :func:`attnscale.kernels.softcap.
-capped_attention`, a blockwise kernel whose extra memory is O(Nk · block).  ``trace=True`` runs the
-same steps materialised and returns every intermediate as an :class:`AttentionTrace`.
+scaled_dot_product_attention``; a sink is one extra key on the same call
+(:mod:`attnscale.kernels.sink`); a capped mechanism runs on
+:func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
+:func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
+O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
+(:mod:`attnscale.kernels.entropy`) before SDPA.  ``trace=True`` runs the same steps materialised
+and returns every intermediate as an :class:`AttentionTrace`.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
@@ -76,6 +92,8 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError
 from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.kernels.sigmoid import sigmoid_attention
+from attnscale.kernels.sink import sink_attention
 from attnscale.kernels.softcap import capped_attention, forms_logits
 from attnscale.precision import upcast
 from attnscale.stats import row_stats
@@ -87,14 +105,34 @@ Scale = float | Tensor
 # float dtype for any sane logit z, and HF (finfo.min), PyTorch (-inf) and BERT-era code (-1e4)
 # all use values at or below it.  Finite entries above it are biases that belong to the logits.
 MASKED_BIAS = -1e4
+# The normalisers a mechanism can name (see the module doc).
+NORMALISERS = ("softmax", "sink", "sigmoid")
 
 
 class Rule(Protocol):
-    """What the pipeline needs of a mechanism: its prepare step and its cap."""
+    """What the pipeline needs of a mechanism (:class:`attnscale.mechanisms.Mechanism` documents
+    each attribute and method)."""
 
     cap: float | None
+    normaliser: str     # one of NORMALISERS
+    per_key: bool       # False: row_temperature adapts the scale per row
+    has_offset: bool    # offset(n_keys) is added to the logits
+    acts_on_values: bool  # prepare_values acts on v
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
+        ...
+
+    def row_temperature(self, q: Tensor, k: Tensor, scale: Scale, mask: Tensor | None,
+                        causal: bool) -> Tensor:
+        ...
+
+    def offset(self, n_keys: int | Tensor) -> float | Tensor:
+        ...
+
+    def prepare_values(self, v: Tensor) -> Tensor:
+        ...
+
+    def sink_logits(self) -> Tensor:
         ...
 
 
@@ -118,6 +156,9 @@ class Observation:
     n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
     mechanism: Rule           # the mechanism that prepared q and k
     offers_rows: bool = False  # whether request_rows can hand over the kernel's row statistics
+    offset: float | Tensor = 0.0  # added to the logits before the cap: float or (B|1,H|1,Nq|1,1)
+    sink: Tensor | None = None    # per-head sink logit (H,) for the "sink" normaliser
+    gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -181,14 +222,31 @@ def running() -> bool:
     return _RUNNING.get()
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) fit together."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule | None = None) -> None:
+    """ConfigError unless q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v) are tensors of one
+    floating dtype that fit together, and fit ``mechanism`` when it states the ``n_heads`` and
+    ``d_head`` it was built for (a registry mechanism's per-head parameters and 1/√d depend on
+    them: a mismatch is a size error or, worse, a silently wrong temperature)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if not t.is_floating_point():
+            raise ConfigError(f"{name} must be a floating-point tensor, got {t.dtype}; cast it, "
+                              f"e.g. {name}.float().")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ConfigError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
+                          f"{v.dtype}.")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ConfigError(f"q, k, v shapes do not fit together: {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    heads, d_head = getattr(mechanism, "n_heads", None), getattr(mechanism, "d_head", None)
+    if heads is not None and d_head is not None and (q.shape[1], q.shape[-1]) != (heads, d_head):
+        name = getattr(mechanism, "name", "") or type(mechanism).__name__
+        raise ConfigError(f"mechanism {name!r} was built for n_heads={heads}, d_head={d_head}; "
+                          f"q has {q.shape[1]} heads of size {q.shape[-1]}.")
 
 
 def causal_counts(n_q: int, n_k: int, device: torch.device | str | None = None) -> Tensor:
@@ -225,113 +283,188 @@ def key_counts(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> int |
     return k.shape[-2]
 
 
-def temper(dots: Tensor, scale: Scale, cap: float | None) -> Tensor:
-    """Logits from plain dot products: ``scale · dots``, then ``cap · tanh(· / cap)`` if capped."""
+def temper(dots: Tensor, scale: Scale, cap: float | None, offset: float | Tensor = 0.0) -> Tensor:
+    """Logits from plain dot products: ``scale · dots + offset``, then ``cap · tanh(· / cap)``
+    if capped."""
     z = dots * scale
+    if isinstance(offset, Tensor) or offset != 0.0:
+        z = z + offset
     if cap is not None:
         z = cap * torch.tanh(z / cap)
     return z
 
 
-def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None) -> Tensor:
+def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None,
+           offset: float | Tensor = 0.0) -> Tensor:
     """Logits of prepared q (..., Nq, d) and k (..., Nk, d), before the mask: (..., Nq, Nk)."""
-    return temper(q @ k.transpose(-2, -1), scale, cap)
+    return temper(q @ k.transpose(-2, -1), scale, cap, offset)
+
+
+def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask: Tensor | None,
+               causal: bool) -> tuple[Tensor, Tensor, Scale, float | Tensor]:
+    """The mechanism's stages before the logits: ``(q', k', scale, offset)``.
+
+    ``prepare``, then (for a mechanism that is not ``per_key``) its per-row temperature, read from
+    the logits of the keys each query attends (``mask``, boolean or None, and ``causal``), then
+    the additive offset.  q and k are already upcast.
+    """
+    qs, ks, scale = mechanism.prepare(q, k, n_keys)                        # mechanism
+    if not mechanism.per_key:                                              # adapt
+        scale = scale * mechanism.row_temperature(qs, ks, scale, mask, causal)
+    offset = mechanism.offset(n_keys) if mechanism.has_offset else 0.0     # offset
+    return qs, ks, scale, offset
+
+
+def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
+    """Weights from masked logits z (B, H, Nq, Nk) (``-inf`` = masked) by ``normaliser``.
+
+    ``sink``: the per-head sink logit (H,) for ``"sink"``.  A row with every key masked gets all
+    zero weights under ``"sink"`` and ``"sigmoid"`` (NaN under ``"softmax"``: the caller zeroes
+    it).
+    """
+    if normaliser == "softmax":
+        return torch.softmax(z, dim=-1)
+    if normaliser == "sigmoid":
+        return torch.sigmoid(z)
+    if normaliser == "sink":
+        b = sink.to(z.dtype).view(-1, 1, 1).expand(*z.shape[:-1], 1)       # (B, H, Nq, 1)
+        return torch.softmax(torch.cat([z, b], dim=-1), dim=-1)[..., :-1]  # the sink is dropped
+    raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got {normaliser!r}.")
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
-        causal: bool = False, trace: bool = False) -> Tensor | AttentionTrace:
+        causal: bool = False, trace: bool = False,
+        gate: Tensor | None = None) -> Tensor | AttentionTrace:
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
+    ``gate``: the output gate, broadcastable to (B, H, Nq, d_v) (a gating mechanism's
+    ``gate_values`` of the layer input), multiplied into the output; None for no gate.
     Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
     recast the kernels' float32 internals (their blocks, the mechanisms' statistics) to half.
     """
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
-            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace)
-    check_qkv(q, k, v)
+            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate)
+    check_qkv(q, k, v, mechanism)
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
     else:
         n_keys = key_counts(None, causal, q, k)
-    qs, ks, scale = mechanism.prepare(upcast(q), upcast(k), n_keys)          # mechanism
+    qs, ks, scale, offset = apply_rule(mechanism, upcast(q), upcast(k), n_keys, full_mask,
+                                       causal)                             # mechanism, adapt
     track = getattr(mechanism, "track_logits", None)  # qk-clip's S_max, over the attended keys
     if track is not None:
         track(qs, ks, scale, full_mask, causal and full_mask is None)
-    cap = mechanism.cap
+    if mechanism.acts_on_values:
+        v = mechanism.prepare_values(v)                                    # values
+    cap, normaliser = mechanism.cap, mechanism.normaliser
+    if normaliser not in NORMALISERS:
+        raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got "
+                          f"{normaliser!r}.")
+    sink = mechanism.sink_logits() if normaliser == "sink" else None
+    how = _How(scale, cap, offset, normaliser, sink)
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
         # observed (the monitor documents this), and their contextvars would break the trace.
-        return _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace)
+        return _gated(_compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace), gate)
     watchers = _OBSERVERS.get()
     rows = seen = None
     if watchers:
+        kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
         seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=trace or (cap is not None and forms_logits(qs)))
+                           offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
             rows = torch.zeros(*qs.shape[:-1], len(ROW_STATS_COLUMNS), dtype=torch.float64)
     token = _RUNNING.set(True)
     try:
-        out = _compute(q, k, v, qs, ks, scale, cap, full_mask, n_keys, causal, trace, rows)
+        out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace, rows)
     finally:
         _RUNNING.reset(token)
     if rows is not None:
-        if full_mask is not None:  # queries with no key attended everything: not a row
-            rows[..., 0].masked_fill_((n_keys[..., 0] == 0).to(rows.device), 0.0)
-        for sink in seen._sinks:
-            sink(rows)
-    return out
+        if full_mask is not None:  # queries with no key attended everything: count 0 and
+            # every statistic 0, as row_stats gives a row without keys
+            rows.masked_fill_((n_keys == 0).to(rows.device), 0.0)
+        for sink_fn in seen._sinks:
+            sink_fn(rows)
+    return _gated(out, gate)
 
 
-def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, scale: Scale,
-             cap: float | None, full_mask: Tensor | None, n_keys: int | Tensor, causal: bool,
+@dataclass(frozen=True)
+class _How:
+    """The mechanism's rule after ``prepare``: how the kernels turn q' k'ᵀ into weights."""
+    scale: Scale
+    cap: float | None
+    offset: float | Tensor
+    normaliser: str
+    sink: Tensor | None
+
+
+def _gated(out: Tensor | AttentionTrace, gate: Tensor | None) -> Tensor | AttentionTrace:
+    """The output gate: o · gate (float32 for half types), or ``out`` unchanged without one."""
+    if gate is None:
+        return out
+    if isinstance(out, AttentionTrace):
+        return AttentionTrace(out.logits, out.weights, _gated(out.out, gate))
+    return (upcast(out) * gate.to(upcast(out).dtype)).to(out.dtype)
+
+
+def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
+             full_mask: Tensor | None, n_keys: int | Tensor, causal: bool,
              trace: bool, rows: Tensor | None = None) -> Tensor | AttentionTrace:
     """The steps after ``prepare``: materialised (``trace``) or on the fused kernels; ``rows``
     (the observers' row statistics, see the module doc) is filled on the way when given."""
     if trace:
         if full_mask is None and causal:
             full_mask = key_mask(None, True, q, k)
-        return _materialised(qs, ks, v, scale, cap, full_mask, n_keys, rows)
+        return _materialised(qs, ks, v, how, full_mask, n_keys, rows)
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
-        return _fused(qs, ks, v, scale, cap, None, causal, rows)
+        return _fused(qs, ks, v, how, None, causal, rows)
     # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
     # which also zeroes their gradients.  O(mask) work, only when a mask is given.
     empty = n_keys == 0  # (..., Nq, 1)
-    return _fused(qs, ks, v, scale, cap, full_mask | empty, False, rows).masked_fill(empty, 0.0)
+    return _fused(qs, ks, v, how, full_mask | empty, False, rows).masked_fill(empty, 0.0)
 
 
-def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
-                  mask: Tensor | None, n_keys: int | Tensor,
-                  rows: Tensor | None = None) -> AttentionTrace:
+def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
+                  n_keys: int | Tensor, rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
-    z = logits(q, k, scale, cap)                                   # logits and cap, (B,H,Nq,Nk)
+    z = logits(q, k, how.scale, how.cap, how.offset)               # logits and cap, (B,H,Nq,Nk)
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
         masked = z.masked_fill(~(mask | empty), float("-inf"))     # mask
     if rows is not None:
         with torch.no_grad():
-            rows.copy_(row_stats(masked.detach()))
-    p = torch.softmax(masked, dim=-1)                              # softmax
+            rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink))
+    p = normalise(masked, how.normaliser, how.sink)                # normaliser
     if mask is not None:
         p = p.masked_fill(empty, 0.0)
     out = p @ upcast(v)                                            # (B, H, Nq, d_v)
     return AttentionTrace(logits=z, weights=p, out=out.to(v.dtype))
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, scale: Scale, cap: float | None,
-           mask: Tensor | None, causal: bool, rows: Tensor | None = None) -> Tensor:
-    """softmax(cap(scale q kᵀ) masked) v on the fused kernels; q, k may be float32 for half v;
+def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, causal: bool,
+           rows: Tensor | None = None) -> Tensor:
+    """The normalised weights times v on the fused kernels; q, k may be float32 for half v;
     ``rows`` only for the capped kernel (where it forms the logits)."""
-    if isinstance(scale, Tensor):  # per-head or per-row: folded into q, SDPA gets a float
+    scale = how.scale
+    if isinstance(scale, Tensor):  # per-head or per-row: folded into q, the kernels get a float
         q, scale = q * scale, 1.0
-    if cap is None:
+    if how.normaliser == "sigmoid":
+        return sigmoid_attention(q, k, v, scale, how.offset, how.cap, mask, causal)
+    # A per-row offset cancels in a softmax: only the sink sees it (relative to the sink logit).
+    if how.normaliser == "sink":
+        if how.cap is not None:
+            raise ConfigError("a capped mechanism with a sink normaliser is not supported.")
+        return sink_attention(q, k, v, scale, how.sink, how.offset, mask, causal)
+    if how.cap is None:
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)
-    return capped_attention(q, k, v, scale, cap, mask, causal, rows=rows)
+    return capped_attention(q, k, v, scale, how.cap, mask, causal, rows=rows, row_stats=row_stats)

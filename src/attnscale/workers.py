@@ -1,5 +1,6 @@
-"""Worker threads for independent pieces of CPU work that release the GIL (torch ops, the
-compiled kernels).
+"""Workers: threads for independent pieces of CPU work that release the GIL (torch ops, the
+compiled kernels), and the start-up rules every worker process of attnscale shares (the sweep
+engine's trial workers, the report's section workers).
 
 Used where a loop runs many small torch ops whose own intra-op parallelism is poor: running the
 pieces side by side on ``torch.get_num_threads()`` threads keeps every core busy.
@@ -7,7 +8,7 @@ pieces side by side on ``torch.get_num_threads()`` threads keeps every core busy
 Each worker runs its torch ops on one intra-op thread.  Without that, every worker's ops would
 open their own OpenMP team of ``torch.get_num_threads()`` threads (the OpenMP thread count is
 per calling thread), so W workers on W cores ran W² spinning threads: soft-cap attention on 2
-threads was no faster than on 1 (issue 9).  The setting is per thread and made once, when the
+threads was no faster than on 1 (measured on the 2-core CI machine).  The setting is per thread and made once, when the
 pool starts its workers; the process-wide default that other threads start from is restored
 before the pool is returned (a thread making its first torch op during those microseconds could
 adopt 1 thread).
@@ -16,8 +17,12 @@ adopt 1 thread).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import multiprocessing
 import os
+import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +30,21 @@ from typing import TypeVar
 
 import torch
 
+from attnscale.errors import ConfigError
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 # Serialises the brief change of torch's process-wide thread count while a worker starts.
 _THREADS_LOCK = threading.Lock()
+# What the fork server imports once, so that a forked worker starts in milliseconds: the driver's
+# script (experiments it defines), attnscale's experiments (the sweep) and report sections, and
+# torch._dynamo, which torch.optim imports at the first optimizer (about 1 s); the guard makes the
+# fork server die with the driver.  One list for every caller: a process has one fork server,
+# started with the list of whichever caller comes first.
+FORKSERVER_PRELOAD = ("__main__", "attnscale.sweep", "attnscale.report.reproduce", "torch._dynamo",
+                      "attnscale.sweep._forkserver_guard")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def worker_pool(workers: int) -> ThreadPoolExecutor:
@@ -68,6 +83,37 @@ def _single_threaded() -> None:
         restore.join()
 
 
+def check_device(param: str, device: object) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can compute on, or a one-line
+    :class:`~attnscale.errors.ConfigError` naming ``param``.
+
+    Devices are told apart by kind (``torch.device(x).type``), never by their text, so ``"cpu:0"``
+    is the CPU.  ``meta`` holds no data and is refused; CUDA needs a visible device of that
+    index; any other kind (``mps``, ``xla``...) must accept a tensor in this torch build.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{param}: {device!r} is not a torch device (e.g. cpu, cuda, "
+                          "cuda:1).") from None
+    if dev.type == "meta":
+        raise ConfigError(f"{param}: {device!r} holds no data and cannot train or measure; use "
+                          "cpu or cuda.")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ConfigError(f"{param}: {device!r}: this torch build sees no CUDA device.")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"{param}: {device!r}: only {count} CUDA device(s) visible.")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(1, device=dev)
+        except (RuntimeError, AssertionError, ValueError):  # backend missing or not built in
+            raise ConfigError(f"{param}: {device!r} is not available in this torch build "
+                              f"({torch.__version__}).") from None
+    return dev
+
+
 def workers_for(device: torch.device, pieces: int) -> int:
     """Threads to spread ``pieces`` over: ``torch.get_num_threads()`` on the CPU, else 1."""
     return max(1, min(torch.get_num_threads(), pieces)) if device.type == "cpu" else 1
@@ -98,3 +144,24 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def process_context():
+    """The multiprocessing context of attnscale's worker processes: the fork server, preloaded
+    with :data:`FORKSERVER_PRELOAD` (no worker inherits the driver's torch thread pools or
+    locks, and none pays a torch import); spawn where there is no fork server."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, however it dies (a worker never
+    outlives an interrupted or killed driver)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass

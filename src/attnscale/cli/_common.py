@@ -96,25 +96,19 @@ def check_outputs(args: argparse.Namespace) -> None:
         seen[path] = out.flag
 
 
-def parse_options(items: Sequence[str], param: str = "--option") -> dict[str, object]:
-    """``KEY=VALUE`` items as a dict, each value read as an int, a float or else a string; a key
-    given twice is an error (the last would silently win)."""
+def parse_options(items: Sequence[str], mechanism: str, param: str = "--option"
+                  ) -> dict[str, object]:
+    """``KEY=VALUE`` options of ``mechanism`` as a dict, each value read by the option's declared
+    type (:func:`attnscale.mechanisms.parse_option`: ``divisor=false`` is False); a key given
+    twice is an error (the last would silently win)."""
+    from attnscale.mechanisms import parse_option  # the registry, only when options are read
     options: dict[str, object] = {}
     for text in items:
         key, value = split_key_value(param, text)
         if key in options:
             raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
-        options[key] = _option_value(value)
+        options[key] = parse_option(mechanism, key, value, param=param)
     return options
-
-
-def _option_value(text: str) -> object:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def print_json(obj: object) -> None:

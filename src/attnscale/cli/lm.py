@@ -33,12 +33,11 @@ def _row(record: dict) -> dict:
 
 
 def _run(args) -> int:
-    from attnscale.experiments.lm.study import booleans
     from attnscale.experiments.lm.train import RunConfig, train_lm
     if args.data is not None and args.data == "":
         raise ConfigError("--data must be a path to a text file or folder, got ''.")
     config = RunConfig(
-        mechanism=args.mechanism, options=booleans(parse_options(args.option)),
+        mechanism=args.mechanism, options=parse_options(args.option, args.mechanism),
         lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
         seq_len=args.seq_len, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
         steps=args.steps, seed=args.seed, eval_windows=args.eval_windows,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from attnscale.cli._common import add_command, add_output
 from attnscale.report.include import SECTION_NAME
-from attnscale.report.reproduce import REPORT_FILES, reproduce
+from attnscale.report.reproduce import REPORT_FILES, REPRODUCE_WORKERS, reproduce
 
 EXAMPLES = """
   attnscale reproduce                          # writes ./attnscale-report/report.md and figures
@@ -18,7 +18,8 @@ EXAMPLES = """
 
 
 def _run(args) -> int:
-    results = reproduce(args.out, args.seed, include=args.include, force=args.force)
+    results = reproduce(args.out, args.seed, include=args.include, force=args.force,
+                        workers=args.workers)
     claims = results["claims"]
     n_ok = sum(c["agrees"] for c in claims)
     for c in claims:
@@ -44,6 +45,9 @@ def register(sub) -> None:
     add_output(p, "--out", kind="dir", files=REPORT_FILES, default="attnscale-report",
                help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=REPRODUCE_WORKERS,
+                   help="processes the sections run on, this one included; the report is the "
+                        "same for any count (default: %(default)s)")
     p.add_argument("--include", metavar="DIR", action="append", default=[],
                    help="a finished study folder (fragment.md, optional fragment.json, its PNGs) "
                         "to add to the report as 'Beyond the essay'; repeat for several")

@@ -17,7 +17,8 @@ EXAMPLES = """
 
 
 def _train(args) -> int:
-    options = parse_options(args.option)
+    check_mechanism(args.mechanism, param="--mechanism")
+    options = parse_options(args.option, args.mechanism)
     check_mechanism(args.mechanism, options, param="--mechanism")
     run = train(_recall.config(args, mechanism=args.mechanism, seed=args.seed, options=options))
     _recall.save([run], args)

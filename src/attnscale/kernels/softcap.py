@@ -5,17 +5,20 @@ compiled kernels where available), FlexAttention on CUDA (:mod:`attnscale.kernel
 :func:`attnscale.attention.attention` runs every capped mechanism (softcap) through
 :func:`capped_attention`.  The blockwise kernel forms every logit block anyway, so when an observer
 of the pipeline asks for the row statistics of a call (the monitor), the kernel computes them from
-its own blocks (``rows=``) instead of the observer scoring q kᵀ a second time.
+its own blocks (``rows=``) instead of the observer scoring q kᵀ a second time.  The kernel sits
+below the statistics module (:mod:`attnscale.stats` runs the row kernel of this package), so the
+caller hands it the reducer (``row_stats=``): the pipeline passes :func:`attnscale.stats.row_stats`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
 from attnscale.precision import upcast
-from attnscale.stats import row_stats
 from attnscale.workers import parallel_map, workers_for
 
 # Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at
@@ -26,9 +29,14 @@ CAPPED_BLOCK_ELEMENTS = 2**19
 # causality each chunk scores only the keys it sees, so the diagonal square wastes little.
 STATS_ROWS = 128
 
+# Reduces masked logits (..., n) to row statistics (..., columns) like attnscale.stats.row_stats,
+# called with ``limit=`` (keys each row sees, or None) and ``threads=``.
+RowStats = Callable[..., Tensor]
+
 
 def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
-                     mask: Tensor | None, causal: bool, *, rows: Tensor | None = None) -> Tensor:
+                     mask: Tensor | None, causal: bool, *, rows: Tensor | None = None,
+                     row_stats: RowStats | None = None) -> Tensor:
     """softmax(cap · tanh(scale · q kᵀ / cap) masked) v; q, k float32 (or float64) for half v.
 
     ``mask`` (broadcastable to (B, H, Nq, Nk), True = attend) must leave every query a key.
@@ -37,20 +45,27 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     materialised PyTorch formulation, which those can record (the blockwise kernel hands raw
     memory to C and runs blocks on worker threads).
 
-    ``rows``: a float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) tensor that the blockwise kernel fills, in its forward, with
-    :func:`attnscale.stats.row_stats` of each query's masked logits, taken from its own logit
-    blocks (one extra elementwise pass and the row kernel per block; the output does not change
-    by a bit).  Only where :func:`forms_logits` is true.
+    ``rows``: a float64 (B, H, Nq, columns) tensor that the blockwise kernel fills, in its
+    forward, with ``row_stats`` (:func:`attnscale.stats.row_stats`) of each query's masked logits,
+    taken from its own logit blocks (one extra elementwise pass and the row kernel per block; the
+    output does not change by a bit).  Only where :func:`forms_logits` is true.
     """
     if rows is not None and not forms_logits(q):
         raise ValueError("rows: this call does not run the blockwise kernel (see forms_logits)")
+    if rows is not None and row_stats is None:
+        raise ValueError("rows needs row_stats, the reducer that fills it")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        # No query, or no key: the output is empty or all zeros (an empty softmax row weighs
+        # nothing), and ``rows`` keeps its zeros (count 0).  The materialised formulation gives
+        # exactly that, with gradients, on no memory; the blocked kernels need a block to cut.
+        return _capped_materialised(q, k, upcast(v), scale, cap, mask, causal).to(v.dtype)
     if flex.usable(q):
         return flex.capped_attention(q, k, v, scale, cap, mask, causal)
     if _tracing(q):
         return _capped_materialised(q, k, upcast(v), scale, cap, mask, causal).to(v.dtype)
     q, k = q.contiguous(), k.contiguous()
     out = _CappedAttention.apply(q, k, upcast(v).contiguous(), mask, scale, cap, causal,
-                                 CAPPED_BLOCK_ELEMENTS, rows)
+                                 CAPPED_BLOCK_ELEMENTS, rows, row_stats)
     return out.to(v.dtype)
 
 
@@ -116,9 +131,10 @@ class _CappedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                cap: float, causal: bool, block_elements: int, rows: Tensor | None) -> Tensor:
+                cap: float, causal: bool, block_elements: int, rows: Tensor | None,
+                row_stats: RowStats | None = None) -> Tensor:
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype;
-        # rows: None, or float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) to fill with each query's row statistics.
+        # rows: None, or float64 (B, H, Nq, columns) for row_stats to fill, one row per query.
         fused = _fused_softcap(q)
         q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
@@ -138,7 +154,7 @@ class _CappedAttention(torch.autograd.Function):
                 limit = tiles.causal_counts(i, s.shape[1])
                 if fused:  # the compiled kernel: softmax(c tanh(s)) in place, causality as counts
                     if rows is not None:  # the logits, written out for the statistics only
-                        tiles.capped_row_stats(rows, s, cap, b, heads, i, threads)
+                        tiles.capped_row_stats(rows, row_stats, s, cap, b, heads, i, threads)
                     p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap, out=s,
                                              limit=limit)
                 else:
@@ -201,7 +217,7 @@ class _CappedAttention(torch.autograd.Function):
         dq.mul_(scale)
         dk_t.mul_(scale)
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def _fused_softcap(q: Tensor) -> bool:
@@ -236,8 +252,8 @@ class _Tiles:
         """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
         return [t[b, heads].split(self.rows, dim=1) for t in tensors]
 
-    def capped_row_stats(self, rows: Tensor, s: Tensor, cap: float, b: int, heads: slice, i: int,
-                         threads: int | None) -> None:
+    def capped_row_stats(self, rows: Tensor, row_stats: RowStats, s: Tensor, cap: float, b: int,
+                         heads: slice, i: int, threads: int | None) -> None:
         """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
         from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
         only the keys its queries can see (under causality a block's diagonal square is half

@@ -1,12 +1,28 @@
 """The :class:`Mechanism` base class and the registry it is entered into.
 
-A mechanism owns the attention temperature.  It contributes its rule -- a prepare step and an
-optional cap -- to the one attention pipeline, :func:`attnscale.pipeline.run`, which applies them in
-its fixed order: ``prepare`` normalises q and k and picks the temperature, the logits are
-``scale · q' k'ᵀ``, then ``cap · tanh(· / cap)`` when ``cap`` is set.
+A mechanism owns the attention temperature.  It contributes its rule to the one attention
+pipeline, :func:`attnscale.pipeline.run`, which applies the stages in its fixed order: ``prepare``
+normalises (or clamps) q and k and picks the temperature, ``prepare_values`` may act on v, the
+logits are ``scale · q' k'ᵀ + offset``, then ``cap · tanh(· / cap)`` when ``cap`` is set, the
+mask, the ``normaliser`` (softmax, softmax with a sink, or an elementwise sigmoid), ``@ v``, and
+an output ``gate`` where the mechanism has one.
 
-Everything except the optional cap is a scale on (possibly normalised) q and k, which is why every
-mechanism but ``softcap`` runs on the fused ``scaled_dot_product_attention`` kernel.
+A mechanism says what it is by attributes the pipeline and the experiments read; none of them is
+found out by running it:
+
+* ``normaliser``: ``"softmax"``, ``"sink"`` (softmax with one extra logit per head that carries no
+  value, :meth:`Mechanism.sink_logits`) or ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1);
+* ``gate``: the output is multiplied by a gate computed from the layer input
+  (:meth:`Mechanism.gate_values`), which needs the layer's input, so only
+  :class:`~attnscale.attention.MultiHeadAttention` and the LM can run it;
+* ``bilinear``: ``prepare`` returns q and k as given and a scale that depends on parameters and the
+  key counts only, never on q or k, so the logits are ``cap(scale · q·k + offset)`` of the raw dot
+  products;
+* ``per_key``: each logit depends only on its own (q, k) pair and the key count (False for
+  ``adaptive-temp``, whose temperature depends on the whole row);
+* ``normalises_qk``: the logits are unchanged when q and k are scaled (qknorm, cosine, ...);
+* ``scale_only`` is derived: the logits are ``scale · q' k'ᵀ`` with no offset or cap and a plain
+  softmax, which is exactly what ``scaled_dot_product_attention`` computes.
 """
 
 from __future__ import annotations
@@ -56,7 +72,19 @@ class Mechanism(nn.Module):
     # The temperature is a rule on q and k known at init without data; False when it lives in
     # the weights of W_Q and W_K (init-reparam, sigma-reparam), so bare q, k cannot show it.
     defined_at_init: ClassVar[bool] = True
-    scale_only: ClassVar[bool] = True       # logits = scale * q'k'^T: runs on the fused SDPA kernel
+    # How the masked logits become weights: "softmax", "sink" (softmax with a per-head sink logit
+    # that carries no value) or "sigmoid" (p_i = σ(z_i), elementwise).
+    normaliser: ClassVar[str] = "softmax"
+    # The output is gated by σ(x W_g) computed from the layer input (gate_values).
+    gate: ClassVar[bool] = False
+    # prepare hands q and k back untouched and its scale does not depend on q or k.
+    bilinear: ClassVar[bool] = True
+    # Each logit depends only on its (q, k) pair and the key count, not on the row's other keys.
+    per_key: ClassVar[bool] = True
+    # The logits do not change when q and k are scaled (a normalisation of q and k).
+    normalises_qk: ClassVar[bool] = False
+    # prepare_values acts on v (clip-qkv's clamp).
+    acts_on_values: ClassVar[bool] = False
     # The rule is invariant under a joint rotation of q and k (dot products and norms only), so
     # Monte Carlo may sample q and k in a rotated frame (attnscale.measure.montecarlo); False for rules
     # that single out coordinates, such as LayerNorm's mean subtraction.
@@ -68,6 +96,15 @@ class Mechanism(nn.Module):
         self.d_head = check_int("d_head", d_head, minimum=1)
         self.n_heads = check_int("n_heads", n_heads, minimum=1)
 
+    @property
+    def scale_only(self) -> bool:
+        """Whether the logits are ``scale · q' k'ᵀ`` (no offset, no cap) under a plain softmax:
+        what the fused ``scaled_dot_product_attention`` kernel computes."""
+        return self.cap is None and self.normaliser == "softmax" and not self.has_offset
+
+    # An additive logit offset (sigmoid attention's bias b); False for most mechanisms.
+    has_offset: ClassVar[bool] = False
+
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         """Return ``(q', k', scale)`` with logits ``scale * q' k'^T``.
 
@@ -77,14 +114,39 @@ class Mechanism(nn.Module):
         """
         raise NotImplementedError
 
+    def offset(self, n_keys: int | Tensor) -> float | Tensor:
+        """The additive logit offset, a float or a tensor broadcastable to (B, H, Nq, 1): 0 unless
+        ``has_offset`` (sigmoid attention's b = -ln n)."""
+        return 0.0
+
+    def prepare_values(self, v: Tensor) -> Tensor:
+        """v as the mechanism hands it to ``@ v``; unchanged unless ``acts_on_values``."""
+        return v
+
+    def row_temperature(self, q: Tensor, k: Tensor, scale: Scale, mask: Tensor | None,
+                        causal: bool) -> Tensor:
+        """A per-row factor on the scale, (B, H, Nq, 1), for mechanisms that are not ``per_key``
+        (adaptive-temp): it may read the whole row's logits ``scale · q kᵀ`` under ``mask``."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} is per key")
+
+    def sink_logits(self) -> Tensor:
+        """The per-head sink logit b_h, (H,), for ``normaliser == "sink"``."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} has no sink")
+
+    def gate_values(self, x: Tensor) -> Tensor:
+        """σ(x W_g) for a gating mechanism: x (B, N, d_model) -> (B, H, N, 1 or d_head)."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} has no output gate")
+
     def logits(self, q: Tensor, k: Tensor, n_keys: int | Tensor | None = None) -> Tensor:
-        """Logits after the mechanism (and the cap), before the mask: (B, H, Nq, Nk).
+        """Logits after the mechanism (offset and cap included), before the mask: (B, H, Nq, Nk).
 
         fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to every key (Nk).
         """
+        pipeline.check_qkv(q, k, k, self)  # shapes, dtypes and this mechanism's heads (k as v)
         q, k = upcast(q), upcast(k)
-        q, k, scale = self.prepare(q, k, k.shape[-2] if n_keys is None else n_keys)
-        return pipeline.logits(q, k, scale, self.cap)  # (B, H, Nq, Nk)
+        q, k, scale, offset = pipeline.apply_rule(self, q, k, k.shape[-2] if n_keys is None
+                                                  else n_keys, None, False)
+        return pipeline.logits(q, k, scale, self.cap, offset)  # (B, H, Nq, Nk)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:

@@ -25,8 +25,6 @@ GROK1_CAP = 30.0
 class SoftCap(Mechanism):
     """z = c tanh(qᵀk / (√d c)), c = 50.  Source: Gemma 2 (c = 50), Grok-1 (c = 30)."""
 
-    scale_only = False
-
     def __init__(self, d_head: int, n_heads: int, *, cap: float = GEMMA2_CAP):
         super().__init__(d_head, n_heads)
         self.cap = check_float("cap", cap, positive=True)

@@ -27,8 +27,10 @@ class SSMax(Mechanism):
         self.s = nn.Parameter(torch.full((n_heads, 1, 1), S_INIT))  # per head, (H, 1, 1)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
-        if isinstance(n_keys, Tensor):  # per query row, (..., Nq, 1); a row with no keys gets 0
+        # A row with no key to attend (n = 0) gets ln 1 = 0: its output is zero whatever the
+        # temperature, and the logarithm stays finite.
+        if isinstance(n_keys, Tensor):  # per query row, (..., Nq, 1)
             log_n = torch.log(n_keys.clamp(min=1).to(q.dtype))
         else:
-            log_n = math.log(n_keys)
+            log_n = math.log(max(n_keys, 1))
         return q, k, self.s * log_n * inv_sqrt(self.d_head)

@@ -28,8 +28,11 @@ SECTIONS: tuple[Callable[..., Section], ...] = (
     montecarlo.report_section_mechanisms,
     length.report_section,
     gradient.report_section,
-    recall.report_section,
+    recall.report_section,   # last: with workers > 1 the calling process runs it (the longest)
 )
+# Processes ``attnscale reproduce`` runs the sections on: the recall section's training in the
+# calling process, the Monte Carlo sections beside it in one worker (:mod:`.parallel`).
+REPRODUCE_WORKERS = 2
 
 # The files every report has (the sections add their figures).
 REPORT_FILES = ("report.md", "results.json")
@@ -49,14 +52,18 @@ def _check_sections(sections: Sequence[Callable[..., Section]]) -> list[Callable
 
 def reproduce(out: str | os.PathLike = "attnscale-report", seed: int = 0,
               sections: Sequence[Callable[..., Section]] = SECTIONS,
-              include: Sequence[str | os.PathLike] = (), *, force: bool = False) -> dict:
+              include: Sequence[str | os.PathLike] = (), *, force: bool = False,
+              workers: int = 1) -> dict:
     """Run the report ``sections`` and write ``report.md``, ``results.json`` and PNGs into ``out``
     (the output-folder policy of :mod:`attnscale.io`; ``force`` overwrites files it did not write).
 
     ``include`` lists finished study folders (or is one folder) to add as "Beyond the essay".
+    ``workers`` > 1 runs the sections on this process and ``workers - 1`` worker processes
+    (:func:`attnscale.report.parallel.run_sections`): the same report, sooner.
     Every argument is checked before any experiment runs.  Returns the ``results.json`` object.
     """
     seed = check_int("seed", seed, minimum=0)
+    workers = check_int("workers", workers, minimum=1)
     fns = [functools.partial(fn, seed=seed) for fn in _check_sections(sections)]
     studies = load_studies(include)
     out_dir = check_output_path("--out", out, kind="dir", files=REPORT_FILES, force=force)
@@ -65,4 +72,4 @@ def reproduce(out: str | os.PathLike = "attnscale-report", seed: int = 0,
     from attnscale import __version__
     meta = {"attnscale": __version__, "torch": torch.__version__,
             "python": platform.python_version(), "seed": seed}
-    return write_report(out_dir, fns, meta, force=force)
+    return write_report(out_dir, fns, meta, force=force, workers=workers)

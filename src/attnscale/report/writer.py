@@ -15,6 +15,7 @@ from attnscale.constants import Z95
 from attnscale.io import staged_dir
 from attnscale.report.claims import CLAIMS, check_claim_ids
 from attnscale.report.model import Measurement, Section, judge
+from attnscale.report.parallel import run_sections
 
 SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
 
@@ -68,11 +69,13 @@ def claims_table(measurements: dict[str, Measurement]) -> tuple[str, list[dict]]
 
 
 def write_report(out_dir: Path, section_fns: Iterable[SectionFn], meta: dict, *,
-                 force: bool = False) -> dict:
+                 force: bool = False, workers: int = 1) -> dict:
     """Run every section and write the report into ``out_dir`` (staged, see
-    :func:`attnscale.io.staged_dir`); return the results object."""
+    :func:`attnscale.io.staged_dir`); return the results object.  ``workers`` > 1 runs the
+    sections side by side (:func:`attnscale.report.parallel.run_sections`); the bytes written
+    are the same."""
     with staged_dir(out_dir, force=force) as staging:
-        sections = [fn(staging) for fn in section_fns]
+        sections = run_sections(list(section_fns), staging, workers=workers)
         measurements: dict[str, Measurement] = {}
         for i, s in enumerate(sections):
             twice = sorted(s.measurements.keys() & measurements.keys())

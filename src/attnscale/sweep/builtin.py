@@ -6,7 +6,7 @@ A new experiment is a module that decorates its trial function with
 """
 
 from attnscale.experiments.recall import trial as recall_trial  # noqa: F401  "recall"
-from attnscale.measure import saturation_trial  # noqa: F401                   "saturation"
+from attnscale.experiments import saturation  # noqa: F401                      "saturation"
 from attnscale.experiments.lm import trial as lm_trial  # noqa: F401            "lm"
 from attnscale.experiments.length import lm as lm_length  # noqa: F401,E402         "lm-length"
 from attnscale.experiments.length import recall as recall_length  # noqa: F401,E402 "recall-length"

@@ -18,22 +18,23 @@ outlives an interrupted or killed sweep.
 from __future__ import annotations
 
 import collections
-import ctypes
-import multiprocessing
+import contextlib
+import multiprocessing.forkserver
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
 
 from attnscale.sweep.batch import Chunk, chunks, run_chunk
 from attnscale.sweep.trial import Task, outcome
+# The fork server (preloaded with attnscale's experiments) and the parent-death signal.
+from attnscale.workers import die_with_parent as _die_with_parent
+from attnscale.workers import process_context as _context
 
 # Seconds a stopping worker gets to exit after SIGTERM before it is killed.
 STOP_GRACE = 5.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def cpu_count() -> int:
@@ -49,19 +50,15 @@ def threads_per_worker(workers: int) -> int:
     return max(1, cpu_count() // workers)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the driver dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
 
 
 def _worker_main(conn: Connection) -> None:
     """Worker loop: receive a chunk of :class:`Task`, send back their outcomes; ``None`` or a
     closed pipe (the driver is gone) means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the driver stopping it) exits through Python, so the process's finalizers run and
+    # the semaphores it made (tqdm's lock) are released rather than reported as leaked.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _die_with_parent()
     while True:
         try:
@@ -76,19 +73,37 @@ def _worker_main(conn: Connection) -> None:
             return
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in the block (main thread only): a process spawned here inherits it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child,),
                                    name="attnscale-sweep-worker")
-        # Workers inherit SIGINT ignored from the start, so a Ctrl-C during their start-up
-        # prints no traceback; _worker_main makes it explicit once running.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
-        try:
+        if ctx.get_start_method() == "forkserver":
+            # The fork server (and so every worker forked from it) starts with SIGINT ignored,
+            # so a Ctrl-C sent to the whole process group prints no traceback there.  The start
+            # itself waits for the server's imports (seconds, the first time), and a Ctrl-C in
+            # that wait must stop the driver: only the server's launch ignores SIGINT.
+            with _sigint_ignored():
+                multiprocessing.forkserver.ensure_running()
             self.process.start()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+        else:  # spawn: the child is started here and inherits SIGINT ignored
+            with _sigint_ignored():
+                self.process.start()
         child.close()
         self.chunk: Chunk | None = None
         self.sent = 0.0                    # perf_counter when the chunk was handed over
@@ -195,19 +210,6 @@ def run_local(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *,
     finally:
         for worker in pool:
             worker.stop(force=not clean)
-
-
-def _context():
-    """The fork server, preloaded with attnscale's experiments; spawn where there is none."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        # The driver's script (experiments it defines), attnscale's experiments, and
-        # torch._dynamo, which torch.optim imports at the first optimizer (about 1 s, once here
-        # rather than once per worker); the guard makes the fork server die with the driver.
-        ctx.set_forkserver_preload(["__main__", "attnscale.sweep", "torch._dynamo",
-                                    "attnscale.sweep._forkserver_guard"])
-        return ctx
-    return multiprocessing.get_context("spawn")
 
 
 def _replace(worker: _Worker, pool: list[_Worker], idle: list[_Worker], ctx) -> None:

@@ -152,12 +152,13 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(heads(self.w_q(x)), cos, sin)               # (B, H, N, d)
         k = apply_rope(heads(self.w_k(x)), cos, sin)               # (B, H, N, d)
         v = heads(self.w_v(x))                                     # (B, H, N, d)
+        gate = self.mechanism.gate_values(x) if self.mechanism.gate else None  # (B, H, N, 1|d)
         # The one pipeline; its observers (the monitor) see this call.
         # Under autocast q, k, v are already bf16, and attention() accumulates half inputs in
         # float32 itself; autocast inside it would recast its kernels' internals, so it is off.
         autocast = torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
-            o = attention(q, k, v, self.mechanism, causal=True)  # (B, H, N, d)
+            o = attention(q, k, v, self.mechanism, causal=True, gate=gate)  # (B, H, N, d)
         return self.w_o(o.transpose(1, 2).reshape(b, n, d))       # (B, N, d_model)
 
 

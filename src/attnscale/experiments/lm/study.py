@@ -20,9 +20,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import torch
 
-from attnscale.mechanisms import build_mechanism
+from attnscale.mechanisms import MECHANISMS, canonical_options, check_mechanism
 
 # Wortsman et al. 2023's learning-rate grid (Figure 1).
 WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
@@ -51,7 +50,7 @@ def variant(record: dict) -> str:
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
-    :func:`variant`; values read as ``--option`` reads them, true/false as booleans."""
+    :func:`variant`; values read as ``--option`` reads them, by each option's declared type."""
     from attnscale.cli._common import parse_options
     from attnscale.errors import ConfigError
     from attnscale.mechanisms import check_mechanism
@@ -59,15 +58,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     if sep and not rest.endswith(")"):
         raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
     items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
-    options = booleans(parse_options(items, param=f"mechanism variant {text!r}"))
+    check_mechanism(name.strip(), param="mechanisms")
+    options = parse_options(items, name.strip(), param=f"mechanism variant {text!r}")
     check_mechanism(name.strip(), options, param="mechanisms")
-    return name.strip(), options
-
-
-def booleans(options: dict) -> dict:
-    """Option values "true" and "false" (any case) as booleans (qk-layernorm's ``divisor``)."""
-    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
-            for k, v in options.items()}
+    return name.strip(), canonical_options(name.strip(), options)
 
 
 def grid(variants: Sequence[str] = DEFAULT_VARIANTS, lrs: Sequence[float] = WORTSMAN_LRS,
@@ -157,16 +151,9 @@ def peak_logit(record: dict) -> float | None:
 
 
 def normalises_qk(mechanism: str, options: dict | None = None) -> bool:
-    """Whether a mechanism normalises q and k: its logits do not change when q and k are scaled.
-
-    Decided by running it (float64, q and k scaled by 3), so no list of names is kept.
-    """
-    mech = build_mechanism(mechanism, 8, 1, **(options or {})).double()
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 1, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    with torch.no_grad():
-        # rtol: LayerNorm's eps moves a unit-variance row by ~1e-5 when it is scaled.
-        return bool(torch.allclose(mech.logits(q, k), mech.logits(3 * q, 3 * k), rtol=1e-3))
+    """Whether a mechanism normalises q and k (its logits do not change when q and k are
+    scaled): the ``normalises_qk`` it declares, so no list of names is kept."""
+    return bool(MECHANISMS[check_mechanism(mechanism)].normalises_qk)
 
 
 def _range_text(row: dict) -> str:

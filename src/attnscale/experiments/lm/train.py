@@ -44,9 +44,10 @@ from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sam
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
 from attnscale.measure.monitor import monitor
+from attnscale.memory import check_memory
 from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
-from attnscale.workers import num_threads
+from attnscale.workers import check_device, num_threads
 
 # --- Wortsman et al. 2023 (arXiv 2309.14322), section 2.1 ----------------------------------------
 ADAM_BETAS = (0.9, 0.95)
@@ -97,14 +98,11 @@ class RunConfig:
             raise ConfigError("data must be a path to a text file or folder, got ''.")
         if not isinstance(self.bf16, bool):
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device {self.device!r} is not a torch device.") from None
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r}: this torch build sees no CUDA device.")
+        check_device("device", self.device)
         self.model_config().validated()
-        check_memory(self)
+        check_memory(f"this run (width {self.d_model}, {self.n_layers} layers, batch "
+                     f"{self.batch_size} x {self.seq_len})", training_bytes(self), self.device,
+                     hint="reduce the width, depth, batch or sequence length")
         return self
 
     def model_config(self) -> LMConfig:
@@ -145,28 +143,6 @@ def training_bytes(config: RunConfig) -> int:
     floats = (FLOATS_PER_PARAM * params + ACTIVATION_FLOATS * tokens * d * layers
               + 3 * tokens * VOCAB_SIZE)
     return 4 * floats
-
-
-def available_bytes(device: str) -> int | None:
-    """Free memory on ``device`` (CUDA: free device memory; CPU: available RAM), or None."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def check_memory(config: RunConfig) -> None:
-    """Refuse up front a run whose estimated memory exceeds what the device has free."""
-    need, have = training_bytes(config), available_bytes(config.device)
-    if have is not None and need > have:
-        raise ConfigError(f"this run needs about {need / 2**30:.1f} GiB (width {config.d_model}, "
-                          f"{config.n_layers} layers, batch {config.batch_size} x "
-                          f"{config.seq_len}) but {config.device} has {have / 2**30:.1f} GiB "
-                          "free; reduce the width, depth, batch or sequence length.")
 
 
 def recipe() -> dict:
@@ -267,7 +243,9 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
     config = replace(config or RunConfig(), **overrides).validated()
     corpus = load_corpus(config.data)
     windows = eval_windows(corpus.val, config.eval_windows, config.seq_len)
-    threads = num_threads(config.threads) if config.device == "cpu" else contextlib.nullcontext()
+    # --threads binds the CPU's intra-op threads: any CPU spelling ("cpu", "cpu:0"), by kind.
+    on_cpu = torch.device(config.device).type == "cpu"
+    threads = num_threads(config.threads) if on_cpu else contextlib.nullcontext()
     with threads:
         model = build_lm(config.model_config(), seed=config.seed, device=config.device).train()
         opt = _optimizer(model, config)

@@ -7,7 +7,7 @@ Two Monte Carlo experiments at ``d_k = 64`` on ``N(0, I)`` queries and keys:
 * :func:`attnscale.measure.planted.planted_key` for scaled and ssmax: the weight on one key that
   leads the others by a fixed margin, and its exponent ``b`` in ``weight ~ n^b`` at large n.
 
-Both slopes come from :func:`fit_line`, a weighted least-squares line through per-n Monte Carlo
+Both slopes come from :func:`attnscale.stats.fit_line`, a weighted least-squares line through per-n Monte Carlo
 means with their standard errors (method in its docstring and in the section's text).
 """
 
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnscale.constants import Z95
-from attnscale.errors import ConfigError
 from attnscale.measure.montecarlo import saturation
 from attnscale.measure.planted import PLANTED_MARGIN, planted_key
 from attnscale.mechanisms import defined_at_init
 from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, save
+from attnscale.stats import fit_line
 from attnscale.styles import style
 
 LENGTH_D_K = 64
@@ -43,76 +43,6 @@ PLANTED_MECHANISMS = ("scaled", "ssmax")              # the two sides of SSMax's
 def trials_for(n: int) -> int:
     """Monte Carlo trials at ``n`` keys: ``KEY_BUDGET // n`` within [MIN_TRIALS, MAX_TRIALS]."""
     return min(MAX_TRIALS, max(MIN_TRIALS, KEY_BUDGET // n))
-
-
-def t975(dof: int) -> float:
-    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom (``dof >= 1``).
-
-    Bisection on the exact CDF for integer dof (Abramowitz & Stegun 26.7.3-4): with
-    ``theta = atan(t / sqrt(dof))``, ``P(|T| < t)`` is a finite series in ``cos(theta)``.
-    """
-    if dof < 1:
-        raise ValueError(f"dof must be >= 1, got {dof}")
-
-    def central(t: float) -> float:          # P(|T| < t)
-        th = math.atan(t / math.sqrt(dof))
-        c2 = math.cos(th) ** 2
-        if dof % 2:                          # odd: (2 / pi) (theta + sin cos (1 + 2/3 c2 + ...))
-            term, total = 1.0, 1.0 if dof > 1 else 0.0
-            for j in range(1, (dof - 1) // 2):
-                term *= c2 * (2 * j) / (2 * j + 1)
-                total += term
-            return 2.0 / math.pi * (th + math.sin(th) * math.cos(th) * total)
-        term, total = 1.0, 1.0               # even: sin (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...)
-        for j in range(1, dof // 2):
-            term *= c2 * (2 * j - 1) / (2 * j)
-            total += term
-        return math.sin(th) * total
-
-    lo, hi = 0.0, 1000.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if central(mid) < 0.95 else (lo, mid)
-    return 0.5 * (lo + hi)
-
-
-def fit_line(x: Sequence[float], y: Sequence[float], se: Sequence[float]) -> dict:
-    """Weighted least-squares line ``y = a + b x`` through points with standard errors ``se``.
-
-    Weights are ``1 / se^2``.  The slope's standard error is ``sqrt(S / D)`` with ``S = sum w``,
-    ``D = S sum w x^2 - (sum w x)^2``, scaled by ``max(1, sqrt(chi2 / dof))`` (the Birge ratio,
-    ``dof = len(x) - 2``): when the points scatter about the line more than their standard errors
-    allow (a curved relation, or underestimated errors) the interval widens accordingly.  The 95%
-    interval is ``b +/- q se(b)`` with ``q`` = 1.96 when the errors are taken as known (ratio <= 1)
-    and Student's ``t_{0.975, dof}`` when the scatter sets them.
-
-    Returns ``slope, slope_se, slope_ci95, intercept, chi2, dof, birge``.
-    """
-    x, y, se = (list(map(float, v)) for v in (x, y, se))
-    if not len(x) == len(y) == len(se) or len(x) < 2:
-        raise ConfigError(f"fit_line needs at least 2 points of x, y and se of equal length, got "
-                          f"{len(x)}, {len(y)}, {len(se)}.")
-    if min(se) <= 0 or not all(map(math.isfinite, x + y + se)):
-        raise ConfigError("fit_line needs finite x and y and positive, finite standard errors.")
-    w = [1.0 / s ** 2 for s in se]
-    sw = sum(w)
-    sx = sum(wi * xi for wi, xi in zip(w, x))
-    sy = sum(wi * yi for wi, yi in zip(w, y))
-    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
-    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
-    det = sw * sxx - sx * sx
-    if det <= 0:
-        raise ConfigError("fit_line needs at least two distinct x.")
-    slope = (sw * sxy - sx * sy) / det
-    intercept = (sxx * sy - sx * sxy) / det
-    chi2 = sum(wi * (yi - intercept - slope * xi) ** 2 for wi, xi, yi in zip(w, x, y))
-    dof = len(x) - 2
-    birge = math.sqrt(chi2 / dof) if dof > 0 else 1.0
-    inflate = birge > 1.0
-    slope_se = math.sqrt(sw / det) * (birge if inflate else 1.0)
-    half = (t975(dof) if inflate else Z95) * slope_se
-    return {"slope": slope, "slope_se": slope_se, "slope_ci95": (slope - half, slope + half),
-            "intercept": intercept, "chi2": chi2, "dof": dof, "birge": birge}
 
 
 def _fit_entropy(rows: list[dict]) -> dict:

@@ -1,0 +1,86 @@
+"""Row entropies of softmax(q kᵀ) over the keys each query attends, blockwise and differentiable,
+without the (B, H, Nq, Nk) logits: the statistics pass of adaptive temperature.
+
+Forward: each block of logits goes through the caller's ``row_stats`` reducer
+(:func:`attnscale.stats.row_stats`, attnscale's row kernel for float32 CPU logits; the kernels sit
+below the statistics module, which runs this package's row kernel, so they are handed it).  Backward, recomputing each block: with p = softmax(z) and
+H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
+dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, RowStats, _Tiles
+from attnscale.workers import parallel_map, workers_for
+
+ENTROPY = ROW_STATS_COLUMNS.index("entropy")
+
+
+def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, *,
+                row_stats: RowStats) -> Tensor:
+    """H(softmax(q kᵀ)) per query, nats: (B, H, Nq, 1) in q's dtype.
+
+    q (B, H, Nq, d) already carries the scale; k (B, H, Nk, d); ``mask`` boolean (True = attend)
+    broadcastable to (B, H, Nq, Nk); ``causal`` top-left.  A query with no key gets 0; a row
+    holding NaN gets NaN.  ``row_stats``: :func:`attnscale.stats.row_stats`.
+    """
+    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS,
+                             row_stats)
+
+
+class _RowEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+                block_elements: int, row_stats: RowStats) -> Tensor:
+        ent = q.new_empty(*q.shape[:-1], 1)                               # (B, H, Nq, 1)
+        tiles = _Tiles(q, k, mask, causal, block_elements)
+        groups = list(tiles.groups())
+        workers = workers_for(q.device, len(groups))
+
+        def group(where: tuple[int, slice]) -> None:
+            b, heads = where
+            k_g = k[b, heads]
+            for i, (q_blk, ent_blk) in enumerate(zip(*tiles.split(b, heads, q, ent))):
+                z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
+                               b, heads, i)
+                rows = row_stats(z, threads=1 if workers > 1 else None)
+                ent_blk.copy_(rows[..., ENTROPY].unsqueeze(-1))
+
+        with torch.no_grad():
+            parallel_map(group, groups, workers)
+        ctx.save_for_backward(q, k, ent, mask)
+        ctx.args = (causal, block_elements)
+        return ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        q, k, ent, mask = ctx.saved_tensors
+        causal, block_elements = ctx.args
+        g = g.contiguous()
+        dq = torch.empty_like(q)
+        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])        # (B, H, d, Nk)
+        tiles = _Tiles(q, k, mask, causal, block_elements)
+
+        def group(where: tuple[int, slice]) -> None:
+            b, heads = where
+            k_g, dk_g = k[b, heads], dk_t[b, heads]
+            for i, (q_blk, ent_blk, g_blk, dq_blk) in enumerate(
+                    zip(*tiles.split(b, heads, q, ent, g, dq))):
+                n_k = tiles.n_keys(i)
+                z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
+                lse = torch.logsumexp(z, dim=-1, keepdim=True)            # (h, r, 1)
+                lse = torch.where(torch.isneginf(lse), 0.0, lse)          # rows without keys
+                p = torch.exp(z - lse)                                    # 0 at masked keys
+                z = torch.where(torch.isneginf(z), 0.0, z)
+                dz = p * (z - lse + ent_blk) * (-g_blk)                   # g ∘ ∂H/∂z
+                torch.bmm(dz, k_g[:, :n_k], out=dq_blk)                   # dQ = dZ K
+                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)       # dKᵀ += Qᵀ dZ
+
+        groups = list(tiles.groups())
+        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        return dq, dk_t.transpose(-2, -1), None, None, None, None

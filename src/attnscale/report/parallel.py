@@ -1,0 +1,171 @@
+"""Run the report's sections side by side: the calling process and ``workers - 1`` worker
+processes share one list of independent section functions.
+
+Every section is a pure function of its seed that saves its figures into the folder it is given
+(:mod:`attnscale.report.sections`), so it may run anywhere: the report is the same bytes however
+its sections were spread.  The calling process (the driver) takes sections from the end of the
+list and the workers from its front, so the driver runs the last section, which
+:data:`attnscale.report.reproduce.SECTIONS` makes the recall section (the longest: it trains
+models, and may itself hand trials to the sweep engine's worker processes), while the workers
+run the Monte Carlo sections beside it.
+
+A worker is a fork-server process (:func:`attnscale.workers.process_context`) that ignores
+SIGINT and dies with the driver; it runs torch on ``cores // workers`` intra-op threads (at least
+one), so the workers and the driver do not oversubscribe the cores with spinning OpenMP threads.
+The report's sections give the same numbers on one thread as on several (their reductions do
+not depend on the thread count; ``tests/test_report.py`` checks a report built both ways).  A
+section that cannot be pickled (a lambda, a local function) runs in the driver.  On an exception
+in any section, or Ctrl-C / SIGTERM in the driver, the workers are stopped and the first error
+in list order is raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from attnscale.errors import check_int
+from attnscale.report.model import Section
+from attnscale.workers import die_with_parent, process_context
+
+SectionFn = Callable[[Path], Section]  # receives the folder for its figures
+
+
+def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -> list[Section]:
+    """``[fn(fig_dir) for fn in fns]``, in order, on the driver and ``workers - 1`` worker
+    processes (see the module doc); ``workers=1`` runs them one after the other here."""
+    workers = check_int("workers", workers, minimum=1)
+    fns = list(fns)
+    portable = [_picklable(fn) for fn in fns]
+    n_workers = min(workers - 1, sum(portable))
+    if n_workers < 1 or len(fns) < 2:
+        return [fn(fig_dir) for fn in fns]
+    results: list[Section | None] = [None] * len(fns)
+    errors: dict[int, BaseException] = {}
+    queue = collections.deque(range(len(fns)))   # section indices not yet taken
+    lock = threading.Lock()
+
+    def take(front: bool) -> int | None:
+        with lock:
+            for i in (list(queue) if front else reversed(queue)):
+                if front and not portable[i]:
+                    continue
+                queue.remove(i)
+                return i
+            return None
+
+    pool: list[_Worker] = []
+    feeders: list[threading.Thread] = []
+    try:  # everything started inside: Ctrl-C at any point stops what has started
+        for _ in range(n_workers):
+            pool.append(_Worker(fig_dir, _threads(workers)))
+            feeders.append(threading.Thread(target=pool[-1].feed, daemon=True,
+                                            args=(fns, take, results, errors),
+                                            name="attnscale-report-feeder"))
+            feeders[-1].start()
+        while not errors and (i := take(front=False)) is not None:
+            try:
+                results[i] = fns[i](fig_dir)
+            except Exception as exc:  # noqa: BLE001 -- raised below, in list order
+                errors[i] = exc
+        for t in feeders:
+            while t.is_alive() and not errors:
+                t.join(0.1)
+    finally:
+        for w in pool:
+            w.stop()
+        for t in feeders:  # their pipes are at EOF now
+            t.join()
+        for w in pool:
+            w.conn.close()
+    if errors:
+        raise errors[min(errors)]
+    return results  # type: ignore[return-value]
+
+
+def _threads(workers: int) -> int:
+    """Intra-op threads of one worker: its share of the cores, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
+def _picklable(fn: SectionFn) -> bool:
+    try:
+        pickle.dumps(fn)
+    except Exception:  # noqa: BLE001 -- any failure means: run it here
+        return False
+    return True
+
+
+def _serve(conn: Connection, fig_dir: Path, threads: int) -> None:
+    """Worker loop: receive ``(index, fn)``, send back ``(index, section, error)``; ``None`` or
+    a closed pipe (the driver is gone) means stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        i, fn = job
+        try:
+            reply = (i, fn(fig_dir), None)
+        except Exception as exc:  # noqa: BLE001 -- the driver raises it
+            reply = (i, None, exc)
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an unpicklable error
+            conn.send((i, None, RuntimeError(f"{type(reply[2]).__name__}: {reply[2]}")))
+        except (BrokenPipeError, OSError):
+            return
+
+
+class _Worker:
+    """One worker process and its pipe; :meth:`feed` runs on a driver thread."""
+
+    def __init__(self, fig_dir: Path, threads: int) -> None:
+        ctx = process_context()
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, fig_dir, threads),
+                                   name="attnscale-report-worker")
+        self.process.start()
+        child.close()
+
+    def feed(self, fns: list[SectionFn], take: Callable[[bool], int | None],
+             results: list, errors: dict) -> None:
+        """Hand the worker one section at a time from the front of the list until none is left
+        or a section failed."""
+        while not errors and (i := take(True)) is not None:
+            try:
+                self.conn.send((i, fns[i]))
+                j, section, error = self.conn.recv()
+            except (EOFError, OSError):
+                if not errors:  # not stopped by the driver: the process died
+                    errors[i] = RuntimeError(
+                        f"the worker process running report section {i} died (exit code "
+                        f"{self.process.exitcode})")
+                return
+            if error is not None:
+                errors[j] = error
+            else:
+                results[j] = section
+
+    def stop(self) -> None:
+        """Stop the worker now (a section it is running is abandoned) and reap it."""
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
