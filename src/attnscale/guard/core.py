@@ -42,6 +42,9 @@ key, so every causal head's minimum entropy is 0 from the start.  An alarm acts 
 ``"raise"`` (:class:`GuardAlarm`, after the step's records are written), ``"stop"``
 (:attr:`Guard.should_stop`; the callbacks stop their trainers) or a callable given the alarm dict.
 
+A model built with attnscale's ``qk-clip`` mechanism carries its own clip (its τ, α and S_max):
+given the optimizer, the guard installs it (:func:`attnscale.mechanisms.qk_clip.install`).
+
 **QK-Clip** (``qk_clip=τ``; :mod:`attnscale.guard.clip` for the rule, GQA and where the factor
 goes).  S_max per head is tracked over every training forward pass, recorded or not, from the
 logits before any soft-cap; with an optimizer the clip runs as its step post-hook, otherwise in
@@ -77,6 +80,7 @@ from attnscale.kernels.peak import head_peaks
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.measure.monitor.observer import Monitor
 from attnscale.mechanisms.base import inv_sqrt
+from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
 
 # The keys of every record, in order (the columns of to_frame() and of the JSONL log).
@@ -227,6 +231,10 @@ class Guard:
                     self._keep_batch, with_kwargs=True))
             if self.qk_clip is not None and self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+            if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
+                # A model built with the qk-clip mechanism clips itself after every step, from
+                # its own S_max; the guard installs that clip (qk_clip.install) and records.
+                self._handles.append(qk_clip_mechanism.install(self.optimizer, self.model))
             if self.log is not None:
                 self.log.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.log, "w", encoding="utf-8")
