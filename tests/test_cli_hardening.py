@@ -24,7 +24,7 @@ import attnscale.cli as cli_module
 import attnscale.experiments.recall.trainer as trainer
 from attnscale.errors import ConfigError, check_choice
 from attnscale.experiments.recall import RecallConfig, compare, train
-from attnscale.experiments.recall.config import sweep
+from attnscale.experiments.recall.config import expand_grid
 from attnscale.io import MANIFEST, STAGING_PREFIX
 from attnscale.mechanisms import MECHANISMS
 
@@ -133,7 +133,7 @@ def test_api_lists_refuse_repeats_before_training(monkeypatch):
     cases = [
         (lambda: compare(["scaled", "scaled"]), "mechanisms.*'scaled'"),
         (lambda: compare(["scaled"], seeds=[0, 0]), "seeds.*0"),
-        (lambda: sweep(RecallConfig(), seed=[2, 2]), "seed.*2"),
+        (lambda: expand_grid(RecallConfig(), seed=[2, 2]), "seed.*2"),
     ]
     for fn, pattern in cases:
         with pytest.raises(ConfigError, match=pattern):

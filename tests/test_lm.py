@@ -21,7 +21,7 @@ from attnscale.study import launcher
 from attnscale.study import lm as lm_study
 from attnscale.study.fragment import fragment_files, write_fragment
 from attnscale.experiments.lm.model import LMConfig, build_lm, rope_frequencies
-from attnscale.experiments.lm.train import RunConfig, lr_factor, train_lm
+from attnscale.experiments.lm.train import LMRunConfig, lr_factor, train_lm
 from attnscale.mechanisms import MECHANISMS, register
 from attnscale.mechanisms.base import Mechanism
 
@@ -43,10 +43,10 @@ def text_dir(tmp_path) -> Path:
     return out
 
 
-def tiny(text_dir: Path, **overrides) -> RunConfig:
+def tiny(text_dir: Path, **overrides) -> LMRunConfig:
     base = dict(d_model=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=4,
                 eval_windows=4, monitor_every=2, data=str(text_dir))
-    return RunConfig(**{**base, **overrides})
+    return LMRunConfig(**{**base, **overrides})
 
 
 # --- model ----------------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_cli_bad_input(text_dir, capsys, argv, match):
 
 def test_an_lm_run_too_large_is_refused_by_the_one_memory_check(text_dir, monkeypatch):
     import attnscale.memory as memory
-    config = RunConfig(data=str(text_dir), steps=1)
+    config = LMRunConfig(data=str(text_dir), steps=1)
     assert config.validated() is config
     monkeypatch.setattr(memory, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
     with pytest.raises(ConfigError, match=r"^this run \(width .* GiB of memory at once, more "
