@@ -113,6 +113,18 @@ def test_quick_and_explicit_options(cli, tiny, tmp_path):
     assert code == 2 and "holds the quick tiny-test study under other settings" in err
 
 
+@pytest.mark.parametrize("text", ["not json", "[]", "{}", '{"stores": {"saturation": 1}}'])
+def test_a_damaged_study_file_is_a_one_line_error_and_changes_nothing(cli, tiny, tmp_path, text):
+    out = tmp_path / "s"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+    (out / launcher.STUDY_FILE).write_text(text)
+    before = _snapshot(out)
+    for argv in (["--out", str(out), "--force"], ["--resume", str(out)]):
+        code, _, err = cli("study", "tiny-test", *argv, "--workers", "1")
+        assert code == 2 and "study.json" in err and err.count("\n") == 1, err
+    assert _snapshot(out) == before
+
+
 def test_the_registry_refuses_a_second_study_of_one_name(tiny):
     with pytest.raises(ValueError, match="already registered"):
         register(dataclasses.replace(TINY, title="another"))

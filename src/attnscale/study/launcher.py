@@ -117,7 +117,12 @@ def _read_settings(folder: Path) -> dict | None:
         obj = json.loads(file.read_text(encoding="utf-8"))
         if not isinstance(obj, dict) or not isinstance(obj.get("stores"), dict):
             raise ValueError("no 'stores' object")
-    except ValueError as err:
+        for key, entry in obj["stores"].items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("experiment"), str)
+                    and isinstance(entry.get("grid"), dict)
+                    and isinstance(entry.get("fixed"), dict)):
+                raise ValueError(f"store {key!r} needs 'experiment', 'grid' and 'fixed'")
+    except (ValueError, OSError) as err:
         raise ConfigError(f"{str(file)!r} is not a study file attnscale wrote ({err}).") from None
     return obj
 
