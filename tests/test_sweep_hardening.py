@@ -81,6 +81,13 @@ def test_the_corpus_experiments_declare_their_data_path():
         assert registry.get(name).params[key].fingerprint is not None
 
 
+def test_a_path_parameter_must_be_a_string():
+    with pytest.raises(ValueError, match="is a path"):
+        registry.experiment("test-bad-path", params={"data": registry.Param(
+            int, 0, path=True)})(lambda **config: {})
+    assert "test-bad-path" not in registry.EXPERIMENTS
+
+
 @pytest.mark.parametrize("name, key", PATHS)
 def test_a_path_is_stored_absolute_and_pinned(tmp_path, monkeypatch, name, key):
     exp = registry.get(name)
