@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+from attnscale.columns import RECORD_STATS
 from attnscale.cli._common import add_command, add_output, format_table
 from attnscale.errors import ConfigError, check_int, parse_json
 from attnscale.io import staged_dir
@@ -27,8 +28,7 @@ EXAMPLES = """
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
 OUT_FILES = ("records.json", "entropy_heatmap.png")
-TABLE_COLUMNS = ("layer", "module", "heads", "queries", "entropy_mean", "entropy_min",
-                 "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
+TABLE_COLUMNS = ("layer", "module", "heads", "queries", *RECORD_STATS)
 
 
 def _check_inputs(args) -> tuple[Path, dict, str | None]:
