@@ -301,7 +301,7 @@ def test_a_run_that_ends_with_trials_pending_exits_non_zero(cli, tmp_path, monke
     monkeypatch.setattr(engine, "run_local",
                         lambda tasks, record, **kw: real(tasks[:-1], record, **kw))
     code, _, err = cli(*SAT, "--out", str(tmp_path / "s"), "--workers", "1")
-    assert code == 1 and "1 trials are still pending" in err and "--resume" in err
+    assert code == 1 and "1 trial is still pending" in err and "--resume" in err
 
 
 # ---------------------------------------------------------------------------------------------
