@@ -80,7 +80,6 @@ class NativeTemperature(Mechanism):
         super().__init__(d_head, n_heads)
         self.scaling = float(scaling)
         self.cap = None if cap is None else float(cap)
-        self.scale_only = self.cap is None  # the soft-cap needs the blockwise kernel
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         return q, k, self.scaling
