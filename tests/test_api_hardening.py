@@ -327,9 +327,9 @@ def test_lm_logit_records_count_only_the_causal_keys(text_dir, name):
     layer 0 equal the reference over each query's causal prefix, from the same init and batch."""
     from attnscale.experiments.lm.data import load_corpus, sample_batch
     from attnscale.experiments.lm.model import apply_rope, build_lm
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     from attnscale.rng import rng
-    config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
+    config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
                        eval_windows=2, monitor_every=1, data=str(text_dir), mechanism=name)
     record = train_lm(config)
     model = build_lm(config.model_config(), seed=config.seed)
@@ -566,13 +566,13 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
 
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
     """--threads sets the intra-op threads on the CPU however it is spelled (cpu, cpu:0)."""
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for device in ("cpu", "cpu:0"):
             seen = []
-            config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
+            config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
                                steps=1, eval_windows=2, data=str(text_dir), device=device,
                                threads=1)
             record = train_lm(config, after=lambda model, corpus: seen.append(

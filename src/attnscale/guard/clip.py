@@ -49,10 +49,13 @@ from attnscale.errors import ConfigError
 from attnscale.mechanisms import Mechanism
 from attnscale.mechanisms.qk_clip import QKClip
 
-# attnscale mechanisms whose logits are scale · q kᵀ of the projected q and k themselves (or a
-# soft-cap of it), so that rescaling W_Q and W_K rescales the logits: the clip can act on them.
-LINEAR_MECHANISMS = frozenset({"scaled", "unscaled", "init-reparam", "learned-temp", "mup",
-                               "softcap", "yarn", "ssmax", "llama4-temp"})
+def scales_with_weights(mechanism: Mechanism) -> bool:
+    """Whether the mechanism's logits are scale · q kᵀ of the projected q and k themselves (or a
+    soft-cap of it), so that rescaling W_Q and W_K rescales them: what the mechanism declares
+    (``bilinear``: q and k untouched, a scale independent of them; not ``normalises_qk``)."""
+    return mechanism.bilinear and not mechanism.normalises_qk
+
+
 # Attribute names of multi-head latent attention (DeepSeek-V2/V3 in transformers).
 _MLA_ATTRS = ("kv_a_proj_with_mqa", "q_a_proj", "kv_b_proj")
 
@@ -131,7 +134,7 @@ def _mechanism_site(name: str, module: nn.Module) -> ClipSite:
         raise ConfigError(f"qk_clip: {name} already runs the 'qk-clip' mechanism, which clips "
                           "after every step itself; use the guard without qk_clip, or a 'scaled' "
                           "model.")
-    if mech.name not in LINEAR_MECHANISMS:
+    if not scales_with_weights(mech):
         raise ConfigError(f"qk_clip: {name} runs mechanism {mech.name!r}, whose logits do not "
                           "scale with W_Q and W_K (it normalises q and k, or reparametrises the "
                           "weights); its own parameters own the temperature.")
@@ -154,7 +157,7 @@ def _hf_site(name: str, module: nn.Module) -> ClipSite:
     config = getattr(module, "config", None)
     family = getattr(config, "model_type", type(module).__name__)
     mech = getattr(module, "attnscale_mechanism", None)
-    if isinstance(mech, Mechanism) and mech.name not in LINEAR_MECHANISMS:
+    if isinstance(mech, Mechanism) and not scales_with_weights(mech):
         raise ConfigError(f"qk_clip: {name} runs attnscale mechanism {mech.name!r}, which "
                           "normalises q and k: rescaling W_Q and W_K changes no logit.")
     h = int(getattr(config, "num_attention_heads", 0) or 0)

@@ -20,7 +20,8 @@ model's outputs are bit for bit those without the guard.  A recorded step is the
 every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of ``every``.
 
 **Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
-training forward passes and only the keys each query attends: ``logit_max`` (largest pre-softmax
+training forward passes and only the keys each query attends (``n_keys``: the most keys in one
+of the layer's calls, the n of the entropy's range [0, ln n]): ``logit_max`` (largest pre-softmax
 logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats), ``max_weight_mean``,
 ``logit_std`` and ``logit_std_ratio`` (its ratio to the head's value at the first recorded step:
 how far the temperature has drifted from where it started), and with the clip ``s_max`` and
@@ -40,6 +41,9 @@ key, so every causal head's minimum entropy is 0 from the start.  An alarm acts 
 (not again while it holds): ``on_alarm="warn"`` (one line naming layer, head, step and value),
 ``"raise"`` (:class:`GuardAlarm`, after the step's records are written), ``"stop"``
 (:attr:`Guard.should_stop`; the callbacks stop their trainers) or a callable given the alarm dict.
+
+A model built with attnscale's ``qk-clip`` mechanism carries its own clip (its τ, α and S_max):
+given the optimizer, the guard installs it (:func:`attnscale.mechanisms.qk_clip.install`).
 
 **QK-Clip** (``qk_clip=τ``; :mod:`attnscale.guard.clip` for the rule, GQA and where the factor
 goes).  S_max per head is tracked over every training forward pass, recorded or not, from the
@@ -76,12 +80,13 @@ from attnscale.kernels.peak import head_peaks
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.measure.monitor.observer import Monitor
 from attnscale.mechanisms.base import inv_sqrt
+from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
 
 # The keys of every record, in order (the columns of to_frame() and of the JSONL log).
-GUARD_KEYS = ("step", "layer", "head", "module", "queries", "logit_max", "logit_absmax",
-              "entropy_min", "entropy_mean", "max_weight_mean", "logit_std", "logit_std_ratio",
-              "s_max", "clip_gamma", "alarm")
+GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
+              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean", "logit_std",
+              "logit_std_ratio", "s_max", "clip_gamma", "alarm")
 # Alarm names, in the order they are checked.
 ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
 # Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
@@ -135,6 +140,7 @@ class _Observer(Monitor):
                                        mask=how.get("mask"), causal=how.get("causal", False)))
         if not record:
             return
+        g._keys[site] = max(g._keys.get(site, 0), k.shape[-2])
 
         def take(stats: HeadStats) -> None:
             self._merge(site, stats)
@@ -206,6 +212,7 @@ class Guard:
         self._s_max: dict[str, Tensor] = {}          # per module, since the last clip
         self._last_clip: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (S_max, η per head)
         self._layers: dict[str, int] = {}            # module -> layer index (first seen)
+        self._keys: dict[str, int] = {}              # module -> most keys in one of its calls
         self._first: dict[tuple[str, int], dict] = {}  # (module, head) -> first recorded values
         self._active: set[tuple[str, str, int]] = set()  # (alarm, module, head) holding now
         self._batches: list[tuple[tuple, dict]] = []  # this step's inputs (strict mode)
@@ -224,6 +231,10 @@ class Guard:
                     self._keep_batch, with_kwargs=True))
             if self.qk_clip is not None and self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+            if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
+                # A model built with the qk-clip mechanism clips itself after every step, from
+                # its own S_max; the guard installs that clip (qk_clip.install) and records.
+                self._handles.append(qk_clip_mechanism.install(self.optimizer, self.model))
             if self.log is not None:
                 self.log.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.log, "w", encoding="utf-8")
@@ -355,7 +366,7 @@ class Guard:
             clip = self._last_clip.get(module)
             for head in range(len(means["queries"])):
                 row = {"step": step, "layer": layer, "head": head, "module": site,
-                       "queries": int(means["queries"][head]),
+                       "queries": int(means["queries"][head]), "n_keys": self._keys[site],
                        **{key: means[key][head] for key in
                           ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
                            "max_weight_mean", "logit_std")}}
