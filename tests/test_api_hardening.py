@@ -569,6 +569,19 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
     assert _one_line(err).startswith(f"attnscale {' '.join(words)}: error: ")
 
 
+@pytest.mark.parametrize("device, match", [(torch.device("cpu"), "must be a string"),
+                                           ("meta", "holds no data"), ("xla", "not available")])
+def test_lm_api_checks_the_device_up_front(text_dir, device, match):
+    """train_lm's config refuses an unusable device, or one its JSON record cannot hold, before
+    reading any data."""
+    from attnscale.experiments.lm.train import LMRunConfig
+    if isinstance(device, str) and device in _usable_kinds():
+        pytest.skip(f"{device} is usable on this machine")
+    with pytest.raises(ConfigError, match=match) as err:
+        LMRunConfig(data=str(text_dir / "missing"), device=device).validated()
+    _one_line(err.value)
+
+
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
     """--threads sets the intra-op threads on the CPU however it is spelled (cpu, cpu:0)."""
     from attnscale.experiments.lm.train import LMRunConfig, train_lm
