@@ -1,4 +1,5 @@
-"""The length study (issue 13, sections 3 and 4): how the attention temperature copes with more
+"""The length study (``attnscale study length``; trained recall and a small LM, not the report's
+entropy-vs-n section at init): how the attention temperature copes with more
 keys than training saw.
 
 * :mod:`~attnscale.experiments.length.recall`: the ``recall-length`` experiment, recall trained

@@ -47,7 +47,7 @@ from attnscale.pipeline import logits as pipeline_logits
 from attnscale.stats import entropy
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 
-# Evaluation contexts (issue 13, section 4); the model is trained at the first.
+# Evaluation contexts, 1x to 8x the trained one; the model is trained at the first.
 EVAL_LENGTHS = (128, 256, 512, 1024)
 # YaRN's context-extension factors measured.
 YARN_FACTORS = (2, 4, 8)
@@ -61,7 +61,7 @@ M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
 ENTROPY_FLOATS = 2 ** 24
 # The section's mechanisms.
 MECHANISMS = ("scaled", "ssmax", "llama4-temp")
-# Study defaults for the LM (the issue-12 recipe; more steps than its LR sweep).
+# Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
 

@@ -1,4 +1,5 @@
-"""The small-LM stability study (issue 12): a causal byte-level LM on attnscale's attention,
+"""The small-LM stability study (Wortsman et al. 2023, "Small-scale proxies for large-scale
+Transformer training instabilities"): a causal byte-level LM on attnscale's attention,
 Wortsman et al.'s training recipe, and the learning-rate sensitivity analysis.
 
 * :mod:`~attnscale.experiments.lm.model`: :class:`LM`, :class:`LMConfig`, :func:`build_lm`;
