@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from attnscale.attention import MultiHeadAttention
+from attnscale.attention import attention as attnscale_attention
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism, mechanism_options, register
 from attnscale.mechanisms.cosine import TAU_INIT, TAU_MAX
@@ -19,6 +20,7 @@ from attnscale.mechanisms.rownorm import rms_rows, unit_rows
 from attnscale.mechanisms.sigma_reparam import SigmaReparam
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 from attnscale.mechanisms.ssmax import S_INIT
+from attnscale.pipeline import NORMALISERS, apply_rule
 
 B, H, NQ, NK, D = 2, 3, 5, 7, 8
 
@@ -75,7 +77,28 @@ FORMULAS = {
     "ssmax": lambda q, k, m: m.s * math.log(NK) * _dot(q, k) / math.sqrt(D),
     "llama4-temp": lambda q, k, m: (0.1 * math.log1p(NK // 8192) + 1) * _dot(q, k) / math.sqrt(D),
     "qk-clip": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # it acts on W_Q, W_K between steps
+    "logn": lambda q, k, m: max(1.0, math.log(NK) / math.log(2048)) * _dot(q, k) / math.sqrt(D),
+    "sink": lambda q, k, m: _dot(q, k) / math.sqrt(D),     # the sink enters the normaliser
+    "sigmoid": lambda q, k, m: _dot(q, k) / math.sqrt(D) - math.log(NK),  # b = -ln n
+    "adaptive-temp": lambda q, k, m: _beta(_entropy(_dot(q, k) / math.sqrt(D)))
+    * _dot(q, k) / math.sqrt(D),
+    "gated": lambda q, k, m: _dot(q, k) / math.sqrt(D),    # the gate acts on the output
+    "clip-qkv": lambda q, k, m: _dot(q.clamp(-8, 8), k.clamp(-8, 8)) / math.sqrt(D),
 }
+
+
+def _entropy(z):
+    """Shannon entropy (nats) of softmax(z) over the last dimension, (..., 1)."""
+    p = torch.softmax(z, dim=-1)
+    log_p = torch.log_softmax(z, dim=-1).masked_fill(p == 0, 0.0)  # 0 · ln 0 = 0, also in grad
+    return -(p * log_p).sum(-1, keepdim=True)
+
+
+def _beta(h):
+    """Veličković et al. 2024, Figure 4: β = max(1, -0.037 H^4 + 0.481 H^3 - 2.3 H^2 + 4.917 H
+    - 1.791) for H > 0.5, else 1 (jnp.polyval takes the highest power first)."""
+    poly = -0.037 * h**4 + 0.481 * h**3 - 2.3 * h**2 + 4.917 * h - 1.791
+    return torch.where(h > 0.5, poly.clamp(min=1.0), torch.ones_like(h))
 
 
 def test_every_registered_mechanism_has_a_formula_row():
@@ -98,10 +121,18 @@ def test_mechanism_matches_its_formula_in_float64(name):
 def test_mechanism_declares_its_kind_and_cites_its_source(name):
     cls = MECHANISMS[name]
     assert cls.name == name
-    assert isinstance(cls.defined_at_init, bool) and isinstance(cls.scale_only, bool)
     m = build_mechanism(name, D, H)
-    # Not a scale on q and k exactly when it caps: the cap is what needs the blockwise kernel.
-    assert cls.scale_only == (m.cap is None)
+    assert isinstance(cls.defined_at_init, bool) and isinstance(m.scale_only, bool)
+    assert m.normaliser in NORMALISERS
+    for flag in ("gate", "bilinear", "per_key", "normalises_qk", "has_offset", "acts_on_values"):
+        assert isinstance(getattr(cls, flag), bool), flag
+    # scale_only is derived: exactly what SDPA computes on the prepared q and k.
+    if m.scale_only:
+        q, k = _qk()
+        v = torch.randn(B, H, NK, D, dtype=torch.float64)
+        qs, ks, scale, _ = apply_rule(m.double(), q, k, NK, None, False)
+        want = torch.nn.functional.scaled_dot_product_attention(qs * scale, ks, v, scale=1.0)
+        assert_close(m(q, k, v), want)
     # The temperature lives in W_Q and W_K exactly when the mechanism acts on them at build.
     assert cls.defined_at_init == (cls.init_projections is Mechanism.init_projections)
     doc = cls.__doc__ or ""
@@ -270,3 +301,141 @@ def test_sigma_reparam_starts_at_w0_and_tracks_the_spectral_norm():
     x = torch.randn(2, 3, 16, dtype=torch.float64)
     (mha(x).sum() + mha(x).sum()).backward()
     assert param.gamma.grad is not None and w0.grad is not None
+
+
+# --- the mechanisms of 2024-2026: weights and outputs against float64 formulas ----------------
+
+
+def _qkv(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for n in (NQ, NK, NK))
+
+
+def _mask(seed=1):
+    mask = torch.rand(NQ, NK, generator=torch.Generator().manual_seed(seed)) > 0.4
+    mask[2] = False  # a query with no key to attend
+    return mask
+
+
+def test_sink_weights_equal_the_gpt_oss_formula_and_empty_rows_go_to_the_sink():
+    m = build_mechanism("sink", D, H).double()
+    with torch.no_grad():
+        m.b.copy_(torch.tensor([-1.0, 0.5, 2.0], dtype=torch.float64))
+    q, k, v = _qkv()
+    mask = _mask()
+    z = (_dot(q, k) / math.sqrt(D)).masked_fill(~mask, -math.inf)
+    e = torch.exp(z)
+    p = e / (torch.exp(m.b).view(H, 1, 1) + e.sum(-1, keepdim=True))   # e^z / (e^b + Σ e^z)
+    trace = attnscale_attention(q, k, v, m, mask=mask, trace=True)
+    assert_close(trace.weights, p)
+    assert_close(attnscale_attention(q, k, v, m, mask=mask), p @ v)     # the fast path (SDPA)
+    # A query with every key masked: all mass on the sink, zero weights, zero output.
+    assert torch.equal(trace.weights[:, :, 2], torch.zeros(B, H, NK, dtype=torch.float64))
+    assert torch.equal(attnscale_attention(q, k, v, m, mask=mask)[:, :, 2],
+                       torch.zeros(B, H, D, dtype=torch.float64))
+    assert m.no_weight_decay() == {"b"} and m.b.requires_grad
+
+
+def test_sink_without_learning_is_softmax_off_by_one():
+    m = build_mechanism("sink", D, H, learned=False).double()
+    assert not any(True for _ in m.parameters()) and m.no_weight_decay() == set()
+    q, k, v = _qkv()
+    z = _dot(q, k) / math.sqrt(D)
+    softmax1 = torch.exp(z) / (1.0 + torch.exp(z).sum(-1, keepdim=True))   # Miller 2023
+    assert_close(attnscale_attention(q, k, v, m, causal=False), softmax1 @ v)
+    with pytest.raises(ConfigError, match="learned"):
+        build_mechanism("sink", D, H, learned="yes")
+
+
+def test_sigmoid_weights_use_minus_log_n_of_the_attended_keys_and_the_bias_option():
+    q, k, v = _qkv()
+    mask = _mask()
+    n = mask.sum(-1, keepdim=True).clamp(min=1).double()
+    s = _dot(q, k) / math.sqrt(D)
+    p = torch.sigmoid(s - torch.log(n)).masked_fill(~mask, 0.0)
+    m = build_mechanism("sigmoid", D, H).double()
+    assert_close(attnscale_attention(q, k, v, m, mask=mask, trace=True).weights, p)
+    assert_close(attnscale_attention(q, k, v, m, mask=mask), p @ v)    # the blockwise kernel
+    causal = torch.ones(NQ, NK, dtype=torch.bool).tril()
+    n_c = causal.sum(-1, keepdim=True).double()
+    p_c = torch.sigmoid(s - torch.log(n_c)).masked_fill(~causal, 0.0)
+    assert_close(attnscale_attention(q, k, v, m, causal=True), p_c @ v)
+    fixed = build_mechanism("sigmoid", D, H, bias=-2.0).double()
+    assert_close(attnscale_attention(q, k, v, fixed), torch.sigmoid(s - 2.0) @ v)
+
+
+def test_logn_scales_beyond_the_training_length_only():
+    m = build_mechanism("logn", D, H, train_len=3).double()
+    q, k, v = _qkv()
+    n = torch.arange(1, NQ + 1, dtype=torch.float64).clamp(max=NK).view(NQ, 1)  # causal counts
+    factor = (torch.log(n) / math.log(3)).clamp(min=1.0)                  # max(1, log_3 n)
+    z = (factor * _dot(q, k) / math.sqrt(D)).masked_fill(
+        ~torch.ones(NQ, NK, dtype=torch.bool).tril(), -math.inf)
+    assert_close(attnscale_attention(q, k, v, m, causal=True), torch.softmax(z, -1) @ v)
+    assert factor[:3].eq(1.0).all() and factor[3] > 1.0
+    with pytest.raises(ConfigError, match="train_len"):
+        build_mechanism("logn", D, H, train_len=1)
+
+
+def test_adaptive_temperature_polynomial_order_and_gradients():
+    from attnscale.mechanisms.adaptive_temp import beta
+    # -0.037 is the coefficient of H^4 and -1.791 the constant: β(1.5) by hand.
+    h = torch.tensor([0.4, 0.5, 1.5, 2.5], dtype=torch.float64)
+    assert_close(beta(h), torch.tensor([1.0, 1.0, 1.8455625,
+                                        -0.037 * 2.5**4 + 0.481 * 2.5**3 - 2.3 * 2.5**2
+                                        + 4.917 * 2.5 - 1.791], dtype=torch.float64))
+    m = build_mechanism("adaptive-temp", D, H).double()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, n, D, generator=gen, dtype=torch.float64).mul(0.3)
+               .requires_grad_() for n in (NQ, 40, 40))  # near-uniform rows: H > 0.5, β > 1
+    mask = torch.rand(NQ, 40, generator=gen) > 0.3
+    s = _dot(q, k) / math.sqrt(D)
+    masked = s.masked_fill(~mask, -math.inf)
+    scaled = (_beta(_entropy(masked)) * s).masked_fill(~mask, -math.inf)  # gradients through β
+    want = torch.softmax(scaled, -1) @ v
+    got = attnscale_attention(q, k, v, m, mask=mask)
+    assert_close(got, want)
+    assert bool((_beta(_entropy(masked)) > 1).all())
+    g_want = torch.autograd.grad(want.square().sum(), (q, k, v))
+    g_got = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for a, b in zip(g_got, g_want):
+        assert_close(a, b)
+
+
+def test_gated_multiplies_the_head_outputs_before_w_o():
+    for granularity, width in (("head", 1), ("element", 4)):
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(12, 3, "gated", granularity=granularity, dtype=torch.float64)
+        x = torch.randn(2, 5, 12, dtype=torch.float64)
+        heads = lambda t: t.view(2, 5, 3, 4).transpose(1, 2)   # noqa: E731
+        q, k, v = heads(mha.w_q(x)), heads(mha.w_k(x)), heads(mha.w_v(x))
+        z = _dot(q, k) / 2.0
+        z = z.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+        gate = torch.sigmoid(x @ mha.mechanism.w_g.weight.T).view(2, 5, 3, width).transpose(1, 2)
+        o = gate * (torch.softmax(z, -1) @ v)                    # σ(x W_g) ∘ attention, per head
+        assert_close(mha(x, causal=True), mha.w_o(o.transpose(1, 2).reshape(2, 5, 12)))
+    with pytest.raises(ConfigError, match="granularity"):
+        build_mechanism("gated", D, H, granularity="token")
+    with pytest.raises(ConfigError, match="layer's input"):
+        build_mechanism("gated", D, H).gate_values(torch.zeros(1, 2, D * H))
+
+
+def test_clip_qkv_clamps_q_k_and_v():
+    m = build_mechanism("clip-qkv", D, H, clip=0.5).double()
+    q, k, v = (t * 3 for t in _qkv())
+    c = lambda t: t.clamp(-0.5, 0.5)   # noqa: E731
+    z = _dot(c(q), c(k)) / math.sqrt(D)
+    assert_close(attnscale_attention(q, k, v, m), torch.softmax(z, -1) @ c(v))
+    with pytest.raises(ConfigError, match="clip must be > 0"):
+        build_mechanism("clip-qkv", D, H, clip=0)
+
+
+def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
+    q, k = _qk()
+    s = _dot(q, k) / math.sqrt(D)
+    mscale = 0.1 * 0.707 * math.log(40.0) + 1.0                          # yarn_get_mscale(40, a)
+    got = build_mechanism("yarn", D, H, factor=40.0, mscale_all_dim=0.707).logits(q, k)
+    assert_close(got, mscale**2 * s)
+    assert_close(build_mechanism("yarn", D, H, factor=40.0, mscale_all_dim=0).logits(q, k), s)
+    with pytest.raises(ConfigError, match="mscale_all_dim"):
+        build_mechanism("yarn", D, H, mscale_all_dim=-1)

@@ -80,7 +80,6 @@ class NativeTemperature(Mechanism):
         super().__init__(d_head, n_heads)
         self.scaling = float(scaling)
         self.cap = None if cap is None else float(cap)
-        self.scale_only = self.cap is None  # the soft-cap needs the blockwise kernel
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         return q, k, self.scaling
@@ -385,3 +384,6 @@ def _checkpoint_tensors(path: Path, keep) -> Iterator[tuple[str, Tensor]]:
         return
     raise ConfigError(f"no model.safetensors or pytorch_model.bin (or their index) in "
                       f"{str(path)!r}.")
+
+
+from attnscale.hf_callback import TemperatureCallback  # noqa: E402,F401  (the guard in Trainer)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from attnscale.columns import RECORD_STATS
 from attnscale.cli._common import add_command, add_output, format_table
-from attnscale.errors import ConfigError, check_int
+from attnscale.errors import ConfigError, check_int, parse_json
 from attnscale.io import staged_dir
 from attnscale.mechanisms import check_mechanism
 from attnscale.rng import rng
@@ -43,7 +43,7 @@ def _check_inputs(args) -> tuple[Path, dict, str | None]:
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} has no config.json "
                           "(save the model with save_pretrained).")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = parse_json("config.json", config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json is not valid JSON "
                           f"({err}).") from None

@@ -159,10 +159,13 @@ def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) ->
     return (k @ q)[..., 0]                                                  # (T, n)
 
 
-def _accumulate(acc: dict[str, list[float]], z: torch.Tensor) -> None:
+def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
+                mech: Mechanism | None = None) -> None:
     """Add the per-row statistics of logits ``z`` (T, n) to per-statistic sums and sums of
-    squares (float64)."""
-    stats = columns(row_stats(z, threads=1))
+    squares (float64); under ``mech``'s normaliser (softmax without one)."""
+    normaliser = "softmax" if mech is None else mech.normaliser
+    sink = mech.sink_logits().detach() if normaliser == "sink" else None
+    stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink))
     for key in SATURATION_STATS:
         v = stats[key]
         s = acc.setdefault(key, [0.0, 0.0])
@@ -180,16 +183,17 @@ def _summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
 
 def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
     """The constant ``scale`` of a mechanism whose logits are ``scale * q.k`` with ``q`` and ``k``
-    left as they are and no cap, asked of the mechanism's own rule; None for any other.
+    left as they are, no cap or offset, under a plain softmax (``bilinear`` and ``scale_only``,
+    attributes it declares); None for any other, and for a scale that is a tensor (per head).
 
-    The probe vectors are zero-stride views: asking costs no memory whatever ``d_head`` is, as long
-    as the rule leaves q and k alone (call it on a ``d_head = 1`` mechanism first to find out).
+    The probe vectors are zero-stride views, read only for the scale: asking costs no memory
+    whatever ``d_head`` is.
     """
-    if mech.cap is not None:
+    if not (mech.bilinear and mech.scale_only and mech.per_key):
         return None
     probe = torch.zeros(()).expand(1, 1, 1, mech.d_head)
-    q, k, scale = mech.prepare(probe, probe, n)
-    return float(scale) if q is probe and k is probe and isinstance(scale, float) else None
+    _, _, scale = mech.prepare(probe, probe, n)
+    return float(scale) if isinstance(scale, float) else None
 
 
 def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
@@ -314,7 +318,7 @@ def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: in
         for name, mod in modules.items():
             with torch.no_grad():
                 z = mod.logits(q, k)[:, 0, 0, :]                      # (T, n)
-            _accumulate(acc[name], z)
+            _accumulate(acc[name], z, mod)
             if on_logits is not None:
                 on_logits(name, z)
         advance(size)

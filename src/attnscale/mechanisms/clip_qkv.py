@@ -27,6 +27,7 @@ class ClipQKV(Mechanism):
     Source: OLMo and DBRX ``clip_qkv`` (HF modeling_olmo.py, modeling_dbrx.py)."""
 
     bilinear = False  # the clamp changes q and k
+    rotation_invariant = False  # ... coordinate by coordinate
     acts_on_values = True
 
     def __init__(self, d_head: int, n_heads: int, *, clip: float = DBRX_CLIP):

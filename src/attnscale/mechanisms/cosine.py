@@ -24,6 +24,9 @@ TAU_MAX = math.log(100.0)
 class Cosine(Mechanism):
     """z = exp(min(τ_h, ln 100)) cos(q, k), τ_h init ln 10.  Source: Liu et al. 2022, Swin V2."""
 
+    bilinear = False       # prepare normalises q and k
+    normalises_qk = True   # so scaling q and k leaves the logits alone
+
     def __init__(self, d_head: int, n_heads: int):
         super().__init__(d_head, n_heads)
         self.tau = nn.Parameter(torch.full((n_heads, 1, 1), TAU_INIT))  # per head, (H, 1, 1)

@@ -24,6 +24,9 @@ LN_EPS = 1e-5
 class QKLayerNorm(Mechanism):
     """z = LN(q)ᵀ LN(k) / √d, LN per head or over d_model.  Source: ViT-22B, Chameleon, OLMo 2."""
 
+    bilinear = False       # prepare normalises q and k
+    normalises_qk = True   # so scaling q and k leaves the logits alone
+
     rotation_invariant = False  # LayerNorm subtracts the mean over coordinates
 
     def __init__(self, d_head: int, n_heads: int, *, over: str = "head", divisor: bool = True):

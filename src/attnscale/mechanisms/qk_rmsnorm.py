@@ -20,6 +20,9 @@ RMS_EPS = 1e-6
 class QKRMSNorm(Mechanism):
     """z = RMSNorm(q)ᵀ RMSNorm(k) / √d, gain 1, eps 1e-6.  Source: Gemma 3 technical report."""
 
+    bilinear = False       # prepare normalises q and k
+    normalises_qk = True   # so scaling q and k leaves the logits alone
+
     def __init__(self, d_head: int, n_heads: int):
         super().__init__(d_head, n_heads)
         self.q_gain = nn.Parameter(torch.ones(d_head))  # RMSNorm weight for q, shared by heads

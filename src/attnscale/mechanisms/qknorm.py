@@ -29,6 +29,9 @@ def qknorm_g_init(max_len: int) -> float:
 class QKNorm(Mechanism):
     """z = g cos(q, k), g init log2(L² − L).  Source: Henry et al. 2020, "QKNorm"."""
 
+    bilinear = False       # prepare normalises q and k
+    normalises_qk = True   # so scaling q and k leaves the logits alone
+
     def __init__(self, d_head: int, n_heads: int, *, max_len: int = DEFAULT_MAX_LEN):
         super().__init__(d_head, n_heads)
         self.max_len = check_int("max_len", max_len, minimum=1)

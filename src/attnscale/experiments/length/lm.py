@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.length.recall import lengths_text
-from attnscale.experiments.lm.data import Corpus, eval_windows
+from attnscale.experiments.lm.data import DATA_PARAM, Corpus, eval_windows
 from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import LMRunConfig, loss_by_position, train_lm
 from attnscale.io import json_safe
@@ -178,6 +178,7 @@ def _params() -> dict[str, Param]:
     params["lengths"] = Param(str, lengths_text(EVAL_LENGTHS))
     params["yarn"] = Param(bool, True)   # the YaRN sweep, on the scaled model's trials only
     params["yarn_factors"] = Param(str, ",".join(map(str, YARN_FACTORS)))
+    params["data"] = DATA_PARAM          # stored absolute, pinned by its fingerprint
     return params
 
 

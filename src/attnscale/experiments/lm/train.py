@@ -13,14 +13,14 @@ instabilities", arXiv 2309.14322, section 2.1), each constant defined once below
 * gradient clipping at global norm 1.0 and z-loss 1e-4 · log²Z (Chowdhery et al. 2022, PaLM).
 
 Mechanisms that act between steps run for real: qk-clip's clip follows every optimizer step
-(:func:`attnscale.mechanisms.qk_clip.install`, a step post-hook).
+(:func:`attnscale.guard` installs it as a step post-hook).
 
 A run records its full config, its training throughput (``timing``: tokens per second and seconds
 of training, the one part of a record that depends on the machine), the training loss per step (cross-entropy, nats per byte, without
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
 at the end (nats and bits per byte), and every :attr:`LMRunConfig.monitor_every` steps, per layer,
 the max |attention logit| (after the mechanism: what enters the softmax), the min and mean over
-heads of the mean attention entropy (nats), read by :func:`attnscale.monitor`, plus the max |output logit|.
+heads of the mean attention entropy (nats), read by :func:`attnscale.guard`, plus the max |output logit|.
 
 A run *diverges* when a training loss is not finite (training stops there) or when its final
 validation loss is above its loss at init.  That is a result (``diverged: true``), never an error.
@@ -44,9 +44,8 @@ from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
-from attnscale.measure.monitor import monitor
+from attnscale.guard import guard
 from attnscale.memory import check_memory
-from attnscale.mechanisms import qk_clip
 from attnscale.rng import rng
 from attnscale.workers import check_device, num_threads
 
@@ -136,8 +135,6 @@ FLOATS_PER_PARAM = 4
 ACTIVATION_FLOATS = 40
 
 
-# The name before LMRunConfig, kept for the study modules until they move to the new name.
-RunConfig = LMRunConfig
 
 
 def training_bytes(config: LMRunConfig) -> int:
@@ -260,8 +257,6 @@ def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
     with threads:
         model = build_lm(config.model_config(), seed=config.seed, device=config.device).train()
         opt = _optimizer(model, config)
-        if qk_clip.clip_mechanisms(model):  # qk-clip rescales W_Q, W_K after every step
-            qk_clip.install(opt, model)
         loss_init = evaluate(model, windows, config)
         gen = rng(config.seed, "lm-batches")
         losses = torch.full((config.steps,), math.nan)
@@ -269,13 +264,14 @@ def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
         trace, diverged_step = [], None
         k = config.monitor_every
         start = time.perf_counter()
-        with monitor(model, every=k) as mon:
+        # The guard records steps 0, k, 2k, ... and installs qk-clip's clip; no alarms here.
+        with guard(model, optimizer=opt, every=k, alarm_logit=None,
+                   alarm_entropy_fraction=None) as g:
             for t in range(config.steps):
                 for group in opt.param_groups:
                     group["lr"] = config.lr * lr_factor(t, config.steps, config.lr)
                 x, y = sample_batch(corpus.train, config.batch_size, config.seq_len, gen)
                 x, y = x.to(config.device), y.to(config.device)
-                mon.step = t  # the monitor observes the forward passes whose step % k == 0
                 with _autocast(config.device, config.bf16):
                     logits = model(x)                                       # (B, N, 256)
                 ce, loss = lm_loss(logits, y)
@@ -284,9 +280,9 @@ def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
                 grad_norms[t] = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
                 opt.step()
                 losses[t] = ce.detach()
+                records = g.step(t)
                 if t % k == 0:
-                    trace.append(_trace_row(t, mon.records, logits))
-                    mon.reset()
+                    trace.append(_trace_row(t, records, logits))
                     bad = ~torch.isfinite(losses[:t + 1])
                     if bad.any():  # a diverged run: nothing left to learn from its steps
                         diverged_step = int(bad.nonzero()[0])

@@ -10,17 +10,39 @@ result is the run record of :func:`~attnscale.experiments.lm.train_lm` without i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from attnscale.experiments.lm.data import DATA_PARAM
 from attnscale.experiments.lm.study import parse_variant
 from attnscale.experiments.lm.train import LMRunConfig, train_lm
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
+from attnscale.mechanisms import canonical_options
 
 _JOINED = ("mechanism", "options")  # LMRunConfig fields given as one "variant"
 
 
 def _params() -> dict[str, Param]:
     """LMRunConfig's fields as sweep parameters, with mechanism and options joined as ``variant``."""
-    return {"variant": Param(str, LMRunConfig.mechanism),
-            **{k: p for k, p in params_from_dataclass(LMRunConfig).items() if k not in _JOINED}}
+    return {"variant": Param(str, LMRunConfig.mechanism, canonical=canonical_variant),
+            **{k: p for k, p in params_from_dataclass(LMRunConfig).items() if k not in _JOINED},
+            "data": DATA_PARAM}
+
+
+def format_variant(name: str, options: Mapping[str, Any]) -> str:
+    """``name``, or ``name(key=value, ...)`` with the options in sorted order: the one text of a
+    variant (the inverse of :func:`~attnscale.experiments.lm.study.parse_variant`)."""
+    if not options:
+        return name
+    return name + "(" + ", ".join(f"{k}={options[k]}" for k in sorted(options)) + ")"
+
+
+def canonical_variant(text: str, settings: Mapping[str, list] | None = None) -> str:
+    """The canonical text of a variant: ``scaled()`` is ``scaled``, and ``softcap(cap=20)``,
+    ``softcap(cap=20.0)`` and ``softcap(cap=2e1)`` are ``softcap(cap=20.0)`` (options typed by
+    the mechanism, :func:`attnscale.mechanisms.canonical_options`)."""
+    name, options = parse_variant(text)
+    return format_variant(name, canonical_options(name, options))
 
 
 def run_config(config: dict) -> LMRunConfig:

@@ -89,9 +89,6 @@ def expand_grid(base: RecallConfig, **grid) -> list[RecallConfig]:
     return configs
 
 
-# The name before expand_grid (it shadowed the sweep package), kept for the study modules until
-# they move to the new name.
-sweep = expand_grid
 
 
 def sqrt_dk(config: RecallConfig) -> float:

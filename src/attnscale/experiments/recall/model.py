@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from attnscale.attention import attention
 from attnscale.mechanisms import Mechanism, build_mechanism
-from attnscale.pipeline import temper
+from attnscale.pipeline import normalise, temper
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import RecallBatch
 
@@ -95,17 +95,14 @@ class RecallNet(nn.Module):
 
 
 def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
-    """Whether the logits are ``cap(scale * q.k)`` of the *unmodified* q and k.
+    """Whether the logits are ``cap(scale * q.k + offset)`` of the *unmodified* q and k.
 
-    True when the mechanism keeps the base ``logits`` and its ``prepare`` hands q and k back as the
-    same objects; the scale may still depend on parameters or on the number of keys.  Only then may
-    the logits be gathered from the score table; the others go through :func:`_pair_logits`.
+    True when the mechanism keeps the base ``logits`` and declares itself ``bilinear`` (its
+    ``prepare`` hands q and k back and its scale depends on parameters or the number of keys
+    only).  Only then may the logits be gathered from the score table; the others go through
+    :func:`_pair_logits` (or, when not ``per_key``, through the keys of each sequence).
     """
-    if type(mechanism).logits is not Mechanism.logits:
-        return False
-    q, k = torch.zeros(1, 1, 1, d_k), torch.zeros(1, 1, 2, d_k)
-    q2, k2, _ = mechanism.prepare(q, k, 2)
-    return q2 is q and k2 is k
+    return type(mechanism).logits is Mechanism.logits and mechanism.bilinear
 
 
 @dataclass(frozen=True)
@@ -192,11 +189,13 @@ class StackedRecall(nn.Module):
         for m, mech in enumerate(self.mechanisms):
             if self.bilinear[m]:
                 z.append(_temper(mech, T_qs[m], T_ks[m], dots[m], P))          # (B, P)
-            else:
+            elif mech.per_key:
                 z.append(_pair_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.pairs[m],
                                       self.config.n_keys, P))                # (B, P)
+            else:  # the logit depends on the whole row: each sequence's own keys
+                z.append(_row_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.tokens[m]))
         z = torch.stack(z)                                                   # (M, B, P)
-        p = z.softmax(-1)                                                    # (M, B, P)
+        p = torch.stack([_weights(mech, z[m]) for m, mech in enumerate(self.mechanisms)])
         # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
         # attention on token t (p_i / sqrt(2) on both halves of pair i).  A scatter and a bmm
         # replace gathering (B, P, n_values) readout rows, whose backward is a slow index_put.
@@ -248,6 +247,22 @@ def _gather_dots(T_q: Tensor, T_k: Tensor, idx: BatchIndex) -> Tensor:
     return S_q.gather(-1, idx.tokens).view(M, B, 2, P2 // 2).sum(2) * PAIR_NORM
 
 
+def _weights(mechanism: Mechanism, z: Tensor) -> Tensor:
+    """The attention weights of logits z (B, P) by the mechanism's normaliser (the pipeline's)."""
+    sink = mechanism.sink_logits() if mechanism.normaliser == "sink" else None
+    return normalise(z[:, None, None, :], mechanism.normaliser, sink)[:, 0, 0, :]
+
+
+def _row_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor,
+                tokens: Tensor) -> Tensor:
+    """Logits (B, P) of a mechanism that reads the whole row (not ``per_key``), on each
+    sequence's own query and key vectors: O(B P d_k)."""
+    B, P2 = tokens.shape
+    q = T_q[query]                                                           # (B, d_k)
+    k = T_k[tokens].view(B, 2, P2 // 2, -1).sum(1) * PAIR_NORM               # (B, P, d_k)
+    return mechanism.logits(q[:, None, None, :], k[:, None])[:, 0, 0, :]
+
+
 def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys: int) -> Tensor:
     """A bilinear mechanism's logits from the plain dot products: ``cap(scale * q.k)``.
 
@@ -258,7 +273,8 @@ def _temper(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, dots: Tensor, n_keys
     _, _, scale = mechanism.prepare(T_q[None, None], T_k[None, None], n_keys)
     if isinstance(scale, Tensor):
         scale = scale.reshape(())  # one head: (1, 1, 1) -> ()
-    return temper(dots, scale, mechanism.cap)                                # (B, P)
+    offset = mechanism.offset(n_keys) if mechanism.has_offset else 0.0
+    return temper(dots, scale, mechanism.cap, offset)                        # (B, P)
 
 
 def _pair_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor, pairs: Tensor,

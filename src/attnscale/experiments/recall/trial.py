@@ -15,11 +15,13 @@ run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from attnscale.experiments.recall.config import RecallConfig, shared_key
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train, train_runs
-from attnscale.experiments.registry import experiment, params_from_dataclass
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
+from attnscale.mechanisms import canonical_options
 
 
 def _check(config: dict) -> None:
@@ -36,7 +38,18 @@ def recall_batch(configs: Sequence[dict]) -> list[dict]:
     return [trial_result(run) for run in runs]
 
 
-@experiment("recall", params=params_from_dataclass(RecallConfig), check=_check,
+def _canonical_options(options: dict, settings: Mapping[str, list]) -> dict:
+    """A run's options typed by the sweep's mechanisms (``{"cap": 20}`` is ``{"cap": 20.0}``)."""
+    return canonical_options(settings.get("mechanism", ()), options)
+
+
+def _params() -> dict[str, Param]:
+    params = params_from_dataclass(RecallConfig)
+    return {**params, "options": dataclasses.replace(params["options"],
+                                                      canonical=_canonical_options)}
+
+
+@experiment("recall", params=_params(), check=_check,
             threads=TRAIN_THREADS, batch_key=_batch_key, run_batch=recall_batch)
 def recall_run(**config) -> dict:
     """Train one recall model (RecallConfig fields) and return its measurements: milestones,

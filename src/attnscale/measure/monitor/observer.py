@@ -156,7 +156,7 @@ class Monitor:
 
     def _push(self, module: nn.Module, args) -> None:
         if module is self.model and not self._stack:
-            self._observing = self.step % self.every == 0
+            self._observing = self._selects()
             self._seen = 0
         self._stack.append([module, 0])
 
@@ -169,11 +169,19 @@ class Monitor:
             self.flush()  # what this forward pass saw goes to TensorBoard at its own step
             self.step += 1
 
+    def _selects(self) -> bool:
+        """Whether the forward pass starting now is observed: one in ``every``."""
+        return self.step % self.every == 0
+
     def _warn_unobserved(self) -> None:
         """Warn (once) that a whole forward pass reached no call point the monitor observes."""
         if self._warned:
             return
         self._warned = True
+        warnings.warn(f"attnscale.monitor {self._unobserved()}", RuntimeWarning, stacklevel=2)
+
+    def _unobserved(self) -> str:
+        """Why a forward pass of the model reached no observed call, with what to do about it."""
         root = self._names.get(self.model, type(self.model).__name__)
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if impl == "eager":
@@ -182,8 +190,7 @@ class Monitor:
         else:
             hint = ("it calls neither attnscale.attention nor torch's "
                     "scaled_dot_product_attention (torch.compile-d graphs are not observed).")
-        warnings.warn(f"attnscale.monitor observed no attention call in a forward pass of "
-                      f"{root}: {hint}", RuntimeWarning, stacklevel=2)
+        return f"observed no attention call in a forward pass of {root}: {hint}"
 
     def _watching(self) -> bool:
         """Inside a forward pass of this monitor's model that ``every`` selects."""
