@@ -327,9 +327,9 @@ def test_lm_logit_records_count_only_the_causal_keys(text_dir, name):
     layer 0 equal the reference over each query's causal prefix, from the same init and batch."""
     from attnscale.experiments.lm.data import load_corpus, sample_batch
     from attnscale.experiments.lm.model import apply_rope, build_lm
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     from attnscale.rng import rng
-    config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
+    config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
                        eval_windows=2, monitor_every=1, data=str(text_dir), mechanism=name)
     record = train_lm(config)
     model = build_lm(config.model_config(), seed=config.seed)
@@ -425,6 +425,22 @@ def test_integer_and_mixed_dtypes_are_refused(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_inputs_on_several_devices_are_refused(name):
+    """q, k, v (or the mask) on different devices: a ConfigError naming both devices, before
+    any kernel runs (meta stands in for a second device on a CPU-only machine)."""
+    x = torch.randn(1, H, 3, D)
+    for chosen in (name, build_mechanism(name, D, H)):
+        with pytest.raises(ConfigError, match="one device, got cpu, meta and cpu") as err:
+            attnscale.attention(x, x.to("meta"), x, chosen)
+        _one_line(err.value)
+        with pytest.raises(ConfigError, match="mask is on meta but q is on cpu"):
+            attnscale.attention(x, x, x, chosen,
+                                mask=torch.ones(3, 3, dtype=torch.bool, device="meta"))
+        with pytest.raises(ConfigError, match="mask must be a boolean tensor .* got list"):
+            attnscale.attention(x, x, x, chosen, mask=[[True] * 3] * 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_multi_head_attention_inputs_are_in_its_dtype(name):
     """MultiHeadAttention computes in its own dtype: fed another, it says what to cast; built in
     bf16 or float64 and fed that, it runs and returns that; under autocast a float32 module
@@ -441,9 +457,16 @@ def test_multi_head_attention_inputs_are_in_its_dtype(name):
         mha(torch.randn(1, 3, 16), context=torch.randn(1, 2, 16, dtype=torch.float64))
     with pytest.raises(ConfigError, match="d_model=16"):
         mha(torch.randn(1, 3, 8))
-    for dtype in (torch.bfloat16, torch.float64):
-        out = MultiHeadAttention(16, 2, name, dtype=dtype)(torch.randn(1, 3, 16, dtype=dtype))
-        assert out.dtype == dtype and bool(out.isfinite().all())
+    keep = torch.tensor([[True, True, False], [True, False, True], [False, False, False]])
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        typed = MultiHeadAttention(16, 2, name, dtype=dtype)
+        x = torch.randn(2, 3, 16, dtype=dtype)
+        for how in ({}, {"causal": True}, {"mask": keep}, {"mask": keep, "causal": True}):
+            out = typed(x, **how)
+            assert out.dtype == dtype and bool(out.isfinite().all()), (dtype, how)
+        q = typed._split(typed.w_q(x))
+        trace = attnscale.attention(q, q, q, typed.mechanism, mask=keep, trace=True)
+        assert trace.out.dtype == dtype and bool(trace.out.isfinite().all()), dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for dtype in (torch.float32, torch.bfloat16):
             assert bool(mha(torch.randn(1, 3, 16, dtype=dtype)).float().isfinite().all())
@@ -543,13 +566,13 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
 
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
     """--threads sets the intra-op threads on the CPU however it is spelled (cpu, cpu:0)."""
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for device in ("cpu", "cpu:0"):
             seen = []
-            config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
+            config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
                                steps=1, eval_windows=2, data=str(text_dir), device=device,
                                threads=1)
             record = train_lm(config, after=lambda model, corpus: seen.append(

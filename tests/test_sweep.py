@@ -481,7 +481,8 @@ def test_cli_ray_without_ray_installed_is_one_line(cli, tmp_path, monkeypatch):
 
 
 def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
-    from attnscale.experiments.recall.outputs import STUDY_FILES
+    from attnscale.study.fragment import FRAGMENT_MD
+    from attnscale.study.recall import SUMMARY
     out = tmp_path / "study"
     tiny = ("--mechanisms", "scaled,qknorm", "--d-k", "4", "--seed", "0,1", "--pairs", "4",
             "--steps", "4", "--batch-size", "4", "--json")
@@ -500,7 +501,7 @@ def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
 
     # --from trains nothing and draws the same table and files
     drawn = {name: (out / name).read_text() for name in
-             (STUDY_FILES["json"], STUDY_FILES["markdown"])}
+             (SUMMARY, FRAGMENT_MD)}
     before = (out / RESULTS_FILE).read_bytes()
     for name in drawn:
         (out / name).unlink()

@@ -19,7 +19,8 @@ from attnscale.attention import (  # noqa: E402
 from attnscale.measure.gradient import (  # noqa: E402
     gradient_path_sweep, gradient_paths, init_reparam_checks,
 )
-from attnscale.experiments.recall import RecallConfig, compare, study, train  # noqa: E402
+from attnscale.experiments.recall import RecallConfig, compare, train  # noqa: E402
+from attnscale import study  # noqa: E402  (the studies: attnscale.study.launcher.run, ...)
 
 __all__ = [
     "__version__", "ConfigError",

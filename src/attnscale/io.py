@@ -52,8 +52,9 @@ from pathlib import Path
 from attnscale.errors import ConfigError
 
 __all__ = ["LOCK", "MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write",
-           "check_output_path", "exclusive", "figure_suffixes", "fsync_dir", "owned",
-           "remove_stale_staging", "replace_atomically", "sigterm_as_exit", "staged_dir"]
+           "check_output_path", "exclusive", "figure_suffixes", "folder_marks", "fsync_dir",
+           "mark_folder", "owned", "remove_stale_staging", "replace_atomically",
+           "sigterm_as_exit", "staged_dir"]
 
 MANIFEST = ".attnscale-manifest.json"
 STAGING_PREFIX = ".attnscale-staging-"
@@ -203,16 +204,36 @@ def owned(path: str | os.PathLike) -> bool:
     return False
 
 
-def _record(folder: Path, names: Iterable[str]) -> None:
-    """Add ``names`` (files now in ``folder``) to its manifest, written atomically."""
+def _record(folder: Path, names: Iterable[str], marks: dict | None = None) -> None:
+    """Add ``names`` (files now in ``folder``) to its manifest, and ``marks`` (what wrote the
+    folder, see :func:`mark_folder`) to the marks it holds; written atomically."""
     from attnscale import __version__
     files = _read_manifest(folder)
     for name in names:
         files[name] = {"sha256": _sha256(folder / name)}
     files = {n: e for n, e in sorted(files.items()) if (folder / n).is_file()}
-    text = json.dumps({"written_by": "attnscale", "version": __version__, "files": files},
-                      indent=1)
+    obj = {"written_by": "attnscale", "version": __version__, "files": files}
+    kept = {**folder_marks(folder), **(marks or {})}
+    text = json.dumps({**obj, **({"marks": kept} if kept else {})}, indent=1)
     replace_atomically(folder / MANIFEST, text)
+
+
+def folder_marks(folder: str | os.PathLike) -> dict:
+    """What the manifest of ``folder`` says wrote it (``{"command": ..., "study": ...}``); {}
+    when it has no manifest or no marks."""
+    try:
+        marks = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8")).get("marks", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return marks if isinstance(marks, dict) else {}
+
+
+def mark_folder(folder: str | os.PathLike, **marks: str) -> None:
+    """Record in ``folder``'s manifest what writes it (the command, the study), creating the
+    folder and the manifest if needed: one folder holds one study."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _record(folder, [], marks)
 
 
 # ---------------------------------------------------------------------------------------------

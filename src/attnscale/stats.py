@@ -280,8 +280,10 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     zmax = z.amax(dim=-1)
     absmax = _special_rows(zmax, z.masked_fill(masked, 0.0).abs().amax(dim=-1))
     count = (~masked).sum(dim=-1).to(s["entropy"].dtype)
-    out = torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], logit_std(z),
-                       absmax, _special_rows(zmax, zmax)], dim=-1)
+    values = {"count": count, "max_weight": s["max_weight"], "entropy": s["entropy"],
+              "jacobian_fro": s["jacobian_fro"], "logit_std": logit_std(z), "logit_absmax": absmax,
+              "logit_max": _special_rows(zmax, zmax)}
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
     return out.double()
 
 
@@ -300,16 +302,20 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
         lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
         z = z.masked_fill(torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1),
                           -math.inf)
+    # The weights' statistics come from the normalised row, the logits' from the keys alone.
+    values = columns(keys)
     if normaliser == "sink":
-        full = row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads)
-        out = torch.cat([keys[..., :1], full[..., 1:4], keys[..., 4:]], dim=-1)
+        full = columns(row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads))
     else:
-        s = sigmoid_stats(z)
-        out = torch.cat([keys[..., :1]] + [s[c].double().unsqueeze(-1) for c in
-                                           ("max_weight", "entropy", "jacobian_fro")]
-                        + [keys[..., 4:]], dim=-1)
+        full = {c: v.double() for c, v in sigmoid_stats(z).items()}
+    values.update({c: full[c] for c in _WEIGHT_STATS})
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
     # A row without keys: every statistic 0 (the sink alone is not a row of keys).
     return torch.where(keys[..., :1] == 0, torch.zeros_like(out), out)
+
+
+# The row statistics of the weights p (the others, count and the logit statistics, are of z).
+_WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
 
 
 

@@ -28,6 +28,8 @@ def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, *,
     broadcastable to (B, H, Nq, Nk); ``causal`` top-left.  A query with no key gets 0; a row
     holding NaN gets NaN.  ``row_stats``: :func:`attnscale.stats.row_stats`.
     """
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # no query, or no key: every entropy is 0
+        return q.new_zeros(*q.shape[:-1], 1)
     return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS,
                              row_stats)
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from attnscale.columns import MEAN_STATS
 from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_name_list,
@@ -75,7 +76,7 @@ ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
 # Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order.
-SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
+SATURATION_STATS = MEAN_STATS
 
 
 def check_time(what: str, seconds: float) -> None:

@@ -32,7 +32,8 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 del _module
 
 __all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "canonical_options", "check_mechanism",
-           "defined_at_init", "mechanism_options", "option_types", "parse_option", "register"]
+           "defined_at_init", "mechanism_options", "option_types", "parse_option", "parse_options",
+           "register"]
 
 
 def defined_at_init() -> tuple[str, ...]:
@@ -57,6 +58,21 @@ def option_types(name: str) -> dict[str, type]:
         hints = {}
     params = inspect.signature(init).parameters
     return {k: hints.get(k, type(params[k].default)) for k in mechanism_options(name)}
+
+
+def parse_options(items: Iterable[str], mechanism: str, param: str = "--option"
+                  ) -> dict[str, object]:
+    """``KEY=VALUE`` options of ``mechanism`` as a dict, each value read by the option's declared
+    type (:func:`parse_option`: ``divisor=false`` is False); a key given twice is an error (the
+    last would silently win)."""
+    from attnscale.errors import split_key_value
+    options: dict[str, object] = {}
+    for text in items:
+        key, value = split_key_value(param, text)
+        if key in options:
+            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
+        options[key] = parse_option(mechanism, key, value, param=param)
+    return options
 
 
 def parse_option(name: str, key: str, text: str, *, param: str = "--option") -> object:

@@ -75,7 +75,6 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         old = _stored(store, force)
         diffs = differences(old, spec, exp)
         if old.experiment == exp.name:
-            experiment_of(old, store)  # its stored values, checked
             check_pins(exp, old, str(store.path))
         if diffs and extend:
             spec = extended(old, spec, exp)
@@ -161,8 +160,8 @@ def experiment_of(spec: SweepSpec, store: Store | None = None) -> registry.Exper
         for key, items in values.items():
             if key not in exp.params:
                 raise ConfigError(f"field {field!r}{where} holds {key!r}, which experiment "
-                                  f"{exp.name!r} does not take; restore the file, or start the "
-                                  f"sweep again in a new folder.")
+                                  f"{exp.name!r} does not take.{did_you_mean(key, exp.params)} "
+                                  f"Restore the file, or start the sweep again in a new folder.")
             for v in items:
                 try:
                     exp.params[key].value(key, v)

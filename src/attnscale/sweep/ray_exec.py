@@ -73,10 +73,10 @@ def _check_reachable(address: str) -> None:
         with socket.create_connection(target, timeout=CONNECT_TIMEOUT):
             pass
     except OSError as err:
-        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
-        raise ConfigError(f"--ray: no Ray cluster answers at {address!r} ({why} within "
-                          f"{CONNECT_TIMEOUT:g} s); check the address, or start the cluster "
-                          f"with 'ray start --head'.") from None
+        why = f"no answer within {CONNECT_TIMEOUT:g} s" if isinstance(err, TimeoutError) \
+            else (err.strerror or str(err))
+        raise ConfigError(f"--ray: no Ray cluster answers at {address!r} ({why}); check the "
+                          f"address, or start the cluster with 'ray start --head'.") from None
 
 
 @contextlib.contextmanager

@@ -133,7 +133,8 @@ class Store:
                                  f"this attnscale reads {FORMAT_VERSION}")
             return SweepSpec.from_json(obj)
         except (ValueError, OSError) as err:
-            raise ConfigError(f"{str(self.spec_path)!r} is not a sweep attnscale wrote ({err}); "
+            raise ConfigError(f"{str(self.spec_path)!r} is not a sweep attnscale wrote "
+                              f"({str(err).rstrip('.')}); "
                               f"restore it, or start the sweep again in a new folder.") from None
 
     def write_spec(self, spec: SweepSpec) -> None:
@@ -143,8 +144,10 @@ class Store:
                    timespec="seconds"),
                **spec.to_json()}
         self.path.mkdir(parents=True, exist_ok=True)
+        # force: the folder passed Store.check, and a sweep.json changed by hand gets here only
+        # when the user chose to continue it as it reads (--force); written, it is ours again.
         atomic_write(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n",
-                     param="out")
+                     param="out", force=True)
 
     # -- results.jsonl ------------------------------------------------------------------------
 

@@ -175,7 +175,7 @@ def fingerprint(data: str | os.PathLike) -> dict:
     return dict(_FINGERPRINTS[key])
 
 
-# The corpus parameter of an experiment (RunConfig.data): None for the stdlib, else a path that a
+# The corpus parameter of an experiment (LMRunConfig.data): None for the stdlib, else a path that a
 # sweep stores absolute and pins by its fingerprint.
 DATA_PARAM = Param(str, None, optional=True, path=True, fingerprint=fingerprint)
 

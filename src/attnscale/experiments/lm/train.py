@@ -18,7 +18,7 @@ Mechanisms that act between steps run for real: qk-clip's clip follows every opt
 A run records its full config, its training throughput (``timing``: tokens per second and seconds
 of training, the one part of a record that depends on the machine), the training loss per step (cross-entropy, nats per byte, without
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
-at the end (nats and bits per byte), and every :attr:`RunConfig.monitor_every` steps, per layer,
+at the end (nats and bits per byte), and every :attr:`LMRunConfig.monitor_every` steps, per layer,
 the max |attention logit| (after the mechanism: what enters the softmax), the min and mean over
 heads of the mean attention entropy (nats), read by :func:`attnscale.guard`, plus the max |output logit|.
 
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.columns import named
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
@@ -61,8 +62,10 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on; its JSON form is the ``config`` of the run record."""
+class LMRunConfig:
+    """Everything one LM training run depends on (the model's shape is its
+    :class:`~attnscale.experiments.lm.model.LMConfig`, built by :meth:`model_config`); its JSON
+    form is the ``config`` of the run record."""
 
     mechanism: str = "scaled"          # registry key of the attention-temperature mechanism
     options: Mapping[str, Any] = field(default_factory=dict)  # the mechanism's own options
@@ -82,7 +85,7 @@ class RunConfig:
     bf16: bool = False                 # bfloat16 autocast for the forward (weights stay float32)
     threads: int = 1                   # CPU intra-op threads: results depend on it, so it is config
 
-    def validated(self) -> RunConfig:
+    def validated(self) -> LMRunConfig:
         """Return self after checking every field; bad values raise a one-line ConfigError."""
         for name in ("seq_len", "batch_size", "steps", "eval_windows", "monitor_every",
                      "threads"):
@@ -115,7 +118,7 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> RunConfig:
+    def from_json(cls, obj: Mapping[str, Any]) -> LMRunConfig:
         """The config of a JSON dict; an unknown key is a ConfigError that names it."""
         names = {f.name for f in fields(cls)}
         unknown = [k for k in obj if k not in names]
@@ -132,7 +135,9 @@ FLOATS_PER_PARAM = 4
 ACTIVATION_FLOATS = 40
 
 
-def training_bytes(config: RunConfig) -> int:
+
+
+def training_bytes(config: LMRunConfig) -> int:
     """An upper estimate of a run's training memory in bytes (float32): parameters with their
     gradients and Adam moments, stored activations, and the (B, N, 256) logits with their
     gradient.  The attention kernels keep O(N · block) per head, not (N, N)."""
@@ -170,7 +175,7 @@ def lm_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return ce, ce + Z_LOSS * log_z.square().mean()
 
 
-def _optimizer(model: LM, config: RunConfig) -> torch.optim.AdamW:
+def _optimizer(model: LM, config: LMRunConfig) -> torch.optim.AdamW:
     skip = model.no_weight_decay()
     decay = [p for n, p in model.named_parameters() if n not in skip]
     keep = [p for n, p in model.named_parameters() if n in skip]
@@ -208,7 +213,7 @@ def loss_by_position(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: i
         model.train(was_training)
 
 
-def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: RunConfig) -> float:
+def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: LMRunConfig) -> float:
     """Mean next-byte cross-entropy (nats per byte) over the validation windows."""
     return float(loss_by_position(model, windows, batch_size=config.batch_size,
                                   device=config.device, bf16=config.bf16).mean())
@@ -223,23 +228,27 @@ def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
         by_layer.setdefault(r["layer"], []).append(r)
     heads = [by_layer[layer] for layer in sorted(by_layer)]
     return {"step": step, "output_logit_max": float(logits.detach().abs().amax()),
-            "attn_logit_max": [max(h["logit_absmax"] for h in hs) for hs in heads],
-            "entropy_min": [min(h["entropy_mean"] for h in hs) for hs in heads],
-            "entropy_mean": [sum(h["entropy_mean"] for h in hs) / len(hs) for hs in heads]}
+            "attn_logit_max": [max(h[_ABSMAX] for h in hs) for hs in heads],
+            "entropy_min": [min(h[_ENTROPY] for h in hs) for hs in heads],
+            "entropy_mean": [sum(h[_ENTROPY] for h in hs) / len(hs) for hs in heads]}
 
 
-def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
+# The monitor's record keys the trace reads (attnscale.columns names them).
+_ABSMAX, _ENTROPY = named("logit_absmax", "entropy_mean")
+
+
+def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
              after: Callable[[LM, Corpus], None] | None = None, **overrides) -> dict:
     """Train one run and return its record (JSON-ready; non-finite numbers become null).
 
-    ``config`` is a :class:`RunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
+    ``config`` is a :class:`LMRunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
     ``train_lm(mechanism="unscaled", lr=3e-2)``.  ``after(model, corpus)``, when given, is called
     with the trained model and the corpus it was trained on after its final evaluation (the
     length study evaluates it at longer contexts).
     """
     if isinstance(config, Mapping):
-        config = RunConfig.from_json(config)
-    config = replace(config or RunConfig(), **overrides).validated()
+        config = LMRunConfig.from_json(config)
+    config = replace(config or LMRunConfig(), **overrides).validated()
     corpus = load_corpus(config.data)
     windows = eval_windows(corpus.val, config.eval_windows, config.seq_len)
     # --threads binds the CPU's intra-op threads: any CPU spelling ("cpu", "cpu:0"), by kind.

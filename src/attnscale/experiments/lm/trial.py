@@ -1,6 +1,6 @@
 """The ``lm`` experiment: one small-LM training run as a sweep trial.
 
-Its parameters are the fields of :class:`~attnscale.experiments.lm.train.RunConfig`, with the
+Its parameters are the fields of :class:`~attnscale.experiments.lm.train.LMRunConfig`, with the
 same defaults, except that ``mechanism`` and ``options`` are one parameter, ``variant``
 (``"qk-layernorm(divisor=False)"``, see :func:`~attnscale.experiments.lm.study.parse_variant`):
 a grid is a Cartesian product, and a mechanism's options belong to that mechanism alone.  The
@@ -15,17 +15,17 @@ from typing import Any
 
 from attnscale.experiments.lm.data import DATA_PARAM
 from attnscale.experiments.lm.study import parse_variant
-from attnscale.experiments.lm.train import RunConfig, train_lm
+from attnscale.experiments.lm.train import LMRunConfig, train_lm
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 from attnscale.mechanisms import canonical_options
 
-_JOINED = ("mechanism", "options")  # RunConfig fields given as one "variant"
+_JOINED = ("mechanism", "options")  # LMRunConfig fields given as one "variant"
 
 
 def _params() -> dict[str, Param]:
-    """RunConfig's fields as sweep parameters, with mechanism and options joined as ``variant``."""
-    return {"variant": Param(str, RunConfig.mechanism, canonical=canonical_variant),
-            **{k: p for k, p in params_from_dataclass(RunConfig).items() if k not in _JOINED},
+    """LMRunConfig's fields as sweep parameters, with mechanism and options joined as ``variant``."""
+    return {"variant": Param(str, LMRunConfig.mechanism, canonical=canonical_variant),
+            **{k: p for k, p in params_from_dataclass(LMRunConfig).items() if k not in _JOINED},
             "data": DATA_PARAM}
 
 
@@ -45,11 +45,11 @@ def canonical_variant(text: str, settings: Mapping[str, list] | None = None) -> 
     return format_variant(name, canonical_options(name, options))
 
 
-def run_config(config: dict) -> RunConfig:
-    """The RunConfig of a trial config (``variant`` split into mechanism and options)."""
+def run_config(config: dict) -> LMRunConfig:
+    """The LMRunConfig of a trial config (``variant`` split into mechanism and options)."""
     rest = dict(config)
     name, options = parse_variant(rest.pop("variant"))
-    return RunConfig(mechanism=name, options=options, **rest)
+    return LMRunConfig(mechanism=name, options=options, **rest)
 
 
 def _check(config: dict) -> None:

@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from attnscale.columns import MEAN_STATS
 from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.io import json_safe
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
+from attnscale.experiments.recall.config import RecallConfig, expand_grid, shared_key
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
@@ -155,7 +156,8 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
                             configs[0].n_keys, configs[0].n_values)
 
 
-_STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
+# The row statistics the evaluation averages (attnscale.columns names them).
+_STAT_NAMES = MEAN_STATS
 
 
 def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -305,7 +307,7 @@ def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallCo
     A repeated mechanism or seed is a ConfigError."""
     base = replace(config or RecallConfig(), **overrides)
     seeds = [base.seed] if seeds is None else check_int_list("seeds", seeds, minimum=0)
-    return train_runs(sweep(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
+    return train_runs(expand_grid(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
                       show_progress=show_progress)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnscale.columns import MONITOR_SUMMARIES, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
@@ -30,81 +31,71 @@ DEFAULT_BLOCK = 128
 
 @dataclass
 class HeadStats:
-    """Per-head sums over every (batch, query) row seen so far; each field has shape (H,), float64.
+    """Per-head totals over every (batch, query) row seen so far, each of shape (H,), float64:
+    ``queries`` (rows with at least one unmasked key) and one running total per summary of
+    :data:`attnscale.columns.MONITOR_SUMMARIES` (a sum for a mean, the extreme for a min or a
+    max), read as attributes by :attr:`~attnscale.columns.Summary.field`: ``entropy_sum``,
+    ``entropy_min``, ``max_weight_sum``, ``logit_std_sum``, ``logit_absmax``,
+    ``jacobian_fro_sum``, ``logit_max``.
 
     Sums rather than means, so that blocks, calls and forward passes merge exactly.
     """
 
-    queries: Tensor           # rows with at least one unmasked key
-    entropy_sum: Tensor       # sum of H(p) over those rows, nats
-    entropy_min: Tensor       # smallest H(p), nats (+inf before any row)
-    max_weight_sum: Tensor    # sum of max_i p_i
-    logit_std_sum: Tensor     # sum of the per-row std of the unmasked logits
-    logit_absmax: Tensor      # largest |z| over unmasked logits
-    jacobian_fro_sum: Tensor  # sum of ||diag(p) - p p^T||_F
-    logit_max: Tensor         # largest signed z over unmasked logits (-inf before any row)
+    queries: Tensor
+    totals: dict[str, Tensor]  # by Summary.field
+
+    def __getattr__(self, name: str) -> Tensor:
+        totals = self.__dict__.get("totals", {})
+        if name in totals:
+            return totals[name]
+        raise AttributeError(f"HeadStats has no statistic {name!r}")
 
     @classmethod
     def zeros(cls, n_heads: int) -> HeadStats:
         z = torch.zeros(n_heads, dtype=torch.float64)
-        return cls(z, z.clone(), torch.full_like(z, math.inf), z.clone(), z.clone(), z.clone(),
-                   z.clone(), torch.full_like(z, -math.inf))
+        return cls(z, {s.field: torch.full_like(z, s.start) for s in MONITOR_SUMMARIES})
 
     @classmethod
     def from_rows(cls, rows: Tensor) -> HeadStats:
-        """Per-head sums of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`;
-        rows whose count is 0 (no key to attend) are left out."""
+        """Per-head totals of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of
+        :func:`attnscale.stats.row_stats`; rows whose count is 0 (no key to attend) are left out."""
         col = columns(rows)
         ok = col["count"] > 0
 
-        def total(x: Tensor) -> Tensor:
-            return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+        def reduce(s: Summary) -> Tensor:
+            x = col[s.column]
+            if s.reduce == "mean":
+                return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+            extreme = torch.amin if s.reduce == "min" else torch.amax
+            return extreme(torch.where(ok, x, s.start), dim=(0, 2)).double()
 
-        def extreme(x: Tensor, fill: float, reduce) -> Tensor:
-            return reduce(torch.where(ok, x, fill), dim=(0, 2)).double()
-
-        return cls(
-            queries=ok.sum(dim=(0, 2), dtype=torch.float64),
-            entropy_sum=total(col["entropy"]),
-            entropy_min=extreme(col["entropy"], math.inf, torch.amin),
-            max_weight_sum=total(col["max_weight"]),
-            logit_std_sum=total(col["logit_std"]),
-            logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
-            jacobian_fro_sum=total(col["jacobian_fro"]),
-            logit_max=extreme(col["logit_max"], -math.inf, torch.amax),
-        )
+        return cls(ok.sum(dim=(0, 2), dtype=torch.float64),
+                   {s.field: reduce(s) for s in MONITOR_SUMMARIES})
 
     def merge(self, other: HeadStats) -> HeadStats:
         """Statistics over the rows of both."""
-        return HeadStats(
-            self.queries + other.queries, self.entropy_sum + other.entropy_sum,
-            torch.minimum(self.entropy_min, other.entropy_min),
-            self.max_weight_sum + other.max_weight_sum, self.logit_std_sum + other.logit_std_sum,
-            torch.maximum(self.logit_absmax, other.logit_absmax),
-            self.jacobian_fro_sum + other.jacobian_fro_sum,
-            torch.maximum(self.logit_max, other.logit_max))
+        both = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
+        return HeadStats(self.queries + other.queries,
+                         {s.field: both[s.reduce](self.totals[s.field], other.totals[s.field])
+                          for s in MONITOR_SUMMARIES})
 
     def pooled(self) -> HeadStats:
-        """All heads together as one: every field of shape (1,)."""
-        def total(t: Tensor) -> Tensor:
-            return t.sum(0, keepdim=True)
-        return HeadStats(total(self.queries), total(self.entropy_sum),
-                         self.entropy_min.amin(0, keepdim=True), total(self.max_weight_sum),
-                         total(self.logit_std_sum), self.logit_absmax.amax(0, keepdim=True),
-                         total(self.jacobian_fro_sum), self.logit_max.amax(0, keepdim=True))
+        """All heads together as one: every total of shape (1,)."""
+        over = {"mean": torch.sum, "min": torch.amin, "max": torch.amax}
+        return HeadStats(self.queries.sum(0, keepdim=True),
+                         {s.field: over[s.reduce](self.totals[s.field], 0, keepdim=True)
+                          for s in MONITOR_SUMMARIES})
 
     def means(self) -> dict[str, list[float]]:
-        """The record statistics per head (means over rows); NaN for a head that saw no row."""
+        """``queries`` and each summary per head under its key (means over rows for a mean);
+        NaN for a head that saw no row."""
         n = self.queries
         safe = n.clamp(min=1)
         none = n == 0
-        out = {"queries": n,
-               "entropy_mean": self.entropy_sum / safe, "entropy_min": self.entropy_min,
-               "max_weight_mean": self.max_weight_sum / safe,
-               "logit_std": self.logit_std_sum / safe, "logit_absmax": self.logit_absmax,
-               "jacobian_fro_mean": self.jacobian_fro_sum / safe, "logit_max": self.logit_max}
-        return {k: torch.where(none, math.nan, v).tolist() if k != "queries" else v.tolist()
-                for k, v in out.items()}
+        out = {s.key: self.totals[s.field] / safe if s.reduce == "mean" else self.totals[s.field]
+               for s in MONITOR_SUMMARIES}
+        return {"queries": n.tolist(),
+                **{k: torch.where(none, math.nan, v).tolist() for k, v in out.items()}}
 
 
 def _rows(t: Tensor | float | None, i0: int, i1: int) -> Tensor | float | None:

@@ -25,16 +25,16 @@ import warnings
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale.columns import RECORD_STATS
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.pipeline import Observation, add_observer, running
 
 # The keys of every record, in order (the column order of ``to_frame`` and ``records.json``).
-RECORD_KEYS = ("layer", "head", "module", "queries", "entropy_mean", "entropy_min",
-               "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
+RECORD_KEYS = ("layer", "head", "module", "queries", *RECORD_STATS)
 # The statistics a TensorBoard writer receives, per (layer, head) and per layer.
-SCALAR_KEYS = RECORD_KEYS[4:]
+SCALAR_KEYS = RECORD_STATS
 
 
 class _SdpaTap:

@@ -7,8 +7,10 @@ Two Monte Carlo experiments at ``d_k = 64`` on ``N(0, I)`` queries and keys:
 * :func:`attnscale.measure.planted.planted_key` for scaled and ssmax: the weight on one key that
   leads the others by a fixed margin, and its exponent ``b`` in ``weight ~ n^b`` at large n.
 
-Both slopes come from :func:`attnscale.stats.fit_line`, a weighted least-squares line through per-n Monte Carlo
-means with their standard errors (method in its docstring and in the section's text).
+Both slopes come from :func:`attnscale.stats.fit_line`, a weighted least-squares line through
+per-n Monte Carlo means with their standard errors (method in its docstring and in the
+section's text).  The section is named for the keys: "length" is the trained extrapolation
+study (``attnscale study length``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from attnscale.report.figures import new_figure, save
 from attnscale.stats import fit_line
 from attnscale.styles import style
 
-LENGTH_D_K = 64
-LENGTH_NS = tuple(4 ** i for i in range(2, 9))        # 16, 64, ..., 65536
+KEYS_D_K = 64
+KEYS_NS = tuple(4 ** i for i in range(2, 9))        # 16, 64, ..., 65536
 # Trials per n: a budget of keys per n, clamped.  The cost of a trial grows with n (the
 # mechanisms that need q and k hold n * d_k numbers), so large n get fewer trials; the standard
 # errors stay below ~0.03 nats there because the per-trial spread of the entropy does not grow.
@@ -76,7 +78,7 @@ def _plot(ax, rows: list[dict], stat: str, names: Sequence[str]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
+def keys_rows(seed: int, ns: Sequence[int] = KEYS_NS, d_k: int = KEYS_D_K,
                 trials=trials_for) -> tuple[list[dict], list[dict]]:
     """The section's two experiments: saturation rows for every mechanism defined at init and
     planted-key rows for :data:`PLANTED_MECHANISMS`, with ``trials(n)`` trials at each n."""
@@ -90,7 +92,7 @@ def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
 
 def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
                   seed: int) -> Section:
-    """Fits, claims, figure and text from the rows of :func:`length_rows`."""
+    """Fits, claims, figure and text from the rows of :func:`keys_rows`."""
     names = list(dict.fromkeys(r["mechanism"] for r in sat_rows))
     by = {name: sorted((r for r in sat_rows if r["mechanism"] == name), key=lambda r: r["n"])
           for name in names}
@@ -103,9 +105,9 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     large = f"n = {EXPONENT_MIN_N}-{ns[-1]}"
     lead = f"{large}, lead {planted_rows[0]['margin']:g}, d_k = {d_k}"
     measurements = {
-        "length.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
-        "length.planted.scaled.exponent": _measurement(exps["scaled"], lead),
-        "length.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
+        "keys.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
+        "keys.planted.scaled.exponent": _measurement(exps["scaled"], lead),
+        "keys.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
     }
 
     fig, (ax1, ax2, ax3) = new_figure(3, width=5.0, height=4.2)
@@ -124,7 +126,7 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     ax3.set_yscale("log")
     ax3.set_ylabel(f"weight on the planted key (lead {PLANTED_MARGIN:g})")
     ax3.legend(fontsize=7)
-    save(fig, fig_dir / "figure_length_at_init.png")
+    save(fig, fig_dir / "figure_keys_at_init.png")
 
     def ci(fit: dict) -> str:
         lo, hi = fit["slope_ci95"]
@@ -166,11 +168,11 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
                     **v} for k, v in exps.items()])
     return Section(
         name="Entropy vs number of keys, at init",
-        rows=[dict(r, experiment="length_saturation") for r in sat_rows]
-        + [dict(r, experiment="length_planted") for r in planted_rows]
+        rows=[dict(r, experiment="keys_saturation") for r in sat_rows]
+        + [dict(r, experiment="keys_planted") for r in planted_rows]
         + [dict(r, slope_ci95=list(r["slope_ci95"])) for r in fit_rows],
         measurements=measurements,
-        figures=[("figure_length_at_init.png", f"Entropy (left) and max weight (middle) vs the "
+        figures=[("figure_keys_at_init.png", f"Entropy (left) and max weight (middle) vs the "
                   f"number of keys at d_k = {d_k}, every mechanism defined at init; right: the "
                   "weight on one planted key, scaled vs ssmax. Bars: 95% CI.")],
         markdown="\n".join(lines),
@@ -179,5 +181,5 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
 
 def report_section(fig_dir: Path, *, seed: int) -> Section:
     """Entropy and max weight vs n at init for every mechanism, and the planted key."""
-    sat_rows, planted_rows = length_rows(seed)
+    sat_rows, planted_rows = keys_rows(seed)
     return build_section(fig_dir, sat_rows, planted_rows, seed)
