@@ -252,6 +252,49 @@ def test_tracked_maximum_is_found_in_the_registry():
     assert "qk-clip" in TRACKERS
 
 
+def _guarded(name: str, q, k, v, keep, causal):
+    """The guard's records of one training forward of a bare mechanism, step 0."""
+    model = _Wrap(build_mechanism(name, D, H).to(q.dtype)).train()
+    with attnscale.guard(model, every=1) as g:
+        model(q, k, v, mask=keep, causal=causal)
+        g.step(0)
+    return g.records
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_guard_records_count_only_attended_keys(name, causal):
+    """The guard's per-head records (largest signed and absolute logit, entropies, max weight,
+    logit std) equal the float64 reference over the attended keys."""
+    n = 7
+    keep = padded_mask(n, n)
+    q, k, v = _inputs(n, n, keep)
+    records = _guarded(name, q, k, v, keep, causal)
+    z, full = _logits_and_keep(build_mechanism(name, D, H), q, k, keep, causal)
+    want = reference_heads(z, full)
+    want["logit_max"] = z.masked_fill(~full, -math.inf).amax(dim=(0, 2, 3)).tolist()
+    for key, expected in want.items():
+        if key == "jacobian_fro_mean":  # not a guard record
+            continue
+        torch.testing.assert_close(torch.tensor([r[key] for r in records], dtype=torch.float64),
+                                   torch.tensor(expected, dtype=torch.float64),
+                                   msg=lambda m, key=key: f"{name} {key}: {m}")
+
+
+@pytest.mark.xfail(strict=True, reason="the guard's n_keys is the call's key count "
+                                       "(k.shape[-2]), hidden keys included, not the most keys "
+                                       "a query attends")
+def test_guard_n_keys_is_the_most_keys_a_query_attends():
+    """n_keys (the n of the entropy's range [0, ln n]) when a mask hides the same keys from
+    every query, as a static KV cache's unused slots are: 5 of 7 keys, not 7."""
+    n = 7
+    keep = torch.ones(B, 1, n, n, dtype=torch.bool)
+    keep[..., -2:] = False
+    q, k, v = _inputs(n, n, keep)
+    records = _guarded("scaled", q, k, v, keep, False)
+    assert [r["n_keys"] for r in records] == [n - 2] * H
+
+
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 def test_monitor_of_a_foreign_sdpa_call_counts_only_attended_keys(additive):
     """The monitor's SDPA tap (foreign models): a boolean mask, or an additive one whose hidden
