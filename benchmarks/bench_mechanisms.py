@@ -11,7 +11,7 @@ so machine load hits all of them alike; a mechanism's ratio is the median over r
 divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechanism's parameters.
 ``softcap-materialised`` (the reference path with the whole logit tensor) is an extra reference row.
 
-Goals (issue 3): <= 1.15 for every mechanism except softcap, <= 1.5 for softcap.  On a machine
+Goals: <= 1.15 for every mechanism except softcap, <= 1.5 for softcap.  On a machine
 shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
 blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
 taken (SDPA is one op).

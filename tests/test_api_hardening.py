@@ -500,9 +500,14 @@ def test_multi_head_attention_keywords(name):
         MultiHeadAttention(16, 2, name, dropout=0.1)
     import inspect
     params = inspect.signature(MECHANISMS[name].__init__).parameters
+    mha_keywords = set(inspect.signature(MultiHeadAttention.__init__).parameters)
     own = {option: params[option].default for option in mechanism_options(name)
-           if params[option].default is not inspect.Parameter.empty}
+           if params[option].default is not inspect.Parameter.empty
+           and option not in mha_keywords}  # a clash is refused, below
     assert type(MultiHeadAttention(16, 2, name, **own).mechanism) is MECHANISMS[name]
+    with pytest.raises(ConfigError, match="bias must be True or False, got 0.5") as err:
+        MultiHeadAttention(16, 2, name, bias=0.5)  # never read as "projection biases on"
+    assert ("not" in _one_line(err.value)) == ("bias" in mechanism_options(name))
 
 
 # --- 4. devices by kind, checked up front -----------------------------------------------------
@@ -562,6 +567,19 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
     code, out, err = cli(*words, "--device", device, "--steps", "1")
     assert code == 2 and not out and "Traceback" not in err, err
     assert _one_line(err).startswith(f"attnscale {' '.join(words)}: error: ")
+
+
+@pytest.mark.parametrize("device, match", [(torch.device("cpu"), "must be a string"),
+                                           ("meta", "holds no data"), ("xla", "not available")])
+def test_lm_api_checks_the_device_up_front(text_dir, device, match):
+    """train_lm's config refuses an unusable device, or one its JSON record cannot hold, before
+    reading any data."""
+    from attnscale.experiments.lm.train import LMRunConfig
+    if isinstance(device, str) and device in _usable_kinds():
+        pytest.skip(f"{device} is usable on this machine")
+    with pytest.raises(ConfigError, match=match) as err:
+        LMRunConfig(data=str(text_dir / "missing"), device=device).validated()
+    _one_line(err.value)
 
 
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
@@ -732,3 +750,30 @@ def test_hf_config_naming_a_missing_mechanism_is_refused(tmp_path):
     restored = hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(restored(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": torch.int64}, "dtype must be a floating torch.dtype"),
+    ({"dtype": "float32"}, "dtype must be a floating torch.dtype"),
+    ({"device": "gpu"}, "device: 'gpu' is not a torch device"),
+    ({"bias": "yes"}, "bias must be True or False")])
+def test_multi_head_attention_construction_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        MultiHeadAttention(16, 2, **kwargs)
+    _one_line(err.value)
+
+
+def test_multi_head_attention_on_meta_builds_for_its_shapes():
+    """device='meta' stays allowed for a module: it holds no data but has every shape."""
+    mha = MultiHeadAttention(16, 2, device="meta")
+    assert mha.w_q.weight.is_meta and mha.w_q.weight.shape == (16, 16)
+
+
+@pytest.mark.parametrize("causal", ["no", 1, None])
+def test_causal_must_be_a_boolean(causal):
+    """causal="no" would be truthy: refused in the API and in MultiHeadAttention."""
+    x = torch.randn(1, H, 3, D)
+    with pytest.raises(ConfigError, match="causal must be True or False"):
+        attnscale.attention(x, x, x, causal=causal)
+    with pytest.raises(ConfigError, match="causal must be True or False"):
+        MultiHeadAttention(16, 2)(torch.randn(1, 3, 16), causal=causal)

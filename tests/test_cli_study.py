@@ -104,6 +104,11 @@ def test_quick_and_explicit_options(cli, tiny, tmp_path):
     spec = sweep.load(out).spec
     assert spec.grid == {"mechanism": ["scaled"], "seed": [0]}
     assert spec.fixed["trials"] == 12
+    lines = (out / "results.jsonl").read_text()
+    # The same settings, one of them written out explicitly: the same study, continued.
+    code, _, err = cli("study", "tiny-test", "--out", str(out), "--quick", "--mechanisms",
+                       "scaled", "--trials", "12", "--set", "n=16", "--workers", "1")
+    assert code == 0 and (out / "results.jsonl").read_text() == lines, err
     code, _, err = cli("study", "tiny-test", "--out", str(out), "--workers", "1")
     assert code == 2 and "holds the quick tiny-test study under other settings" in err
 

@@ -50,8 +50,8 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "yarn": ("#17becf", "-", "h"),
     "sigma-reparam": ("#008080", "--", "d"),
     "ssmax": ("#000000", "-", "p"),
-    "llama4-temp": ("#e6ab02", "-", "H"),     # planned (issue 13)
-    "qk-clip": ("#800000", "--", "8"),        # planned (issue 13)
+    "llama4-temp": ("#e6ab02", "-", "H"),
+    "qk-clip": ("#800000", "--", "8"),
 }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnscale.columns import MONITOR_SUMMARIES, Summary
+from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
@@ -131,6 +131,32 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
                 mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
                 block: int) -> HeadStats:
     """:func:`head_stats` with ``block`` already validated (by the caller, where it entered)."""
+    parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                    causal_offset=causal_offset, block=block)
+    rows = [part for _, part in parts if part is not None]  # O(B H Nq) in all
+    return HeadStats.from_rows(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(q.shape[-3])
+
+
+def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
+               mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
+               block: int = DEFAULT_BLOCK) -> Tensor:
+    """The row statistics of every query, blockwise like :func:`head_stats` (same arguments):
+    float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`, a query
+    with no key to attend all zeros.  For statistics by query position."""
+    parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                    causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+    b, h, n_q = q.shape[0], q.shape[-3], q.shape[-2]
+    return torch.cat([part if part is not None else
+                      torch.zeros(b, h, min(block, n_q - i0), len(ROW_STATS_COLUMNS),
+                                  dtype=torch.float64, device=q.device)
+                      for i0, part in parts], dim=-2)
+
+
+def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
+            mask: Tensor | None, causal: bool, causal_offset: int,
+            block: int) -> list[tuple[int, Tensor | None]]:
+    """``(first query, row statistics)`` of each block of ``block`` queries, in order; None for
+    a block in which no query has a key."""
     with torch.no_grad():
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = work_dtype(q.dtype)
@@ -163,8 +189,7 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None),
             starts, workers)
-        rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
-        return HeadStats.from_rows(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
+        return list(zip(starts, blocks))
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
