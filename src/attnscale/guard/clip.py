@@ -229,9 +229,9 @@ def clip_sites(model: nn.Module) -> list[ClipSite]:
               and getattr(module, "head_dim", None)):
             sites.append(_hf_site(name, module))
     if not sites:
-        raise ConfigError(f"qk_clip: {type(model).__name__} has no attention layer whose W_Q and "
-                          "W_K the clip can find (attnscale's MultiHeadAttention or LM, or a Hugging "
-                          "Face model with q_proj and k_proj).")
+        raise ConfigError(f"qk_clip: {type(model).__name__} has no attention layer whose W_Q "
+                          "and W_K the clip can find (attnscale's MultiHeadAttention or LM, or a "
+                          "Hugging Face model with q_proj and k_proj).")
     return sites
 
 
