@@ -286,6 +286,10 @@ def columns(rows: Tensor) -> dict[str, Tensor]:
     return {name: rows[..., i] for i, name in enumerate(ROW_STATS_COLUMNS)}
 
 
+# The columns of row_stats that describe the weights (the others describe keys and logits).
+_WEIGHT_COLUMNS = ("max_weight", "entropy", "jacobian_fro")
+
+
 def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, normaliser: str,
                           sink: Tensor | None) -> Tensor:
     """:func:`row_stats` for the sink and sigmoid normalisers (see the module doc)."""
@@ -296,13 +300,13 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
         lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
         z = z.masked_fill(torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1),
                           -math.inf)
+    # The weights' statistics follow the normaliser; count and the logit columns stay the keys'.
     if normaliser == "sink":
-        full = row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads)
-        out = torch.cat([keys[..., :1], full[..., 1:4], keys[..., 4:]], dim=-1)
+        full = columns(row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads))
     else:
-        s = sigmoid_stats(z)
-        out = torch.cat([keys[..., :1]] + [s[c].double().unsqueeze(-1) for c in
-                                           ("max_weight", "entropy", "jacobian_fro")]
-                        + [keys[..., 4:]], dim=-1)
+        full = {c: v.double() for c, v in sigmoid_stats(z).items()}
+    key_cols = columns(keys)
+    out = torch.stack([full[c] if c in _WEIGHT_COLUMNS else key_cols[c]
+                       for c in ROW_STATS_COLUMNS], dim=-1)
     # A row without keys: every statistic 0 (the sink alone is not a row of keys).
     return torch.where(keys[..., :1] == 0, torch.zeros_like(out), out)

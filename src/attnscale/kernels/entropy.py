@@ -1,8 +1,9 @@
 """Row entropies of softmax(q kᵀ) over the keys each query attends, blockwise and differentiable,
 without the (B, H, Nq, Nk) logits: the statistics pass of adaptive temperature.
 
-Forward: each block of logits goes through :func:`attnscale.stats.row_stats` (attnscale's row
-kernel for float32 CPU logits).  Backward, recomputing each block: with p = softmax(z) and
+Forward: each block of logits is reduced around its row maximum m, H = ln Σ e^{z - m} -
+Σ p_i (z_i - m), in the dtype of q (float32 for half inputs).  Backward, recomputing each block:
+with p = softmax(z) and
 H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
 dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel.
 """
@@ -13,7 +14,6 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
-from attnscale.stats import columns, row_stats
 from attnscale.workers import parallel_map, workers_for
 
 
@@ -24,7 +24,23 @@ def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tens
     broadcastable to (B, H, Nq, Nk); ``causal`` top-left.  A query with no key gets 0; a row
     holding NaN gets NaN.
     """
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # no query, or no key: every entropy is 0
+        return q.new_zeros(*q.shape[:-1], 1) + 0.0 * (q.sum() + k.sum())
     return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS)
+
+
+def _entropy(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(H, lse) of softmax over the last dimension of masked logits z (h, r, n), each (h, r, 1):
+    0 and 0 for a row without keys, NaN for a row holding NaN."""
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), 0.0, m)                     # rows without keys
+    d = z - m
+    e = d.exp()
+    s = e.sum(dim=-1, keepdim=True)
+    log_s = torch.log(torch.where(s > 0, s, 1.0))
+    terms = torch.where(e > 0, e * d, 0.0)                         # 0 at masked keys
+    ent = log_s - terms.sum(dim=-1, keepdim=True) / torch.where(s > 0, s, 1.0)
+    return ent, log_s + m
 
 
 class _RowEntropy(torch.autograd.Function):
@@ -42,8 +58,7 @@ class _RowEntropy(torch.autograd.Function):
             for i, (q_blk, ent_blk) in enumerate(zip(*tiles.split(b, heads, q, ent))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                stats = columns(row_stats(z, threads=1 if workers > 1 else None))
-                ent_blk.copy_(stats["entropy"].unsqueeze(-1))
+                ent_blk.copy_(_entropy(z)[0])
 
         with torch.no_grad():
             parallel_map(group, groups, workers)
@@ -68,8 +83,7 @@ class _RowEntropy(torch.autograd.Function):
                     zip(*tiles.split(b, heads, q, ent, g, dq))):
                 n_k = tiles.n_keys(i)
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)            # (h, r, 1)
-                lse = torch.where(torch.isneginf(lse), 0.0, lse)          # rows without keys
+                lse = _entropy(z)[1]                                      # (h, r, 1)
                 p = torch.exp(z - lse)                                    # 0 at masked keys
                 z = torch.where(torch.isneginf(z), 0.0, z)
                 dz = p * (z - lse + ent_blk) * (-g_blk)                   # g ∘ ∂H/∂z

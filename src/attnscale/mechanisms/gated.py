@@ -59,7 +59,8 @@ class Gated(Mechanism):
                               "attnscale.MultiHeadAttention or the LM.")
         b, n, _ = x.shape
         g = torch.sigmoid(self.w_g(x))                              # (B, N, H·(1|d))
-        return g.view(b, n, self.n_heads, -1).transpose(1, 2)       # (B, H, N, 1|d)
+        per_head = self.w_g.out_features // self.n_heads
+        return g.view(b, n, self.n_heads, per_head).transpose(1, 2)  # (B, H, N, 1|d)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, granularity={self.granularity}"

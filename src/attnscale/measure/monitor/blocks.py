@@ -11,7 +11,7 @@ key is not counted; an additive float mask's entries at or below
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
 from attnscale.precision import work_dtype
-from attnscale.stats import columns, row_stats
+from attnscale.stats import columns, row_mass, row_stats
 from attnscale.workers import parallel_map, workers_for
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
@@ -41,8 +41,21 @@ class HeadStats:
     max_weight_sum: Tensor    # sum of max_i p_i
     logit_std_sum: Tensor     # sum of the per-row std of the unmasked logits
     logit_absmax: Tensor      # largest |z| over unmasked logits
-    jacobian_fro_sum: Tensor  # sum of ||diag(p) - p p^T||_F
+    jacobian_fro_sum: Tensor  # sum of ||diag(p) - p p^T||_F (the normaliser's, attnscale.stats)
     logit_max: Tensor         # largest signed z over unmasked logits (-inf before any row)
+    # Σ_i p_i over the keys, summed over rows: 1 per row under softmax, 1 - the sink's weight
+    # under a sink, Σ σ(z_i) under sigmoid (attnscale.stats.row_mass).
+    mass_sum: Tensor = None
+    sink_mass_sum: Tensor = None  # the weight left on the sink, summed over rows (0 without one)
+    gate_sum: Tensor = None       # the output gate's values, summed (1 per row without a gate)
+    gate_count: Tensor = None     # how many gate values gate_sum adds up
+
+    def __post_init__(self):
+        for name in ("mass_sum", "gate_sum", "gate_count"):  # softmax without a gate
+            if getattr(self, name) is None:
+                setattr(self, name, self.queries.clone())
+        if self.sink_mass_sum is None:
+            self.sink_mass_sum = torch.zeros_like(self.queries)
 
     @classmethod
     def zeros(cls, n_heads: int) -> HeadStats:
@@ -51,9 +64,12 @@ class HeadStats:
                    z.clone(), torch.full_like(z, -math.inf))
 
     @classmethod
-    def from_rows(cls, rows: Tensor) -> HeadStats:
-        """Per-head sums of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`;
-        rows whose count is 0 (no key to attend) are left out."""
+    def from_rows(cls, rows: Tensor, mass: Tensor | None = None,
+                  sink: bool = False) -> HeadStats:
+        """Per-head sums of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of
+        :func:`attnscale.stats.row_stats`; rows whose count is 0 (no key to attend) are left out.
+        ``mass`` (B, H, Nq): each row's key mass (:func:`attnscale.stats.row_mass`; 1 when None,
+        softmax); ``sink``: the rest of each row's weight is the sink's."""
         col = columns(rows)
         ok = col["count"] > 0
 
@@ -72,7 +88,15 @@ class HeadStats:
             logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
             jacobian_fro_sum=total(col["jacobian_fro"]),
             logit_max=extreme(col["logit_max"], -math.inf, torch.amax),
+            mass_sum=None if mass is None else total(mass),
+            sink_mass_sum=total(1.0 - mass) if sink and mass is not None else None,
         )
+
+    def with_gate(self, gate: Tensor) -> HeadStats:
+        """These statistics with the output gate's values (B, H, Nq, 1 or d) as the gate's."""
+        g = gate.detach().double()
+        return replace(self, gate_sum=g.sum(dim=(0, 2, 3)).cpu(),
+                       gate_count=torch.full_like(self.queries, float(g[:, 0].numel())))
 
     def merge(self, other: HeadStats) -> HeadStats:
         """Statistics over the rows of both."""
@@ -82,7 +106,9 @@ class HeadStats:
             self.max_weight_sum + other.max_weight_sum, self.logit_std_sum + other.logit_std_sum,
             torch.maximum(self.logit_absmax, other.logit_absmax),
             self.jacobian_fro_sum + other.jacobian_fro_sum,
-            torch.maximum(self.logit_max, other.logit_max))
+            torch.maximum(self.logit_max, other.logit_max), self.mass_sum + other.mass_sum,
+            self.sink_mass_sum + other.sink_mass_sum, self.gate_sum + other.gate_sum,
+            self.gate_count + other.gate_count)
 
     def pooled(self) -> HeadStats:
         """All heads together as one: every field of shape (1,)."""
@@ -91,7 +117,9 @@ class HeadStats:
         return HeadStats(total(self.queries), total(self.entropy_sum),
                          self.entropy_min.amin(0, keepdim=True), total(self.max_weight_sum),
                          total(self.logit_std_sum), self.logit_absmax.amax(0, keepdim=True),
-                         total(self.jacobian_fro_sum), self.logit_max.amax(0, keepdim=True))
+                         total(self.jacobian_fro_sum), self.logit_max.amax(0, keepdim=True),
+                         total(self.mass_sum), total(self.sink_mass_sum), total(self.gate_sum),
+                         total(self.gate_count))
 
     def means(self) -> dict[str, list[float]]:
         """The record statistics per head (means over rows); NaN for a head that saw no row."""
@@ -102,7 +130,9 @@ class HeadStats:
                "entropy_mean": self.entropy_sum / safe, "entropy_min": self.entropy_min,
                "max_weight_mean": self.max_weight_sum / safe,
                "logit_std": self.logit_std_sum / safe, "logit_absmax": self.logit_absmax,
-               "jacobian_fro_mean": self.jacobian_fro_sum / safe, "logit_max": self.logit_max}
+               "jacobian_fro_mean": self.jacobian_fro_sum / safe, "logit_max": self.logit_max,
+               "mass_mean": self.mass_sum / safe, "sink_mass_mean": self.sink_mass_sum / safe,
+               "gate_mean": self.gate_sum / self.gate_count.clamp(min=1)}
         return {k: torch.where(none, math.nan, v).tolist() if k != "queries" else v.tolist()
                 for k, v in out.items()}
 
@@ -138,8 +168,11 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
 
 def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                 mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-                block: int) -> HeadStats:
-    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered)."""
+                block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
+                sink: Tensor | None = None) -> HeadStats:
+    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
+    ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
+    and the weights are the ``normaliser``'s (``sink``: the per-head sink logits)."""
     with torch.no_grad():
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = work_dtype(q.dtype)
@@ -161,6 +194,12 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
             bias = torch.where(mask, bias, 0.0)
             if not bool(bias.any()):
                 bias = None
+        if isinstance(offset, Tensor):
+            offset = offset.detach().to(work)
+        if cap is not None and (isinstance(offset, Tensor) or offset != 0.0):
+            offset = offset / cap  # it joins the scaled logits inside tanh
+        if sink is not None:
+            sink = sink.detach().to(work)
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
@@ -170,15 +209,24 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
         blocks = parallel_map(
             lambda i0: _block_stats(q[..., i0:i0 + block, :], kt, cap,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
-                                    causal, causal_offset, i0, threads=1 if workers > 1 else None),
+                                    causal, causal_offset, i0, threads=1 if workers > 1 else None,
+                                    offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
+                                    sink=sink),
             starts, workers)
         rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
-        return HeadStats.from_rows(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(n_heads)
+        if not rows:
+            return HeadStats.zeros(n_heads)
+        if normaliser == "softmax":
+            return HeadStats.from_rows(torch.cat(rows, dim=-2))
+        stats = torch.cat([part[0] for part in rows], dim=-2)         # (B, H, Nq, columns)
+        mass = torch.cat([part[1] for part in rows], dim=-1)          # (B, H, Nq)
+        return HeadStats.from_rows(stats, mass, sink=normaliser == "sink")
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
-                 threads: int | None = None) -> Tensor | None:
+                 threads: int | None = None, offset: float | Tensor = 0.0,
+                 normaliser: str = "softmax", sink: Tensor | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
@@ -202,6 +250,8 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         return t[..., lo:hi] if t.shape[-1] == n_k else t
 
     z = q @ kt[..., lo:hi]                                   # (B, H, Nb, W), scaled logits
+    if isinstance(offset, Tensor) or offset != 0.0:
+        z = z + offset                                       # sigmoid attention's bias
     if cap is not None:
         z = z.tanh_().mul_(cap)                              # the soft-cap, before the mask
     if bias is not None:
@@ -218,4 +268,11 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     limit = None
     if causal and first_hidden < hi - lo:
         limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64, device=z.device)
-    return row_stats(z, limit=limit, threads=threads)
+    if normaliser == "softmax":
+        return row_stats(z, limit=limit, threads=threads)
+    if limit is not None:  # the key mass needs the hidden keys written out
+        cols = torch.arange(hi - lo, device=z.device)
+        z = z.masked_fill(cols >= limit.view(-1, 1), -math.inf)
+    # Another normaliser: its statistics (attnscale.stats) and each row's key mass.
+    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink),
+            row_mass(z, normaliser, sink))

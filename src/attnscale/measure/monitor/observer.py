@@ -31,8 +31,12 @@ from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_sta
 from attnscale.pipeline import Observation, add_observer, running
 
 # The keys of every record, in order (the column order of ``to_frame`` and ``records.json``).
+# mass_mean is Σ_i p_i over the keys (1 under softmax; sigmoid rows need not sum to 1),
+# sink_mass_mean the weight a sink takes (0 without one), gate_mean the output gate's mean
+# (1 without a gate): attnscale.stats defines each for every normaliser.
 RECORD_KEYS = ("layer", "head", "module", "queries", "entropy_mean", "entropy_min",
-               "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
+               "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean", "mass_mean",
+               "sink_mass_mean", "gate_mean")
 # The statistics a TensorBoard writer receives, per (layer, head) and per layer.
 SCALAR_KEYS = RECORD_KEYS[4:]
 
@@ -206,7 +210,8 @@ class Monitor:
         if self._watching():
             # Rows with no key to attend are excluded here; the pipeline zeroes their output.
             self._add(seen.q, seen.k, seen=seen, scale=seen.scale, cap=seen.cap, mask=seen.mask,
-                      causal=seen.causal)
+                      causal=seen.causal, offset=seen.offset,
+                      normaliser=seen.normaliser, sink=seen.sink)
 
     def _observe_sdpa(self, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -231,10 +236,15 @@ class Monitor:
         self._seen += 1
         # From the kernel that forms the logits, when the pipeline's path has one; the
         # statistics then arrive once the call's output is computed.
-        if seen is not None and seen.request_rows(
-                lambda rows: self._merge(site, HeadStats.from_rows(rows))):
+        gate = None if seen is None else seen.gate
+
+        def gated(stats: HeadStats) -> HeadStats:  # the output gate's mean, where there is one
+            return stats if gate is None else stats.with_gate(gate)
+
+        if seen is not None and how.get("normaliser", "softmax") == "softmax" and seen.request_rows(
+                lambda rows: self._merge(site, gated(HeadStats.from_rows(rows)))):
             return
-        self._merge(site, _head_stats(q, k, block=self.block, **how))
+        self._merge(site, gated(_head_stats(q, k, block=self.block, **how)))
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):
