@@ -42,7 +42,7 @@ from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_in
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
-from attnscale.stats import columns, row_stats
+from attnscale.stats import columns, row_mass, row_stats
 from attnscale.workers import num_threads
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
@@ -76,8 +76,10 @@ ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
 ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
-# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order.
-SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
+# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order, and
+# the keys' total weight (:func:`attnscale.stats.row_mass`: 1 under softmax, less under a sink,
+# anything in [0, n] under sigmoid).
+SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std", "mass")
 
 
 def physical_memory() -> int | None:
@@ -233,6 +235,7 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
     normaliser = "softmax" if mech is None else mech.normaliser
     sink = mech.sink_logits().detach() if normaliser == "sink" else None
     stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink))
+    stats["mass"] = row_mass(z, normaliser, sink)
     for key in SATURATION_STATS:
         v = stats[key]
         s = acc.setdefault(key, [0.0, 0.0])
