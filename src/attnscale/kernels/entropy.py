@@ -48,6 +48,7 @@ class _RowEntropy(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
                 block_elements: int) -> Tensor:
         ent = q.new_empty(*q.shape[:-1], 1)                               # (B, H, Nq, 1)
+        lse = q.new_empty(*q.shape[:-1], 1)                               # kept for backward
         tiles = _Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
         workers = workers_for(q.device, len(groups))
@@ -55,21 +56,24 @@ class _RowEntropy(torch.autograd.Function):
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g = k[b, heads]
-            for i, (q_blk, ent_blk) in enumerate(zip(*tiles.split(b, heads, q, ent))):
+            for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent,
+                                                                           lse))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                ent_blk.copy_(_entropy(z)[0])
+                h_blk, l_blk = _entropy(z)
+                ent_blk.copy_(h_blk)
+                lse_blk.copy_(l_blk)
 
         with torch.no_grad():
             parallel_map(group, groups, workers)
-        ctx.save_for_backward(q, k, ent, mask)
+        ctx.save_for_backward(q, k, ent, lse, mask)
         ctx.args = (causal, block_elements)
         return ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        q, k, ent, mask = ctx.saved_tensors
+        q, k, ent, lse, mask = ctx.saved_tensors
         causal, block_elements = ctx.args
         g = g.contiguous()
         dq = torch.empty_like(q)
@@ -79,14 +83,14 @@ class _RowEntropy(torch.autograd.Function):
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, dk_g = k[b, heads], dk_t[b, heads]
-            for i, (q_blk, ent_blk, g_blk, dq_blk) in enumerate(
-                    zip(*tiles.split(b, heads, q, ent, g, dq))):
+            for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
+                    zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
                 n_k = tiles.n_keys(i)
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
-                lse = _entropy(z)[1]                                      # (h, r, 1)
-                p = torch.exp(z - lse)                                    # 0 at masked keys
-                z = torch.where(torch.isneginf(z), 0.0, z)
-                dz = p * (z - lse + ent_blk) * (-g_blk)                   # g ∘ ∂H/∂z
+                z.sub_(lse_blk)                                           # ln p, -inf if masked
+                p = torch.exp(z)                                          # 0 at masked keys
+                # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0
+                dz = torch.where(p > 0, z.add_(ent_blk).mul_(p), 0.0).mul_(-g_blk)
                 torch.bmm(dz, k_g[:, :n_k], out=dq_blk)                   # dQ = dZ K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)       # dKᵀ += Qᵀ dZ
 

@@ -14,6 +14,14 @@ so q'·k'_j = scale · q·k_j and q'·k'_sink = b_h - o (o: a per-row logit offs
 over the real keys alone would cancel but the sink does not).  The head size is padded to a
 multiple of 8, which the fused CUDA kernels require; extra memory is O(N · d), and the gradient
 reaches b_h through q'.  A row whose keys are all masked attends only the sink: zero output.
+
+Without a mask or an offset on the CPU, a wider head would cost SDPA's CPU kernel ~40% (it is
+tuned for the usual head sizes), so the sink key goes first and its bias b_h is a (1, H, 1, Nk + 1)
+additive mask, which broadcasts over the queries; causality stays the kernel's own, with one
+dummy query row in front so that query i sees the sink and keys 0..i.  That path calls the CPU
+flash-attention op directly (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its
+backward), which also returns each row's log-sum-exp: the gradient of b_h is
+-Σ_rows p_sink (dO·o), p_sink = e^{b_h - lse}, since the sink's value is zero.
 """
 
 from __future__ import annotations
@@ -26,6 +34,60 @@ from torch import Tensor
 HEAD_MULTIPLE = 8
 
 
+# The CPU flash-attention op and its backward (None where this torch lacks them).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _flash_fits(q: Tensor, k: Tensor, v: Tensor, offset: float | Tensor,
+                mask: Tensor | None) -> bool:
+    """Whether the sink can run on the CPU flash op with a broadcast bias (see the module doc):
+    no mask or offset, one head size for q, k and v, at least one query and one key."""
+    return (mask is None and not isinstance(offset, Tensor) and offset == 0.0
+            and q.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0
+            and q.device.type == "cpu" and _CPU_FLASH is not None
+            and _CPU_FLASH_BACKWARD is not None and type(q) is torch.Tensor
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
+
+
+class _SinkFlashCPU(torch.autograd.Function):
+    """softmax([b_h, scale q kᵀ]) [0, v] on the CPU flash op: the sink key first, its bias a
+    broadcast mask, one dummy query in front under causality."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float,
+                causal: bool) -> Tensor:
+        b, h, _, d = q.shape
+        k2 = torch.cat([k.new_zeros(b, h, 1, d), k], dim=-2)                # (B, H, Nk + 1, d)
+        v2 = torch.cat([v.new_zeros(b, h, 1, v.shape[-1]), v], dim=-2)      # sink value 0
+        q2 = torch.cat([q.new_zeros(b, h, 1, d), q], dim=-2) if causal else q
+        bias = q.new_zeros(1, h, 1, k2.shape[-2])
+        bias[..., 0] = sink.detach().to(q.dtype).view(1, h, 1)            # (1, H, 1, Nk + 1)
+        out, lse = _CPU_FLASH(q2, k2, v2, 0.0, causal, attn_mask=bias, scale=scale)
+        ctx.save_for_backward(q2, k2, v2, out, lse, bias)
+        ctx.args = (scale, causal, sink.dtype)
+        return out[:, :, 1:] if causal else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        q2, k2, v2, out, lse, bias = ctx.saved_tensors
+        scale, causal, sink_dtype = ctx.args
+        g = g.contiguous()
+        if causal:
+            g = torch.cat([g.new_zeros(*g.shape[:2], 1, g.shape[-1]), g], dim=-2)
+        dq, dk, dv = _CPU_FLASH_BACKWARD(g, q2, k2, v2, out, lse, 0.0, causal, attn_mask=bias,
+                                         scale=scale)
+        work = torch.promote_types(out.dtype, torch.float32)                 # float32 for halves
+        delta = (g.to(work) * out.to(work)).sum(-1)                          # dO·o, (B, H, Nq')
+        p_sink = torch.exp(bias[..., 0].to(work) - lse.to(work))             # (B, H, Nq')
+        d_sink = -(p_sink * delta).sum(dim=(0, 2)).to(sink_dtype)            # (H,)
+        if causal:
+            dq = dq[:, :, 1:]
+        return dq, dk[:, :, 1:], dv[:, :, 1:], d_sink, None, None
+
+
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sink: Tensor,
                    offset: float | Tensor, mask: Tensor | None, causal: bool) -> Tensor:
     """softmax([scale · q kᵀ + o, b_h]) without its last column, times v: (B, H, Nq, d_v).
@@ -35,6 +97,10 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sink: Tensor,
     a tensor broadcastable to (B, H, Nq, 1); ``mask`` boolean (True = attend) broadcastable to
     (B, H, Nq, Nk), or None; ``causal`` top-left.
     """
+    if _flash_fits(q, k, v, offset, mask):
+        dtype = v.dtype
+        return _SinkFlashCPU.apply(q.to(dtype).contiguous(), k.to(dtype).contiguous(),
+                                   v.contiguous(), sink, float(scale), causal)
     b, h, n_q, d = q.shape
     n_k = k.shape[-2]
     pad = -(d + 1) % HEAD_MULTIPLE
