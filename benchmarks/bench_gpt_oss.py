@@ -33,12 +33,13 @@ IMPLEMENTATIONS = ("eager", "attnscale")
 
 
 def build(n: int, layers: int, heads: int, attn: str) -> transformers.PreTrainedModel:
-    """gpt-oss with a full and a sliding-window layer, random weights and sinks (seed 0)."""
+    """gpt-oss with a full and a sliding-window layer, random weights and sinks (seed 0); its
+    experts kept small (2 of width 64, top-1), so that the time is mostly attention."""
     hf.register()
     config = transformers.GptOssConfig(
-        vocab_size=1024, hidden_size=heads * 64, intermediate_size=256, num_hidden_layers=layers,
+        vocab_size=1024, hidden_size=heads * 64, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+        num_local_experts=2, num_experts_per_tok=1, sliding_window=128,
         max_position_embeddings=max(n, 4096),
         layer_types=["sliding_attention", "full_attention"] * (layers // 2) +
                     ["full_attention"] * (layers % 2),
