@@ -24,21 +24,22 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     from attnscale import sweep
-    from attnscale.experiments.length.study import STORES, run_study
+    from attnscale.study import STUDIES, launcher
+    study = STUDIES["length"]
     out = args.out or tempfile.mkdtemp(prefix="attnscale-length-quick-")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     start = time.perf_counter()
-    result = run_study(out, quick=True, workers=args.workers, show_progress=False)
+    result = launcher.run(study, out, quick=True, workers=args.workers, show_progress=False)
     wall = time.perf_counter() - start
     print(f"study length --quick: {wall:.0f} s on {cores} core(s), --workers {args.workers}, "
           f"load average at the end {os.getloadavg()[0]:.1f}; folder {out}")
-    for store in STORES.values():
+    for store, path in launcher.store_paths(study, out).items():
         times: dict[str, list[float]] = {}
-        for r in sweep.load(os.path.join(out, store)).ok:
+        for r in sweep.load(path).ok:
             times.setdefault(r["config"]["mechanism"], []).append(r["wall_seconds"])
         for mech, ts in times.items():
             print(f"  {store:14s} {mech:14s} " + " ".join(f"{t:6.1f}s" for t in ts))
-    for c in result["claims"]:
+    for c in result.analysis.claims:
         ci = "" if c["ci"] is None else f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]"
         ours = "n/a" if c["ours"] is None else f"{c['ours']:.3f}"
         print(f"{c['quantity']}: {ours}{ci} -> {c['verdict']}")

@@ -15,7 +15,7 @@ Quick study (``--quick-study``): the wall time of ``attnscale study lm --quick -
 fresh folder, in a subprocess.  Goal (issue 12): <= 10 minutes on a 2-core machine.
 
 Monitor: the same rounds time attnscale's model with ``attnscale.monitor(model, every=k)`` around
-the loop (k = ``RunConfig.monitor_every``, the default of ``attnscale lm``); the cost is the median
+the loop (k = ``LMRunConfig.monitor_every``, the default of ``attnscale lm``); the cost is the median
 of (monitored − plain) ÷ plain.  Goal: <= 10%.
 """
 
@@ -33,7 +33,7 @@ from torch.testing import assert_close
 
 from attnscale.experiments.lm.model import (MLP_RATIO, NORM_EPS, VOCAB_SIZE, LMConfig,
                                             apply_rope, build_lm)
-from attnscale.experiments.lm.train import (ADAM_BETAS, ADAM_EPS, GRAD_CLIP, RunConfig,
+from attnscale.experiments.lm.train import (ADAM_BETAS, ADAM_EPS, GRAD_CLIP, LMRunConfig,
                                             lm_loss)
 from attnscale.measure.monitor import monitor
 
@@ -137,7 +137,7 @@ def measure(args, threads: int) -> dict:
                                    generator=gen)) for _ in range(args.steps)]
     with torch.no_grad():
         assert_close(ours(batches[0][0]), ref(batches[0][0]), rtol=1e-4, atol=1e-4)
-    every = RunConfig().monitor_every
+    every = LMRunConfig().monitor_every
     tokens = args.steps * args.batch_size * args.seq_len
     train_seconds(ours, batches[:3], args)  # warm-up
     train_seconds(ref, batches[:3], args)

@@ -1,13 +1,13 @@
 """Figures 1-2 data plus the variance check: attnscale vs the essay's direct numpy sampling.
 
-Goal (issue 2): the essay's settings (9 d_k values, n = 256, 2000 trials, variance at 100k pairs)
+Goal: the essay's settings (9 d_k values, n = 256, 2000 trials, variance at 100k pairs)
 take <= 1 s in-process and run >= 20x faster than sampling q and K vectors directly in numpy.
 
     python benchmarks/bench_montecarlo.py            # full essay settings (baseline takes ~30 s)
     python benchmarks/bench_montecarlo.py --scale 0.1  # fewer trials/pairs for a quick look
-    python benchmarks/bench_montecarlo.py --length --trials 100  # entropy vs n (issue 13 section 2)
+    python benchmarks/bench_montecarlo.py --keys --trials 100  # entropy vs n keys, at init
 
-``--length`` times the entropy-vs-n grid instead: every mechanism defined at init at d_k = 64
+``--keys`` times the entropy-vs-n grid of the report's keys section instead: every mechanism defined at init at d_k = 64
 over n = 16, 64, ..., 65536, and prints seconds per mechanism and sampling method, to size the
 report section that draws it.
 """
@@ -23,8 +23,8 @@ from attnscale.measure.montecarlo import (
     ESSAY_D_KS, ESSAY_N, ESSAY_PAIRS, ESSAY_TRIALS, saturation, variance,
 )
 from attnscale.mechanisms import MECHANISMS
+from attnscale.report.sections.keys import KEYS_NS
 
-LENGTH_NS = tuple(4 ** i for i in range(2, 9))   # 16 .. 65536
 
 
 def direct_numpy(d_ks, n, trials, pairs, seed=0, chunk=1 << 23):
@@ -61,15 +61,15 @@ def direct_numpy(d_ks, n, trials, pairs, seed=0, chunk=1 << 23):
     return out
 
 
-def length_grid(trials: int) -> None:
-    """Seconds of saturation(d_k=64, n=LENGTH_NS) per mechanism defined at init."""
+def keys_grid(trials: int) -> None:
+    """Seconds of saturation(d_k=64, n=KEYS_NS) per mechanism defined at init."""
     for name, cls in MECHANISMS.items():
         if not cls.defined_at_init:
             continue
         t0 = time.perf_counter()
-        rows = saturation([64], LENGTH_NS, trials, 0, [name])
+        rows = saturation([64], KEYS_NS, trials, 0, [name])
         print(f"{name:14s} {rows[0]['method']:15s} {time.perf_counter() - t0:8.2f} s "
-              f"({trials} trials x {len(LENGTH_NS)} n)")
+              f"({trials} trials x {len(KEYS_NS)} n)")
 
 
 def main() -> None:
@@ -78,12 +78,12 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply trials and pairs by this factor (default 1 = essay settings)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of the fast path (median)")
-    ap.add_argument("--length", action="store_true",
+    ap.add_argument("--keys", action="store_true",
                     help="time the entropy-vs-n grid (d_k=64, n=16..65536) per mechanism instead")
-    ap.add_argument("--trials", type=int, default=100, help="trials per n for --length")
+    ap.add_argument("--trials", type=int, default=100, help="trials per n for --keys")
     args = ap.parse_args()
-    if args.length:
-        length_grid(args.trials)
+    if args.keys:
+        keys_grid(args.trials)
         return
     trials = max(2, int(ESSAY_TRIALS * args.scale))
     pairs = max(2, int(ESSAY_PAIRS * args.scale))

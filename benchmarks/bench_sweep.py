@@ -160,10 +160,15 @@ def batching(root: Path, rounds: int) -> None:
 
 
 def full_study(root: Path) -> None:
-    from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS, study
+    from dataclasses import replace
+
+    from attnscale.experiments.recall import RecallConfig, run_all
     from attnscale.mechanisms import MECHANISMS
+    from attnscale.study.recall import D_KS as STUDY_D_KS, SEEDS as STUDY_SEEDS
     grid = {"mechanism": list(MECHANISMS), "d_k": list(STUDY_D_KS), "seed": list(STUDY_SEEDS)}
-    before = _timed(lambda: study(show_progress=False))
+    configs = [replace(RecallConfig(), mechanism=m, d_k=d, seed=s)
+               for d in STUDY_D_KS for m in MECHANISMS for s in STUDY_SEEDS]
+    before = _timed(lambda: run_all(configs, show_progress=False))
     after = _timed(lambda: sweep.run("recall", grid, root / "study", workers=2))
     print(f"[study recall] {len(MECHANISMS) * len(STUDY_D_KS) * len(STUDY_SEEDS)} runs: before "
           f"(batched, 1 process) {before / 60:.1f} min; after (engine, 2 workers, chunks) "

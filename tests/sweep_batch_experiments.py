@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,3 +50,26 @@ def calls(marks: Path) -> list[tuple[int, ...]]:
     path = marks / "calls"
     lines = path.read_text().splitlines() if path.exists() else []
     return [tuple(int(x) for x in line.split()[1].split(",")) for line in lines]
+
+
+# A held call waits at most this long (s) for its go file, then fails rather than hang the suite.
+HOLD_LIMIT = 300.0
+
+
+def _held_call(configs: Sequence[dict]) -> list[dict]:
+    """:func:`_call`, after writing ``held-PID`` and waiting for a file ``go``: the test decides
+    when a chunk may finish, so it can stop the driver while a chunk is surely in flight."""
+    folder = Path(configs[0]["marks"])
+    (folder / f"held-{os.getpid()}").write_text(",".join(str(c["x"]) for c in configs))
+    deadline = time.monotonic() + HOLD_LIMIT
+    while not (folder / "go").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("no go file within HOLD_LIMIT")
+        time.sleep(0.02)
+    return _call(configs)
+
+
+@experiment("test-batched-held", batch_key=_key, run_batch=_held_call)
+def batched_held(*, x: int, marks: str, group: int = 0) -> dict:
+    """One trial of the held batching experiment."""
+    return _held_call([{"x": x, "marks": marks, "group": group}])[0]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import attnscale
 import attnscale.cli as cli_module
 from attnscale.attention import MultiHeadAttention, observe
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, parse_typed
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import (MECHANISMS, build_mechanism, check_mechanism, mechanism_options,
                                   option_types, parse_option)
@@ -130,9 +130,60 @@ def _logits_and_keep(mech, q, k, keep, causal):
 
 # --- 1. every statistic covers only the keys a query attends ----------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+# The mechanisms whose weights are a softmax of per-key logits, which the float64 formula above
+# describes: every one unless its class declares another normaliser or a per-row temperature.
+# Every mechanism, whatever its normaliser, is also held to test_hidden_keys_change_nothing.
+SOFTMAX = [name for name in NAMES
+           if getattr(MECHANISMS[name], "normaliser", "softmax") == "softmax"
+           and getattr(MECHANISMS[name], "per_key", True)]
+
+
+def _built(name: str):
+    """The mechanism at its init, the same on every call (a random init is seeded locally)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build_mechanism(name, D, H).double()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", NAMES)
+def test_hidden_keys_change_nothing(name, causal):
+    """Replacing every hidden key and value by other, huge ones changes no output, no weight,
+    no offered row statistic and no monitor record: every mechanism, every normaliser."""
+    n = 7
+    keep = padded_mask(n, n)
+    q, k, v = _inputs(n, n, keep)
+    hidden = ~keep[1, 0].any(0)                                              # (Nk,)
+    g = torch.Generator().manual_seed(9)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, hidden] = torch.randn(H, int(hidden.sum()), D, generator=g, dtype=torch.float64) * 3e3
+    v2[1, :, hidden] = torch.randn(H, int(hidden.sum()), D, generator=g, dtype=torch.float64) * 3e3
+    seen = []
+    for keys, values in ((k, v), (k2, v2)):
+        model = _Wrap(_built(name))
+        rows = []
+        with monitor(model) as mon:
+            out = model(q, keys, values, mask=keep, causal=causal)
+        with observe(lambda obs: obs.request_rows(rows.append)):
+            trace = attnscale.attention(q, keys, values, model.mech, mask=keep, causal=causal,
+                                        trace=True)
+        seen.append((out, trace.weights, trace.out, rows, mon.records))
+    (out, weights, traced, rows, records), (out2, weights2, traced2, rows2, records2) = seen
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(weights2, weights)
+    torch.testing.assert_close(traced2, traced)
+    full = keep.expand(B, H, n, n) & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
+    assert (weights[~full] == 0).all()
+    torch.testing.assert_close(rows2, rows)
+    assert len(records) == len(records2) == H
+    for r, r2 in zip(records, records2):
+        torch.testing.assert_close(torch.tensor(list(r2.values())[3:], dtype=torch.float64),
+                                   torch.tensor(list(r.values())[3:], dtype=torch.float64),
+                                   equal_nan=True)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", SOFTMAX)
 def test_monitor_counts_only_attended_keys(name, causal, dtype):
     """The monitor's records equal a float64 reference over the attended keys: float32 runs the
     compiled row kernel (and softcap's own kernel rows), float64 the PyTorch formulation."""
@@ -153,7 +204,7 @@ def test_monitor_counts_only_attended_keys(name, causal, dtype):
                                    msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SOFTMAX)
 def test_trace_and_offered_rows_count_only_attended_keys(name):
     """trace=True: weights are the masked softmax (0 on hidden keys and on rows without keys),
     and the row statistics it offers observers equal the reference."""
@@ -181,12 +232,7 @@ def _tracks_a_maximum(name: str) -> bool:
     return "s_max" in dict(build_mechanism(name, D, H).named_buffers())
 
 
-TRACKERS = [pytest.param(name, marks=pytest.mark.xfail(
-                strict=True, reason="qk-clip's S_max takes key counts, not the mask: under a mask "
-                                    "with holes it scores hidden keys (the fix is in progress in "
-                                    "mechanisms/qk_clip.py)"))
-            if name == "qk-clip" else name
-            for name in NAMES if _tracks_a_maximum(name)]
+TRACKERS = [name for name in NAMES if _tracks_a_maximum(name)]
 
 
 @pytest.mark.parametrize("name", TRACKERS)
@@ -205,7 +251,7 @@ def test_tracked_maximum_counts_only_attended_keys(name):
 
 def test_tracked_maximum_is_found_in_the_registry():
     """The class-wide test above has something to test (qk-clip tracks S_max)."""
-    assert "qk-clip" in [getattr(p, "values", (p,))[0] for p in TRACKERS]
+    assert "qk-clip" in TRACKERS
 
 
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
@@ -277,15 +323,15 @@ def text_dir(tmp_path, monkeypatch) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SOFTMAX)
 def test_lm_logit_records_count_only_the_causal_keys(text_dir, name):
     """The LM's step-0 records (max |logit|, min and mean over heads of the mean entropy) in
     layer 0 equal the reference over each query's causal prefix, from the same init and batch."""
     from attnscale.experiments.lm.data import load_corpus, sample_batch
     from attnscale.experiments.lm.model import apply_rope, build_lm
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     from attnscale.rng import rng
-    config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
+    config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
                        eval_windows=2, monitor_every=1, data=str(text_dir), mechanism=name)
     record = train_lm(config)
     model = build_lm(config.model_config(), seed=config.seed)
@@ -381,6 +427,22 @@ def test_integer_and_mixed_dtypes_are_refused(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_inputs_on_several_devices_are_refused(name):
+    """q, k, v (or the mask) on different devices: a ConfigError naming both devices, before
+    any kernel runs (meta stands in for a second device on a CPU-only machine)."""
+    x = torch.randn(1, H, 3, D)
+    for chosen in (name, build_mechanism(name, D, H)):
+        with pytest.raises(ConfigError, match="one device, got cpu, meta and cpu") as err:
+            attnscale.attention(x, x.to("meta"), x, chosen)
+        _one_line(err.value)
+        with pytest.raises(ConfigError, match="mask is on meta but q is on cpu"):
+            attnscale.attention(x, x, x, chosen,
+                                mask=torch.ones(3, 3, dtype=torch.bool, device="meta"))
+        with pytest.raises(ConfigError, match="mask must be a boolean tensor .* got list"):
+            attnscale.attention(x, x, x, chosen, mask=[[True] * 3] * 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_multi_head_attention_inputs_are_in_its_dtype(name):
     """MultiHeadAttention computes in its own dtype: fed another, it says what to cast; built in
     bf16 or float64 and fed that, it runs and returns that; under autocast a float32 module
@@ -397,9 +459,16 @@ def test_multi_head_attention_inputs_are_in_its_dtype(name):
         mha(torch.randn(1, 3, 16), context=torch.randn(1, 2, 16, dtype=torch.float64))
     with pytest.raises(ConfigError, match="d_model=16"):
         mha(torch.randn(1, 3, 8))
-    for dtype in (torch.bfloat16, torch.float64):
-        out = MultiHeadAttention(16, 2, name, dtype=dtype)(torch.randn(1, 3, 16, dtype=dtype))
-        assert out.dtype == dtype and bool(out.isfinite().all())
+    keep = torch.tensor([[True, True, False], [True, False, True], [False, False, False]])
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        typed = MultiHeadAttention(16, 2, name, dtype=dtype)
+        x = torch.randn(2, 3, 16, dtype=dtype)
+        for how in ({}, {"causal": True}, {"mask": keep}, {"mask": keep, "causal": True}):
+            out = typed(x, **how)
+            assert out.dtype == dtype and bool(out.isfinite().all()), (dtype, how)
+        q = typed._split(typed.w_q(x))
+        trace = attnscale.attention(q, q, q, typed.mechanism, mask=keep, trace=True)
+        assert trace.out.dtype == dtype and bool(trace.out.isfinite().all()), dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for dtype in (torch.float32, torch.bfloat16):
             assert bool(mha(torch.randn(1, 3, 16, dtype=dtype)).float().isfinite().all())
@@ -499,13 +568,13 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
 
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
     """--threads sets the intra-op threads on the CPU however it is spelled (cpu, cpu:0)."""
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for device in ("cpu", "cpu:0"):
             seen = []
-            config = RunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
+            config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, batch_size=2,
                                steps=1, eval_windows=2, data=str(text_dir), device=device,
                                threads=1)
             record = train_lm(config, after=lambda model, corpus: seen.append(
@@ -520,7 +589,8 @@ def test_lm_threads_bind_any_cpu_spelling(text_dir):
 def _texts(value) -> list[str]:
     """Ways a user writes ``value`` on a command line."""
     if isinstance(value, bool):
-        return [str(value).lower(), str(value).upper(), str(value)]
+        return [str(value).lower(), str(value).upper(), str(value), "yes" if value else "no",
+                str(int(value))]
     if isinstance(value, int):
         return [str(value), f"{float(value)}", f"{float(value):e}"]
     if isinstance(value, float):
@@ -534,7 +604,8 @@ def test_every_option_reads_by_its_declared_type(name):
     value; a text of the wrong kind is a one-line ConfigError naming the option."""
     import inspect
     params = inspect.signature(MECHANISMS[name].__init__).parameters
-    for option, kind in option_types(name).items():
+    plain = {k: t for k, t in option_types(name).items() if t in (bool, int, float, str)}
+    for option, kind in plain.items():
         default = params[option].default
         for text in _texts(default):
             got = parse_option(name, option, text)
@@ -544,6 +615,26 @@ def test_every_option_reads_by_its_declared_type(name):
                 parse_option(name, option, "maybe")
             _one_line(err.value)
     assert set(option_types(name)) <= set(mechanism_options(name))
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    (bool, "true", True), (bool, "FALSE", False), (bool, "yes", True), (bool, "0", False),
+    (int, "7", 7), (int, "1e3", 1000), (int, "20.0", 20), (int, "-3", -3),
+    (int, "123456789012345678901", 123456789012345678901),
+    (float, "2e1", 20.0), (float, "20", 20.0), (str, " a b ", " a b ")])
+def test_parse_typed_reads_cli_text(kind, text, value):
+    got = parse_typed("--x", text, kind)
+    assert type(got) is kind and got == value
+
+
+@pytest.mark.parametrize("kind, text, what", [
+    (bool, "maybe", "true or false"), (bool, "", "true or false"), (int, "1.5", "an integer"),
+    (int, "x", "an integer"), (int, "nan", "an integer"), (float, "inf", "a finite number"),
+    (float, "nan", "a finite number"), (float, "[30]", "a finite number")])
+def test_parse_typed_refuses_other_text(kind, text, what):
+    with pytest.raises(ConfigError, match=f"--x must be {what}, got") as err:
+        parse_typed("--x", text, kind)
+    _one_line(err.value)
 
 
 def test_declared_types_are_found():
@@ -565,7 +656,7 @@ def test_every_option_flag_reads_booleans(cli, words):
     code, out, err = cli(*words, "--mechanism", name, "--option", f"{option}=maybe",
                          "--steps", "1")
     assert code == 2 and not out, err
-    assert "true or false" in _one_line(err) and option in err
+    assert f"--option {option} must be true or false" in _one_line(err)
 
 
 def test_train_records_a_false_boolean_option(cli):

@@ -1,48 +1,353 @@
-"""cli.study.study_sweep: the one home of the conventions every ``study`` command shares."""
+"""The one study launcher: a study registered from this file runs, resumes and redraws through
+``attnscale study``, and the rules every study keeps are checked over every registered study."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 
-import sweep_experiments  # noqa: F401  (registers test-marked)
 from attnscale import sweep
-from attnscale.cli.study import study_sweep
-from attnscale.errors import ConfigError
+from attnscale.io import folder_marks, mark_folder
+from attnscale.report.include import load_study
+from attnscale.study import STUDIES, Analysis, Option, Study, Trials, launcher, register
+from attnscale.study import claims as claim_rules
+from attnscale.study.registry import get
+from attnscale.study.seeds import spread
+
+# --- a study in a few lines ---------------------------------------------------------------------
 
 
-def _args(**given) -> argparse.Namespace:
-    return argparse.Namespace(**{"out": None, "resume": None, "from_dir": None, "workers": 1,
-                                 "ray": None, **given})
+def _analyse(stores):
+    """Max attention weight per mechanism over seeds, and one claim over the seed ranges."""
+    by = {}
+    for r in stores["saturation"]:
+        by.setdefault(r["config"]["mechanism"], []).append(r["result"]["max_weight_mean"])
+    rows = [{"mechanism": m, **spread(v)} for m, v in by.items()]
+    cell = {r["mechanism"]: r for r in rows}
+    claims = []
+    if {"scaled", "unscaled"} <= set(cell):
+        verdict, agrees = claim_rules.verdict(
+            [claim_rules.compare(cell["unscaled"], cell["scaled"])], "higher")
+        claims.append(claim_rules.claim("max weight, unscaled vs scaled", "higher than scaled",
+                                        cell["unscaled"]["mean"],
+                                        claim_rules.interval(cell["unscaled"]), verdict, agrees))
+
+    def figure():
+        from attnscale.plotting import new_figure
+        fig, (ax,) = new_figure()
+        ax.bar([r["mechanism"] for r in rows], [r["mean"] for r in rows])
+        return fig
+
+    md = "| mechanism | max weight |\n|---|---|\n" + "".join(
+        f"| {r['mechanism']} | {claim_rules.range_text(r)} |\n" for r in rows) + \
+        "\n![max weight](tiny.png)\n"
+    return Analysis(md, claims, {"rows": rows}, {"tiny.png": figure}, table=rows,
+                    columns=["mechanism", "mean", "min", "max"])
 
 
-def _never(out, executor):
-    raise AssertionError("only --out runs the grid")
+TINY = Study(
+    name="tiny-test", title="Max weight, tiny", doc="Softmax saturation at d_k = 4, 16 keys.",
+    stores={"saturation": Trials("saturation", {"mechanism": ("scaled", "unscaled"),
+                                                "seed": (0, 1)},
+                                 {"d_k": 4, "n": 16, "trials": 10})},
+    quick={"saturation": Trials("saturation", {"mechanism": ("scaled", "unscaled"),
+                                               "seed": (0,)}, {"d_k": 4, "n": 16, "trials": 10})},
+    quick_doc="one seed", analyse=_analyse, summary="tiny.json", figures=("tiny.png",),
+    options=(Option("--mechanisms", "mechanism", "comma-separated mechanisms"),
+             Option("--trials", "trials", "draws per cell", axis=False, minimum=1)))
 
 
-def test_study_sweep_reads_checks_and_reports(tmp_path, capsys):
-    store = tmp_path / "s"
-    grid = {"mechanism": ["scaled"], "d_k": [4]}
-    sweep.run("saturation", grid, store, fixed={"n": 16, "trials": 10}, workers=1)
-    with pytest.raises(ConfigError, match="holds a 'saturation' sweep, not a recall study"):
-        study_sweep(_args(from_dir=str(store)), "recall", "a recall study", _never)
-    out, results = study_sweep(_args(from_dir=str(store)), "saturation", "it", _never)
-    assert out == str(store) and len(results.ok) == 1 and capsys.readouterr().err == ""
-    with pytest.raises(ConfigError, match="give one of --out DIR"):
-        study_sweep(_args(out="a", from_dir="b"), "saturation", "it", _never)
+@pytest.fixture
+def tiny():
+    register(TINY)
+    try:
+        yield TINY
+    finally:
+        del STUDIES[TINY.name]
 
 
-def test_study_sweep_runs_with_out_and_reports_failed_runs(tmp_path, capsys):
-    marks, store = tmp_path / "marks", tmp_path / "s"
-    marks.mkdir()
-    (marks / "fail-1").touch()
+def test_a_study_registered_from_a_test_file_runs_resumes_and_redraws(cli, tiny, tmp_path):
+    out = tmp_path / "tiny"
+    code, stdout, err = cli("study", "tiny-test", "--out", str(out), "--workers", "1", "--json")
+    assert code == 0, err
+    printed = json.loads(stdout)
+    assert printed["runs"] == {"saturation": {"ok": 4, "failed": 0, "pending": 0}}
+    (claim,) = printed["claims"]
+    assert claim["verdict"] == "agrees" and claim["agrees"] is True   # 0.17 vs 0.04 at d_k 4
+    assert folder_marks(out) == {"command": "attnscale study tiny-test", "study": "tiny-test"}
+    found = load_study(out)  # the --include contract
+    assert found.title == "Max weight, tiny" and found.figures == ("tiny.png",)
+    assert found.claims == tuple(printed["claims"])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    code, stdout, err = cli("study", "tiny-test", "--resume", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["claims"] == printed["claims"], err
+    (out / "fragment.md").unlink()
+    code, _, err = cli("study", "tiny-test", "--from", str(out))
+    assert code == 0, err
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before  # redrawn byte for byte, nothing re-run
+    code, stdout, _ = cli("study", "--list")
+    assert code == 0 and "tiny-test: Max weight, tiny" in stdout
+    assert "saturation, mechanism (2) x seed (2) = 4 trials" in stdout
 
-    def start(out, executor):
-        assert executor == {"workers": 1, "ray_address": None}
-        return sweep.run("test-marked", {"x": [0, 1]}, out, fixed={"marks": str(marks)},
-                         **executor)
 
-    out, results = study_sweep(_args(out=str(store)), "test-marked", "it", start)
-    assert out == str(store) and len(results.ok) == 1 and len(results.failed) == 1
-    assert "drawing 1 runs; 1 failed and 0 pending are left out" in capsys.readouterr().err
+def test_quick_and_explicit_options(cli, tiny, tmp_path):
+    out = tmp_path / "q"
+    code, _, err = cli("study", "tiny-test", "--out", str(out), "--quick", "--mechanisms",
+                       "scaled", "--trials", "12", "--workers", "1")
+    assert code == 0, err
+    spec = sweep.load(out).spec
+    assert spec.grid == {"mechanism": ["scaled"], "seed": [0]}
+    assert spec.fixed["trials"] == 12
+    code, _, err = cli("study", "tiny-test", "--out", str(out), "--workers", "1")
+    assert code == 2 and "holds the quick tiny-test study under other settings" in err
+
+
+def test_the_registry_refuses_a_second_study_of_one_name(tiny):
+    with pytest.raises(ValueError, match="already registered"):
+        register(dataclasses.replace(TINY, title="another"))
+    with pytest.raises(ValueError, match="quick variant lacks"):
+        register(dataclasses.replace(TINY, name="tiny-2", quick={}))
+    with pytest.raises(Exception, match="Did you mean"):
+        get("tiny-tst")
+
+
+def test_the_analysis_refuses_to_pool_runs_of_another_setting(cli, tiny, tmp_path):
+    out = tmp_path / "s"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+    code, _, err = cli("sweep", "--resume", str(out), "--extend", "--grid", "n=16,32",
+                       "--workers", "1")
+    assert code == 0, err
+    before = (out / "fragment.md").read_bytes()
+    code, _, err = cli("study", "tiny-test", "--from", str(out))
+    assert code == 2 and "differ in n (16, 32)" in err and err.count("\n") == 1, err
+    assert (out / "fragment.md").read_bytes() == before
+
+
+def _two_stores(stores):
+    """The tiny analysis over both stores of a two-store study."""
+    return _analyse({"saturation": [*stores["small"], *stores["large"]]})
+
+
+TWO = dataclasses.replace(
+    TINY, name="two-test",
+    stores={"small": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0, 1)},
+                            {"d_k": 4, "n": 16, "trials": 10}),
+            "large": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0, 1)},
+                            {"d_k": 8, "n": 16, "trials": 10})},
+    quick={"small": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0,)},
+                           {"d_k": 4, "n": 16, "trials": 10}),
+           "large": Trials("saturation", {"mechanism": ("scaled", "unscaled"), "seed": (0,)},
+                           {"d_k": 8, "n": 16, "trials": 10})},
+    analyse=_two_stores)
+
+
+def test_a_resume_uses_the_stored_settings_and_a_failed_one_changes_nothing(cli, tmp_path):
+    register(TWO)
+    try:
+        out = tmp_path / "two"
+        code, stdout, err = cli("study", "two-test", "--out", str(out), "--quick", "--workers",
+                                "1", "--json")
+        assert code == 0, err
+        assert json.loads(stdout)["runs"] == {k: {"ok": 2, "failed": 0, "pending": 0}
+                                              for k in ("small", "large")}
+        # Ctrl-C before the second store started: the resume starts it on the stored (quick)
+        # settings, though the study's default is the full one.
+        shutil.rmtree(out / "large")
+        code, stdout, err = cli("study", "two-test", "--resume", str(out), "--workers", "1",
+                                "--json")
+        assert code == 0, err
+        assert sweep.load(out / "large").spec.grid["seed"] == [0]
+        # A resume that fails (a store it cannot read) writes nothing, not even the first store.
+        (out / "small" / "results.jsonl").write_text(
+            (out / "small" / "results.jsonl").read_text().splitlines()[0] + "\n")
+        (out / "large" / "sweep.json").write_text("{}")
+        before = _snapshot(out)
+        code, _, err = cli("study", "two-test", "--resume", str(out), "--workers", "1")
+        assert code == 2 and "sweep.json" in err and err.count("\n") == 1, err
+        assert _snapshot(out) == before
+    finally:
+        del STUDIES[TWO.name]
+
+
+def test_include_says_k_of_n_runs_and_the_version(cli, tiny, tmp_path):
+    from attnscale import __version__
+    from attnscale.report.include import beyond_the_essay, load_studies
+    out = tmp_path / "tiny"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+
+    def line() -> str:
+        (tmp_path / "fig").mkdir(exist_ok=True)
+        for p in (tmp_path / "fig").iterdir():
+            p.unlink()
+        md = beyond_the_essay(load_studies([out]), tmp_path / "fig").markdown
+        return next(x for x in md.splitlines() if "runs" in x and x.startswith("*"))
+
+    assert line() == f"*4 of 4 runs; attnscale {__version__}.*"
+    results = out / "results.jsonl"
+    results.write_text("".join(results.read_text().splitlines(keepends=True)[:3]))
+    assert line().startswith("*⚠️ 3 of 4 runs: 1 failed or never ran")
+    spec = json.loads((out / "sweep.json").read_text())
+    (out / "sweep.json").write_text(json.dumps({**spec, "attnscale": "0.0.1"}))
+    assert f"⚠️ run by attnscale 0.0.1, not this report's {__version__}" in line()
+    results.unlink()
+    assert line().startswith("*⚠️ 0 of 4 runs")
+
+
+# --- the rules, over every registered study -----------------------------------------------------
+
+STUDY_NAMES = list(STUDIES)
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _a_value(study: Study, option: Option) -> str:
+    """A valid command-line value of ``option``: the first of the full study's."""
+    from attnscale.experiments import registry
+    for trials in study.stores.values():
+        grid, fixed = trials.resolved()
+        value = grid[option.key][0] if option.key in grid else fixed.get(option.key)
+        if value is None and option.key in registry.get(trials.experiment).params:
+            value = registry.get(trials.experiment).params[option.key].default
+        if value is not None:
+            return repr(value) if isinstance(value, float) else str(value)
+    return "x"
+
+
+def _records_varying(study: Study, key: str, field: str) -> list[dict]:
+    grid, fixed = study.stores[key].resolved()
+    base = {k: v[0] for k, v in grid.items()}
+    return [{"config": {**base, field: value}, "result": {}} for value in (1, 2)]
+
+
+@pytest.mark.parametrize("name", STUDY_NAMES)
+def test_no_study_pools_runs_that_differ_outside_its_grid(name):
+    study = STUDIES[name]
+    for key in study.stores:
+        with pytest.raises(Exception, match="differ in not_an_axis"):
+            launcher.check_pooling(study, key, _records_varying(study, key, "not_an_axis"))
+        axis = next(iter(study.stores[key].grid))
+        launcher.check_pooling(study, key, _records_varying(study, key, axis))  # shown: fine
+
+
+@pytest.mark.parametrize("name", STUDY_NAMES)
+def test_from_refuses_what_it_cannot_honour(cli, tmp_path, name):
+    study = STUDIES[name]
+    folder = tmp_path / "f"
+    folder.mkdir()
+    given = [("--workers", "2"), ("--ray", "auto"), ("--set", "seed=3")]
+    if study.quick is not None:
+        given.append(("--quick",))
+    given += [(o.flag, _a_value(study, o)) for o in study.options]
+    for argv in given:
+        code, out, err = cli("study", name, "--from", str(folder), *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
+        assert "--from only redraws" in err and argv[0] in err, (argv, err)
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", STUDY_NAMES)
+def test_resume_refuses_options_it_cannot_honour_and_changes_nothing(cli, tiny, tmp_path, name):
+    study = STUDIES[name]
+    folder = tmp_path / "s"
+    assert cli("study", "tiny-test", "--out", str(folder), "--workers", "1")[0] == 0
+    before = _snapshot(folder)
+    given = [[o.flag, _a_value(study, o)] for o in study.options] + [["--set", "seed=0"]]
+    if study.quick is not None:
+        given.append(["--quick"])
+    for argv in given:
+        code, _, err = cli("study", name, "--resume", str(folder), *argv)
+        assert code == 2 and "drop " + argv[0] in err and err.count("\n") == 1, (argv, err)
+    if name != "tiny-test":  # another study's folder: refused, nothing written
+        code, _, err = cli("study", name, "--resume", str(folder))
+        assert code == 2 and "holds the tiny-test study" in err, err
+    assert _snapshot(folder) == before
+
+
+@pytest.mark.parametrize("name", STUDY_NAMES)
+def test_one_folder_one_study_even_with_force(cli, tiny, tmp_path, name):
+    folder = tmp_path / "s"
+    assert cli("study", "tiny-test", "--out", str(folder), "--workers", "1")[0] == 0
+    before = _snapshot(folder)
+    code, _, err = cli("study", name, "--out", str(folder), "--force", "--workers", "1")
+    assert code == 2 and f"holds the tiny-test study" in err and err.count("\n") == 1, err
+    assert _snapshot(folder) == before
+    # A folder marked by another study but holding none of its files is free again.
+    empty = tmp_path / "e"
+    mark_folder(empty, study="tiny-test", command="attnscale study tiny-test")
+    assert launcher._check_owner(STUDIES[name], empty, "--out") is None
+
+
+@pytest.mark.parametrize("name", [n for n in STUDY_NAMES if STUDIES[n].quick is not None])
+def test_explicit_options_win_over_quick(name):
+    """``--quick --widths 64,128`` runs widths 64 and 128: what was given, not the default."""
+    study = STUDIES[name]
+    for option in (o for o in study.options if o.axis):
+        full = study.stores
+        key = next(k for k, t in full.items() if option.key in t.grid)
+        given = list(full[key].resolved()[0][option.key])
+        plan = launcher.settings(study, quick=True, axes={option.key: given})
+        assert plan[key]["grid"][option.key] == given
+
+
+def test_every_study_parser_has_the_shared_options(cli):
+    for name in STUDY_NAMES:
+        code, out, _ = cli("study", name, "--help")
+        assert code == 0
+        for flag in ("--out", "--resume", "--from", "--workers", "--ray", "--set", "--json"):
+            assert re.search(rf"\s{flag}\b", out), (name, flag)
+
+
+# --- the search-grid edge ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("best, edge, expected", [
+    ([1.0, 1.1], [False, False], None),
+    ([0.8, 1.2], [True, False], "edge"),
+    ([0.85, 1.55], [False, False], None),
+    ([0.8, 1.6], [False, False], "spans"),
+])
+def test_a_best_value_at_the_search_grid_edge_is_inconclusive(best, edge, expected):
+    why = claim_rules.search_inconclusive(best, edge, [0.8 + 0.05 * i for i in range(17)])
+    assert (why is None) == (expected is None)
+    if expected:
+        assert why.startswith("inconclusive") and expected in why
+
+
+def test_the_length_yarn_claims_at_the_edge_are_inconclusive():
+    from attnscale.study.length import claims
+    yarn = [{"factor": 2.0, "length": 32, "m": [1.0], "loss": [5.0],
+             "fit": {"x": x, "y": 5.0, "edge": edge}} for x, edge in ((0.8, True), (1.6, True))]
+    lm = [{"config": {"mechanism": "scaled", "seed": s, "seq_len": 16},
+           "result": {"lengths": [16], "loss_at_length": [5.0], "yarn": [yarn[s]]}}
+          for s in (0, 1)]
+    (claim,) = [c for c in claims([], lm) if "YaRN" in c["quantity"]]
+    assert claim["verdict"].startswith("inconclusive") and claim["agrees"] is False
+
+
+def test_the_readme_adding_a_study_example_runs_and_redraws(cli, tmp_path):
+    """The README's "Adding a study" file, as written, registers a study the launcher runs."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Adding a study\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    try:
+        study = namespace["STUDY"]
+        assert STUDIES["max-weight"] is study
+        out = tmp_path / "mw"
+        done = launcher.run(study, out, fixed={"saturation": {"n": 16, "trials": 10}},
+                            workers=1, show_progress=False)
+        (claim,) = done.analysis.claims
+        assert claim["verdict"] == "agrees"   # unscaled's max weight is far above scaled's
+        assert load_study(out).claims == (claim,)
+        rc, stdout, err = cli("study", "max-weight", "--from", str(out), "--json")
+        assert rc == 0 and json.loads(stdout)["claims"] == [claim], err
+    finally:
+        STUDIES.pop("max-weight", None)

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-import attnscale.experiments.recall.outputs as outputs
 import attnscale.experiments.recall.trainer as trainer
-from attnscale.experiments.recall.outputs import STUDY_FILES, STUDY_TITLE
+from attnscale.study.fragment import FRAGMENT_MD
+from attnscale.study.launcher import STUDY_FILE
+from attnscale.study.recall import FIGURE, STUDY, SUMMARY
 from attnscale.report.include import load_study
-from attnscale.io import MANIFEST
+from attnscale.io import LOCK, MANIFEST
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 
 # A tiny model and run length: the CLI plumbing, not the science.
@@ -59,12 +60,13 @@ def test_study_writes_table_figure_and_markdown(cli, tmp_path):
                                                           for d in (4, 8)}
     assert all(r["seeds"] == 2 for r in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == \
-        sorted([MANIFEST, SPEC_FILE, RESULTS_FILE, *STUDY_FILES.values()])
-    md = (tmp_path / STUDY_FILES["markdown"]).read_text()
+        sorted([LOCK, MANIFEST, SPEC_FILE, RESULTS_FILE, STUDY_FILE, "fragment.json", FRAGMENT_MD,
+                SUMMARY, FIGURE])
+    md = (tmp_path / FRAGMENT_MD).read_text()
     assert "| qknorm |" in md and "d_k=8" in md
-    assert len(json.loads((tmp_path / STUDY_FILES["json"]).read_text())["runs"]) == 8
+    assert len(json.loads((tmp_path / SUMMARY).read_text())["runs"]) == 8
     study = load_study(tmp_path)  # a finished study is a folder `reproduce --include` takes
-    assert study.title == STUDY_TITLE and "study_recall.png" in study.markdown
+    assert study.title == STUDY.title and FIGURE in study.markdown
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -103,7 +105,7 @@ def test_ctrl_c_leaves_no_result_file(cli, tmp_path, monkeypatch, where):
 
         monkeypatch.setattr(trainer.StackedRecall, "forward", forward)
     else:
-        monkeypatch.setattr(outputs.json, "dumps", interrupt)
+        monkeypatch.setattr(json, "dumps", interrupt)
     code, out, err = cli("compare", *TINY, "--output", str(tmp_path / "runs.json"))
     assert code == 130 and "interrupted" in err
     assert list(tmp_path.iterdir()) == []

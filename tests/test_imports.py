@@ -87,20 +87,6 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-# Package-level edges that are known and being removed: each is (importing module, imported
-# package).  They come from the three studies (experiments/ drawing its figures with report/ and
-# reading CLI option names, the length study running the sweep engine itself); the Study redesign
-# moves the shared pieces to a floor below both, and this list then goes.
-BEING_REMOVED_BY_THE_STUDY_REDESIGN: frozenset[tuple[str, str]] = frozenset({
-    ("attnscale.experiments.lm.study", "attnscale.cli"),          # CLI option names
-    ("attnscale.experiments.lm.study", "attnscale.report"),       # figures, claims
-    ("attnscale.experiments.length.report", "attnscale.report"),  # figures, claims
-    ("attnscale.experiments.recall.figures", "attnscale.report"),  # figures
-    ("attnscale.experiments.recall.outputs", "attnscale.report"),  # figures, fragment contract
-    ("attnscale.experiments.length.study", "attnscale.sweep"),    # runs the engine itself
-})
-
-
 def _package_graphs(graph: dict[str, set[str]],
                     allowed: frozenset[tuple[str, str]] = frozenset(),
                     ) -> dict[str, dict[str, set[str]]]:
@@ -139,7 +125,7 @@ def test_the_import_graph_is_acyclic():
 
 
 def test_no_package_imports_back_into_a_package_that_imports_it():
-    graphs = _package_graphs(_graph(), BEING_REMOVED_BY_THE_STUDY_REDESIGN)
+    graphs = _package_graphs(_graph())
     assert "attnscale.kernels" in graphs["attnscale"] and "attnscale.stats" in graphs["attnscale"]
     cycles = {package: cycle for package, children in graphs.items()
               if (cycle := _cycle(children)) is not None}
@@ -154,20 +140,11 @@ def test_the_package_check_finds_a_cycle_no_module_pair_shows():
     assert "attnscale.kernels.native" in graph["attnscale.stats"]
     graph["attnscale.kernels.flex"] = graph["attnscale.kernels.flex"] | {"attnscale.stats"}
     assert _cycle(graph) is None
-    known = BEING_REMOVED_BY_THE_STUDY_REDESIGN
-    cycle = _cycle(_package_graphs(graph, known)["attnscale"])
+    cycle = _cycle(_package_graphs(graph)["attnscale"])
     assert cycle is not None and {"attnscale.kernels", "attnscale.stats"} <= set(cycle)
     # ... and an allowed edge is left out of it.
-    allowed = known | {("attnscale.kernels.flex", "attnscale.stats")}
+    allowed = frozenset({("attnscale.kernels.flex", "attnscale.stats")})
     assert _cycle(_package_graphs(graph, allowed)["attnscale"]) is None
-
-
-def test_the_allow_list_names_real_edges():
-    # An entry that no longer matches an import is stale and must go.
-    graph = _graph()
-    for module, package in BEING_REMOVED_BY_THE_STUDY_REDESIGN:
-        assert any(t == package or t.startswith(package + ".") for t in graph[module]), (
-            module, package)
 
 
 def test_the_cycle_finder_finds_a_cycle():

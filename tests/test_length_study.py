@@ -3,6 +3,7 @@ NTK-by-parts frequencies, evaluation by position, the temperature fit, and ``stu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -15,12 +16,12 @@ from torch.testing import assert_close
 import attnscale
 from attnscale.errors import ConfigError
 from attnscale.experiments.length import lm as lm_length
-from attnscale.experiments.length import study
 from attnscale.experiments.lm.data import eval_windows, load_corpus
 from attnscale.experiments.lm.model import LMConfig, build_lm, rope_frequencies
 from attnscale.experiments.lm.train import loss_by_position
 from attnscale.measure.monitor import monitor
 from attnscale.report.include import load_study
+from attnscale.study import STUDIES, Trials
 from attnscale.experiments import registry
 
 SRC = Path(attnscale.__file__).parent
@@ -185,11 +186,11 @@ def test_lm_length_trial(text_dir):
 
 @pytest.fixture
 def tiny_study(monkeypatch, text_dir):
-    monkeypatch.setattr(study, "QUICK", {
-        "recall": {"grid": {"mechanism": ["scaled", "ssmax"], "seed": [0, 1]},
-                   "fixed": TINY_RECALL},
-        "lm": {"grid": {"mechanism": ["scaled", "ssmax"], "seed": [0]},
-               "fixed": tiny_lm(text_dir)}})
+    quick = {"recall-length": Trials("recall-length", {"mechanism": ["scaled", "ssmax"],
+                                                       "seed": [0, 1]}, TINY_RECALL),
+             "lm-length": Trials("lm-length", {"mechanism": ["scaled", "ssmax"], "seed": [0]},
+                                 tiny_lm(text_dir))}
+    monkeypatch.setitem(STUDIES, "length", dataclasses.replace(STUDIES["length"], quick=quick))
 
 
 def test_study_length_end_to_end(cli, tmp_path, tiny_study):
@@ -248,11 +249,11 @@ def _recall_record(mechanism: str, seed: int, accuracy: list) -> dict:
 @pytest.mark.parametrize("ssmax_at_512, verdict", [
     ((0.9, 0.8), "agrees"),                                  # above scaled's [0.5, 0.6]
     ((0.55, 0.7), "inconclusive: the seed ranges overlap"),
-    ((0.2, 0.3), "differs"),
+    ((0.2, 0.3), "differs: the opposite order"),
     ((None, None), None),                                    # every seed diverged: no claim
 ])
 def test_ssmax_claim_verdicts(ssmax_at_512, verdict):
-    from attnscale.experiments.length.report import claims
+    from attnscale.study.length import claims
     records = [_recall_record("scaled", s, [0.9, a]) for s, a in enumerate((0.5, 0.6))]
     records += [_recall_record("ssmax", s, [0.9, a]) for s, a in enumerate(ssmax_at_512)]
     found = [c for c in claims(records, []) if "ssmax" in c["quantity"]]

@@ -17,8 +17,11 @@ from attnscale.cli import main
 from attnscale.errors import ConfigError
 from attnscale.experiments.lm import data as lm_data
 from attnscale.experiments.lm import study
+from attnscale.study import launcher
+from attnscale.study import lm as lm_study
+from attnscale.study.fragment import fragment_files, write_fragment
 from attnscale.experiments.lm.model import LMConfig, build_lm, rope_frequencies
-from attnscale.experiments.lm.train import RunConfig, lr_factor, train_lm
+from attnscale.experiments.lm.train import LMRunConfig, lr_factor, train_lm
 from attnscale.mechanisms import MECHANISMS, register
 from attnscale.mechanisms.base import Mechanism
 
@@ -40,10 +43,10 @@ def text_dir(tmp_path) -> Path:
     return out
 
 
-def tiny(text_dir: Path, **overrides) -> RunConfig:
+def tiny(text_dir: Path, **overrides) -> LMRunConfig:
     base = dict(d_model=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=4,
                 eval_windows=4, monitor_every=2, data=str(text_dir))
-    return RunConfig(**{**base, **overrides})
+    return LMRunConfig(**{**base, **overrides})
 
 
 # --- model ----------------------------------------------------------------------------------------
@@ -305,15 +308,15 @@ def _synthetic() -> list[dict]:
 
 def test_claims_on_a_constructed_study():
     records = _synthetic()
-    rows = {r["mechanism"]: r for r in study.sensitivity_rows(records)}
+    rows = {r["mechanism"]: r for r in lm_study.sensitivity_rows(records)}
     # scaled, seed 0: ℓ* = 2.0, terms 0.5, 0, 3.0 -> 3.5 / 3
     assert rows["scaled"]["per_seed"][0] == pytest.approx(3.5 / 3)
     assert rows["scaled"]["min"] <= rows["scaled"]["mean"] <= rows["scaled"]["max"]
-    verdicts = {c["claim"].split(" ")[0]: c for c in study.claims(records)}
+    verdicts = {c["claim"].split(" ")[0]: c for c in lm_study.claims(records)}
     assert verdicts["qk-layernorm"]["verdict"] == "agrees"
     assert verdicts["unscaled"]["verdict"] == "agrees"
     assert verdicts["softcap"]["verdict"] == "not run"
-    by_text = {c["claim"]: c for c in study.claims(records)}
+    by_text = {c["claim"]: c for c in lm_study.claims(records)}
     divisor = next(c for t, c in by_text.items() if "1/√d" in t)
     assert divisor["verdict"] == "agrees"  # identical losses: within noise
     grow = next(c for t, c in by_text.items() if "grows with LR" in t)
@@ -326,13 +329,16 @@ def test_normalises_qk_is_measured():
     assert not study.normalises_qk("scaled") and not study.normalises_qk("softcap")
 
 
-def test_write_report(tmp_path):
-    out = study.write_report(_synthetic(), tmp_path / "report")
-    for path in out["files"].values():
+def test_write_fragment(tmp_path):
+    records = [{"config": {}, "result": r} for r in _synthetic()]
+    files = write_fragment(tmp_path / "report", lm_study.STUDY,
+                           lm_study.analyse({"lm": records}))
+    assert set(files) == set(fragment_files(lm_study.STUDY))
+    for path in files.values():
         assert Path(path).stat().st_size > 0
-    md = Path(out["files"]["markdown"]).read_text()
+    md = Path(files["fragment.md"]).read_text()
     assert "qk-layernorm(divisor=False)" in md and "| claim |" in md
-    fragment = json.loads(Path(out["files"]["json"]).read_text())
+    fragment = json.loads(Path(files["fragment.json"]).read_text())
     assert set(fragment) == {"title", "claims"} and fragment["claims"]
     assert all(isinstance(c["agrees"], bool) and c["quantity"] for c in fragment["claims"])
     assert not list((tmp_path / "report").glob(".attnscale-staging-*"))
@@ -353,6 +359,16 @@ def test_cli_bad_input(text_dir, capsys, argv, match):
     assert main(["lm", "--data", str(text_dir), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and "\n" not in err
+
+
+def test_an_lm_run_too_large_is_refused_by_the_one_memory_check(text_dir, monkeypatch):
+    import attnscale.memory as memory
+    config = LMRunConfig(data=str(text_dir), steps=1)
+    assert config.validated() is config
+    monkeypatch.setattr(memory, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
+    with pytest.raises(ConfigError, match=r"^this run \(width .* GiB of memory at once, more "
+                                          r"than 50% of this machine's .*reduce the width"):
+        config.validated()
 
 
 def test_mechanism_missing_a_required_option(text_dir, capsys):
@@ -385,17 +401,17 @@ def test_cli_json_and_output(text_dir, tmp_path, capsys):
     assert main(["lm", "--data", str(text_dir), "--output", str(tmp_path)]) == 2  # a folder
 
 
-def test_grid_and_variants():
-    configs = study.grid(["scaled", "qk-layernorm(divisor=False)"], [1e-3, 1e-2], [32], [0, 1],
-                         steps=5)
-    assert len(configs) == 2 * 2 * 2
-    assert {study.variant({"config": c}) for c in configs} == {"scaled",
-                                                               "qk-layernorm(divisor=False)"}
-    assert all(c["steps"] == 5 for c in configs)
+def test_variants_and_the_mechanisms_option():
+    option = next(o for o in lm_study.STUDY.options if o.flag == "--mechanisms")
+    given = "scaled,qk-layernorm(divisor=False),softcap(cap=30)"
+    values = launcher.parse_option(lm_study.STUDY, option, given)
+    assert values == ["scaled", "qk-layernorm(divisor=False)", "softcap(cap=30)"]
+    assert study.variant({"config": {"mechanism": "qk-layernorm",
+                                     "options": {"divisor": False}}}) == values[1]
     assert study.parse_variant("softcap(cap=30)") == ("softcap", {"cap": 30})
-    for bad in (["scaled", "scaled"], ["qk-layernorm(divisr=False)"], ["softcap(cap)"]):
+    for bad in ("scaled,scaled", "qk-layernorm(divisr=False)", "softcap(cap)"):
         with pytest.raises(ConfigError):
-            study.grid(bad, [1e-3], [32], [0])
+            launcher.parse_option(lm_study.STUDY, option, bad)
 
 
 # --- the study on the sweep engine ----------------------------------------------------------------
@@ -425,7 +441,7 @@ def test_study_lm_command(text_dir, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert {r["mechanism"] for r in printed["sensitivity"]} == {"scaled",
                                                                 "qk-layernorm(divisor=False)"}
-    for name in study.FRAGMENT_FILES.values():
+    for name in fragment_files(lm_study.STUDY):
         assert (out / name).is_file()
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 4

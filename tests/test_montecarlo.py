@@ -393,11 +393,11 @@ def test_requests_too_large_for_memory_are_refused_up_front(call, what):
 
 
 def test_memory_refusal_uses_the_machines_ram(monkeypatch):
-    import attnscale.measure.montecarlo as mc
-    monkeypatch.setattr(mc, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
-    with pytest.raises(ConfigError, match="1.0 MiB|0.0 GiB"):
+    import attnscale.memory as memory
+    monkeypatch.setattr(memory, "physical_memory", lambda: 2 ** 20)   # a 1 MiB machine
+    with pytest.raises(ConfigError, match=r"50% of this machine's 0.0 GiB"):
         saturation([4], 8, 4, 0)
-    monkeypatch.setattr(mc, "physical_memory", lambda: None)      # unknown: nothing refused
+    monkeypatch.setattr(memory, "physical_memory", lambda: None)      # unknown: nothing refused
     assert len(saturation([4], 8, 4, 0)) == 2
 
 

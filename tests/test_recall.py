@@ -21,7 +21,7 @@ from attnscale.experiments.recall import metrics
 from attnscale.experiments.recall.experiments import grad_decomposition, init_reparam_sgd
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.experiments.recall.task import CHUNK_STEPS, eval_set, sample, train_chunk
-from attnscale.experiments.recall.trainer import stack_batches
+from attnscale.experiments.recall.trainer import RunResult, stack_batches
 
 # A small model that still exercises every shape (distinct sizes catch transposed axes).
 TINY = RecallConfig(d_k=8, d_model=12, pairs=5, n_keys=7, n_values=6, steps=6, batch_size=4,
@@ -273,6 +273,22 @@ def test_a_repeated_run_is_refused(runs):
 def test_runs_that_differ_only_in_options_are_distinct():
     runs = train_runs([replace(TINY, mechanism="softcap", options={"cap": c}) for c in (2.0, 5.0)])
     assert [r.config.options["cap"] for r in runs] == [2.0, 5.0]
+
+
+def test_a_run_has_one_record_that_the_other_views_agree_with():
+    run = train(TINY)
+    diverged = replace(run, loss=run.loss[:-1] + [math.nan], final_loss=math.nan)
+    record = json.loads(json.dumps(diverged.record(), allow_nan=False))
+    assert record["loss"][-1] is None and record["final_loss"] is None
+    back = RunResult.from_record(TINY, record, diverged.wall_seconds)
+    assert math.isnan(back.loss[-1]) and math.isnan(back.final_loss)
+    assert back.loss[:-1] == run.loss[:-1] and back.trace == run.trace
+    assert back.record() == diverged.record()
+    assert back.smoothed[:-1] == pytest.approx(run.smoothed[:-1], rel=1e-12)
+    assert diverged.to_json()["loss_curve"] == record["loss"]
+    row = diverged.row()
+    assert row["final_loss"] is None and row["plateaus"] == len(run.plateaus)
+    assert {f"eval_{k}" for k in run.eval_stats} <= set(row)
 
 
 def test_result_json_schema():

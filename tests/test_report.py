@@ -359,7 +359,9 @@ def test_include_adds_a_beyond_the_essay_section(tmp_path):
     assert on_disk == results
     got = on_disk["sections"]["Beyond the essay"]
     assert got[0] == {"kind": "study", "study": "lm-study", "title": "Small-LM stability",
-                      "source": str(study.resolve()), "figures": ["lm-study-loss.png"]}
+                      "source": str(study.resolve()), "figures": ["lm-study-loss.png"],
+                      "runs": None, "attnscale": None}
+    assert "*⚠️ No runs: the folder holds no sweep store (no results.jsonl)" in beyond
     assert got[1:] == [{"kind": "claim", "study": "lm-study", **c} for c in STUDY_CLAIMS]
 
 

@@ -19,7 +19,7 @@ import sweep_experiments
 from sweep_experiments import gone, wait_until
 from attnscale import sweep
 from attnscale.errors import ConfigError
-from attnscale.io import MANIFEST
+from attnscale.io import LOCK, MANIFEST
 from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
 from attnscale.sweep.local import threads_per_worker
@@ -193,7 +193,7 @@ def test_workers_share_the_cores_when_the_experiment_leaves_threads_open(tmp_pat
 def test_store_layout_and_load(tmp_path):
     out = tmp_path / "s"
     res = sweep.run("saturation", SAT_GRID, out, fixed=SAT_FIXED, workers=2)
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, RESULTS_FILE, SPEC_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK, MANIFEST, RESULTS_FILE, SPEC_FILE]
     spec = json.loads((out / SPEC_FILE).read_text())
     assert spec["experiment"] == "saturation" and spec["grid"] == SAT_GRID
     assert spec["fixed"] == SAT_FIXED and spec["base"] == {**SAT_FIXED, "seed": 0}
@@ -223,7 +223,7 @@ def test_a_different_grid_is_refused_and_extend_runs_only_new_trials(tmp_path, m
     first = sweep.run("test-marked", {"x": [0, 1]}, out, fixed=fixed, workers=2)
     with pytest.raises(ConfigError, match=r"grid x: 0,1 -> 0,1,2.*extend"):
         sweep.run("test-marked", {"x": [0, 1, 2]}, out, fixed=fixed)
-    with pytest.raises(ConfigError, match=r"fixed sleep: \(absent\) -> 0.5"):
+    with pytest.raises(ConfigError, match=r"setting sleep: 0.0 -> 0.5"):
         sweep.run("test-marked", {"x": [0, 1]}, out, fixed={**fixed, "sleep": 0.5})
     with pytest.raises(ConfigError, match="drops 1"):
         sweep.run("test-marked", {"x": [0, 2]}, out, fixed=fixed, extend=True)
@@ -481,7 +481,8 @@ def test_cli_ray_without_ray_installed_is_one_line(cli, tmp_path, monkeypatch):
 
 
 def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
-    from attnscale.experiments.recall.outputs import STUDY_FILES
+    from attnscale.study.fragment import FRAGMENT_MD
+    from attnscale.study.recall import SUMMARY
     out = tmp_path / "study"
     tiny = ("--mechanisms", "scaled,qknorm", "--d-k", "4", "--seed", "0,1", "--pairs", "4",
             "--steps", "4", "--batch-size", "4", "--json")
@@ -500,7 +501,7 @@ def test_study_recall_resumes_and_redraws_from_the_store(cli, tmp_path):
 
     # --from trains nothing and draws the same table and files
     drawn = {name: (out / name).read_text() for name in
-             (STUDY_FILES["json"], STUDY_FILES["markdown"])}
+             (SUMMARY, FRAGMENT_MD)}
     before = (out / RESULTS_FILE).read_bytes()
     for name in drawn:
         (out / name).unlink()

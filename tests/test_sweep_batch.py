@@ -14,7 +14,7 @@ import pytest
 import sweep_batch_experiments
 from attnscale import sweep
 from attnscale.experiments import registry
-from attnscale.experiments.recall.experiments import STUDY_D_KS, STUDY_SEEDS
+from attnscale.study.recall import D_KS as STUDY_D_KS, SEEDS as STUDY_SEEDS
 from attnscale.experiments.recall.trial import recall_batch, recall_run
 from attnscale.mechanisms import MECHANISMS
 from attnscale.sweep.batch import MAX_CHUNK, chunks, run_chunk

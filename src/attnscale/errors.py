@@ -8,6 +8,7 @@ code 2; any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable, Sequence
 
 
@@ -66,6 +67,40 @@ def check_float(param: str, value: object, *, positive: bool = False) -> float:
     if positive and out <= 0:
         raise ConfigError(f"{param} must be > 0, got {value!r}.")
     return out
+
+
+# CLI words for a boolean (any case): the one spelling every command reads.
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def parse_typed(param: str, text: str, kind: type) -> object:
+    """CLI text as a value of the declared type ``kind``: bool (:data:`TRUE_WORDS` or
+    :data:`FALSE_WORDS`), int (an integer, or a number with an integral value: ``1e3`` is 1000,
+    as JSON's ``1e3`` is), float (a finite number) or str (the text as given).  Anything else is a
+    one-line :class:`ConfigError` naming ``param`` and the type."""
+    if kind is str:
+        return text
+    word = text.strip().lower()
+    if kind is bool:
+        if word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise ConfigError(f"{param} must be true or false, got {text!r}.")
+    if kind not in (int, float):
+        raise TypeError(f"parse_typed: no text form for {kind!r}")
+    try:
+        number = float(word)
+    except ValueError:
+        number = None
+    if number is None or number != number or number in (float("inf"), float("-inf")):
+        what = "an integer" if kind is int else "a finite number"
+        raise ConfigError(f"{param} must be {what}, got {text!r}.")
+    if kind is float:
+        return number
+    if word.lstrip("+-").isdigit():
+        return int(word)  # exact beyond 2^53
+    if not number.is_integer():
+        raise ConfigError(f"{param} must be an integer, got {text!r}.")
+    return int(number)
 
 
 def check_int_list(param: str, values: object, minimum: int | None = None) -> list[int]:
@@ -131,3 +166,32 @@ def parse_name_list(param: str, text: str) -> list[str]:
     if not text.strip() or any(not p for p in parts):
         raise ConfigError(f"{param} must be a comma-separated list of names, got {text!r}.")
     return check_unique(param, parts)
+
+
+def _distinct_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` that refuses a key given twice in one JSON object (``json.loads``
+    would keep the last one silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} is given twice in one object")
+        self.key = key
+
+
+def parse_json(param: str, text: str | bytes, what: str = "JSON") -> object:
+    """JSON text from a user (a CLI value, a file they wrote) as Python values.  Text that is not
+    JSON (``what`` says what was expected), or an object that gives a key twice
+    (``{"cap": 20, "cap": 30}``), is a ConfigError naming ``param``."""
+    try:
+        return json.loads(text, object_pairs_hook=_distinct_keys)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{param}: {err}; give each key once.") from None
+    except ValueError as err:
+        raise ConfigError(f"{param} must be {what} ({err}).") from None

@@ -416,3 +416,6 @@ def _checkpoint_tensors(path: Path, keep) -> Iterator[tuple[str, Tensor]]:
         return
     raise ConfigError(f"no model.safetensors or pytorch_model.bin (or their index) in "
                       f"{str(path)!r}.")
+
+
+from attnscale.hf_callback import TemperatureCallback  # noqa: E402,F401  (the guard in Trainer)

@@ -25,6 +25,12 @@ Staged, atomic writes
     folder is removed and nothing partial is left: :func:`sigterm_as_exit` turns SIGTERM into
     :class:`Terminated` (``SystemExit(143)``) so that cleanup runs.  A successful write also removes
     staging left behind by an earlier run that was killed outright (SIGKILL, power loss).
+
+One writer per folder
+    :func:`exclusive` holds an exclusive lock on a folder (``fcntl.flock`` on :data:`LOCK`, which
+    holds the holder's PID) for as long as a process writes it, such as a sweep's store through a
+    whole run: a second writer is refused, naming the PID.  The kernel drops the lock when its
+    holder dies, however it dies, so a lock left by a dead process is simply taken over.
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ from pathlib import Path
 
 from attnscale.errors import ConfigError
 
-__all__ = ["MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write", "check_output_path",
-           "figure_suffixes", "fsync_dir", "owned", "remove_stale_staging", "replace_atomically",
+__all__ = ["LOCK", "MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write",
+           "check_output_path", "exclusive", "figure_suffixes", "folder_marks", "fsync_dir",
+           "mark_folder", "owned", "remove_stale_staging", "replace_atomically",
            "sigterm_as_exit", "staged_dir"]
 
 MANIFEST = ".attnscale-manifest.json"
 STAGING_PREFIX = ".attnscale-staging-"
+LOCK = ".attnscale-lock"
 # Exit status of a process ended by SIGTERM, by the shell's 128 + signal number convention.
 SIGTERM_EXIT = 128 + signal.SIGTERM
 _MANIFEST_DEPTH = 3
@@ -90,7 +98,7 @@ def figure_suffixes() -> tuple[str, ...]:
 
 def _is_ours(name: str) -> bool:
     """attnscale's bookkeeping entries (the manifest, staging), never counted as user files."""
-    return name == MANIFEST or name.startswith(STAGING_PREFIX)
+    return name in (MANIFEST, LOCK) or name.startswith(STAGING_PREFIX)
 
 
 def _writable_folder(param: str, path: Path, shown: str) -> None:
@@ -196,16 +204,36 @@ def owned(path: str | os.PathLike) -> bool:
     return False
 
 
-def _record(folder: Path, names: Iterable[str]) -> None:
-    """Add ``names`` (files now in ``folder``) to its manifest, written atomically."""
+def _record(folder: Path, names: Iterable[str], marks: dict | None = None) -> None:
+    """Add ``names`` (files now in ``folder``) to its manifest, and ``marks`` (what wrote the
+    folder, see :func:`mark_folder`) to the marks it holds; written atomically."""
     from attnscale import __version__
     files = _read_manifest(folder)
     for name in names:
         files[name] = {"sha256": _sha256(folder / name)}
     files = {n: e for n, e in sorted(files.items()) if (folder / n).is_file()}
-    text = json.dumps({"written_by": "attnscale", "version": __version__, "files": files},
-                      indent=1)
+    obj = {"written_by": "attnscale", "version": __version__, "files": files}
+    kept = {**folder_marks(folder), **(marks or {})}
+    text = json.dumps({**obj, **({"marks": kept} if kept else {})}, indent=1)
     replace_atomically(folder / MANIFEST, text)
+
+
+def folder_marks(folder: str | os.PathLike) -> dict:
+    """What the manifest of ``folder`` says wrote it (``{"command": ..., "study": ...}``); {}
+    when it has no manifest or no marks."""
+    try:
+        marks = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8")).get("marks", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return marks if isinstance(marks, dict) else {}
+
+
+def mark_folder(folder: str | os.PathLike, **marks: str) -> None:
+    """Record in ``folder``'s manifest what writes it (the command, the study), creating the
+    folder and the manifest if needed: one folder holds one study."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _record(folder, [], marks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +372,43 @@ def staged_dir(out: str | os.PathLike, *, param: str = "--out",
             elif created:
                 with contextlib.suppress(OSError):
                     out.rmdir()  # only if still empty
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per folder
+
+
+@contextlib.contextmanager
+def exclusive(folder: str | os.PathLike, *, param: str = "out") -> Iterator[Path]:
+    """Hold ``folder``'s writer lock for the block (made, with the folder, if absent); another
+    holder, in this process or another, is a ConfigError naming its PID.  A folder this call made
+    and the block left empty is removed again.  Without ``fcntl`` (Windows) it locks nothing."""
+    folder = Path(folder)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock: one writer is the user's to ensure
+        yield folder
+        return
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"{param} {str(folder)!r} is being written by another attnscale "
+                              f"process (pid {holder}); wait for it to finish or stop it, then "
+                              f"run this again.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield folder
+    finally:
+        if created and [p.name for p in folder.iterdir()] == [LOCK]:
+            with contextlib.suppress(OSError):
+                (folder / LOCK).unlink()
+                folder.rmdir()
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,6 +237,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule | None = None) ->
     if not q.dtype == k.dtype == v.dtype:
         raise ConfigError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
                           f"{v.dtype}.")
+    if not q.device == k.device == v.device:
+        raise ConfigError(f"q, k and v must be on one device, got {q.device}, {k.device} and "
+                          f"{v.device}.")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ConfigError(f"q, k and v must be (B, H, N, d), got shapes {tuple(q.shape)}, "
                           f"{tuple(k.shape)}, {tuple(v.shape)}.")
@@ -259,8 +262,11 @@ def key_mask(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> Tensor 
     """The user's mask and causality as one boolean mask (True = attend), or None for all keys."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ConfigError(f"mask must be a boolean tensor (True = attend), got {mask.dtype}.")
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise ConfigError(f"mask must be a boolean tensor (True = attend), got {got}.")
+        if mask.device != q.device:
+            raise ConfigError(f"mask is on {mask.device} but q is on {q.device}.")
         full = (*q.shape[:2], n_q, n_k)
         try:
             fits = torch.broadcast_shapes(mask.shape, full) == full

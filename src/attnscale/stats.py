@@ -42,9 +42,11 @@ under a sink, anything in [0, n] under sigmoid.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
+from attnscale.constants import Z95
 from attnscale.errors import ConfigError, check_int
 from attnscale.kernels import native, rowstats
 from attnscale.kernels.native import ROW_STATS_COLUMNS
@@ -52,8 +54,10 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "columns", "entropy", "jacobian_fro", "logit_std",
-           "max_weight", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats"]
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "entropy", "fit_line",
+           "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
+           "mean_se_from_sums", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats",
+           "std_ci", "std_se", "t975"]
 
 # The normalisers the statistics are defined for (attnscale.pipeline.NORMALISERS names the same).
 NORMALISERS = ("softmax", "sink", "sigmoid")
@@ -276,18 +280,16 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     zmax = z.amax(dim=-1)
     absmax = _special_rows(zmax, z.masked_fill(masked, 0.0).abs().amax(dim=-1))
     count = (~masked).sum(dim=-1).to(s["entropy"].dtype)
-    out = torch.stack([count, s["max_weight"], s["entropy"], s["jacobian_fro"], logit_std(z),
-                       absmax, _special_rows(zmax, zmax)], dim=-1)
+    values = {"count": count, "max_weight": s["max_weight"], "entropy": s["entropy"],
+              "jacobian_fro": s["jacobian_fro"], "logit_std": logit_std(z), "logit_absmax": absmax,
+              "logit_max": _special_rows(zmax, zmax)}
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
     return out.double()
 
 
 def columns(rows: Tensor) -> dict[str, Tensor]:
     """Name the last dimension of :func:`row_stats`'s result: ``{column: rows[..., i]}``."""
     return {name: rows[..., i] for i, name in enumerate(ROW_STATS_COLUMNS)}
-
-
-# The columns of row_stats that describe the weights (the others describe keys and logits).
-_WEIGHT_COLUMNS = ("max_weight", "entropy", "jacobian_fro")
 
 
 def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, normaliser: str,
@@ -300,13 +302,162 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
         lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
         z = z.masked_fill(torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1),
                           -math.inf)
-    # The weights' statistics follow the normaliser; count and the logit columns stay the keys'.
+    # The weights' statistics come from the normalised row, the logits' from the keys alone.
+    values = columns(keys)
     if normaliser == "sink":
         full = columns(row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads))
     else:
         full = {c: v.double() for c, v in sigmoid_stats(z).items()}
-    key_cols = columns(keys)
-    out = torch.stack([full[c] if c in _WEIGHT_COLUMNS else key_cols[c]
-                       for c in ROW_STATS_COLUMNS], dim=-1)
+    values.update({c: full[c] for c in _WEIGHT_STATS})
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
     # A row without keys: every statistic 0 (the sink alone is not a row of keys).
     return torch.where(keys[..., :1] == 0, torch.zeros_like(out), out)
+
+
+# The row statistics of the weights p (the others, count and the logit statistics, are of z).
+_WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling statistics of the estimates built from the statistics above: standard errors,
+# confidence intervals and fitted lines, the one place the experiments and the report take
+# them from.
+
+
+def mean_se(x: Tensor) -> tuple[float, float]:
+    """Mean of a sample ``x`` (any shape, read as float64) and the standard error of that mean,
+    ``s / sqrt(N)`` with the Bessel-corrected ``s`` (0 for a single value)."""
+    x = x.double()
+    return x.mean().item(), (x.std() / math.sqrt(x.numel())).item() if x.numel() > 1 else 0.0
+
+
+def mean_se_from_sums(total: float, total_sq: float, count: int) -> tuple[float, float]:
+    """Mean and standard error of the mean of ``count >= 2`` values from their sum and sum of
+    squares (a streaming accumulation): ``var = (Σx² / N - mean²) N / (N - 1)``, clamped at 0,
+    and ``se = sqrt(var / N)``."""
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0) * count / (count - 1)
+    return mean, math.sqrt(var / count)
+
+
+def mean_of_means(means: list[float], ses: list[float]) -> tuple[float, float]:
+    """Average of ``k`` independent estimates and its standard error ``sqrt(Σ se²) / k``."""
+    k = len(means)
+    return sum(means) / k, math.sqrt(sum(se ** 2 for se in ses)) / k
+
+
+class Moments:
+    """Streaming central moments of a sample, from power sums shifted by its first chunk's mean
+    (so nothing cancels when the mean is far from 0)."""
+
+    def __init__(self) -> None:
+        self.count, self.shift, self.sums = 0, None, [0.0] * 4
+
+    def add(self, x: Tensor) -> None:
+        if self.shift is None:
+            self.shift = float(x.mean())
+        y = x - self.shift
+        y2 = y * y
+        for k, part in enumerate((y, y2, y2 * y, y2 * y2)):
+            self.sums[k] += float(part.sum())
+        self.count += x.numel()
+
+    def central(self) -> tuple[float, float]:
+        """``(m2, m4)``, the second and fourth central moments (divided by N)."""
+        s1, s2, s3, s4 = (s / self.count for s in self.sums)
+        m2 = max(s2 - s1 * s1, 0.0)
+        m4 = max(s4 - 4 * s1 * s3 + 6 * s1 * s1 * s2 - 3 * s1 ** 4, 0.0)
+        return m2, m4
+
+
+def std_se(std: float, count: int, kurtosis: float) -> float:
+    """Delta-method standard error of a sample standard deviation.
+
+    ``Var(s^2) ~= sigma^4 (kappa - (N - 3) / (N - 1)) / N`` and ``se(s) = se(s^2) / (2 s)``; heavy
+    tails (kappa > 3) widen the interval compared with the Gaussian ``s / sqrt(2N)``.
+    """
+    return std * math.sqrt((kurtosis - (count - 3) / (count - 1)) / count) / 2.0
+
+
+def std_ci(std: float, se: float) -> tuple[float, float]:
+    """95% interval of a standard deviation on the log scale: ``s exp(-/+ z se / s)``.
+
+    The delta method applied to ``ln s`` (whose se is ``se(s) / s``) keeps both ends positive, as a
+    standard deviation is, and widens the upper end for small samples, where the sampling
+    distribution of ``s`` is right-skewed; for large samples it agrees with ``s -/+ z se``.
+    """
+    if std <= 0.0:
+        return 0.0, 0.0
+    half = Z95 * se / std
+    return std * math.exp(-half), std * math.exp(half)
+
+
+def t975(dof: int) -> float:
+    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom (``dof >= 1``).
+
+    Bisection on the exact CDF for integer dof (Abramowitz & Stegun 26.7.3-4): with
+    ``theta = atan(t / sqrt(dof))``, ``P(|T| < t)`` is a finite series in ``cos(theta)``.
+    """
+    if dof < 1:
+        raise ValueError(f"dof must be >= 1, got {dof}")
+
+    def central(t: float) -> float:          # P(|T| < t)
+        th = math.atan(t / math.sqrt(dof))
+        c2 = math.cos(th) ** 2
+        if dof % 2:                          # odd: (2 / pi) (theta + sin cos (1 + 2/3 c2 + ...))
+            term, total = 1.0, 1.0 if dof > 1 else 0.0
+            for j in range(1, (dof - 1) // 2):
+                term *= c2 * (2 * j) / (2 * j + 1)
+                total += term
+            return 2.0 / math.pi * (th + math.sin(th) * math.cos(th) * total)
+        term, total = 1.0, 1.0               # even: sin (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...)
+        for j in range(1, dof // 2):
+            term *= c2 * (2 * j - 1) / (2 * j)
+            total += term
+        return math.sin(th) * total
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if central(mid) < 0.95 else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def fit_line(x: Sequence[float], y: Sequence[float], se: Sequence[float]) -> dict:
+    """Weighted least-squares line ``y = a + b x`` through points with standard errors ``se``.
+
+    Weights are ``1 / se^2``.  The slope's standard error is ``sqrt(S / D)`` with ``S = sum w``,
+    ``D = S sum w x^2 - (sum w x)^2``, scaled by ``max(1, sqrt(chi2 / dof))`` (the Birge ratio,
+    ``dof = len(x) - 2``): when the points scatter about the line more than their standard errors
+    allow (a curved relation, or underestimated errors) the interval widens accordingly.  The 95%
+    interval is ``b +/- q se(b)`` with ``q`` = 1.96 when the errors are taken as known (ratio <= 1)
+    and Student's ``t_{0.975, dof}`` when the scatter sets them.
+
+    Returns ``slope, slope_se, slope_ci95, intercept, chi2, dof, birge``.
+    """
+    x, y, se = (list(map(float, v)) for v in (x, y, se))
+    if not len(x) == len(y) == len(se) or len(x) < 2:
+        raise ConfigError(f"fit_line needs at least 2 points of x, y and se of equal length, got "
+                          f"{len(x)}, {len(y)}, {len(se)}.")
+    if min(se) <= 0 or not all(map(math.isfinite, x + y + se)):
+        raise ConfigError("fit_line needs finite x and y and positive, finite standard errors.")
+    w = [1.0 / s ** 2 for s in se]
+    sw = sum(w)
+    sx = sum(wi * xi for wi, xi in zip(w, x))
+    sy = sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        raise ConfigError("fit_line needs at least two distinct x.")
+    slope = (sw * sxy - sx * sy) / det
+    intercept = (sxx * sy - sx * sxy) / det
+    chi2 = sum(wi * (yi - intercept - slope * xi) ** 2 for wi, xi, yi in zip(w, x, y))
+    dof = len(x) - 2
+    birge = math.sqrt(chi2 / dof) if dof > 0 else 1.0
+    inflate = birge > 1.0
+    slope_se = math.sqrt(sw / det) * (birge if inflate else 1.0)
+    half = (t975(dof) if inflate else Z95) * slope_se
+    return {"slope": slope, "slope_se": slope_se, "slope_ci95": (slope - half, slope + half),
+            "intercept": intercept, "chi2": chi2, "dof": dof, "birge": birge}

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "attnscale.cli.monitor",
     "attnscale.cli.sweep",
     "attnscale.cli.lm",
+    "attnscale.cli.guard",
 )
 
 

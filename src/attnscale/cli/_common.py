@@ -98,17 +98,9 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def parse_options(items: Sequence[str], mechanism: str, param: str = "--option"
                   ) -> dict[str, object]:
-    """``KEY=VALUE`` options of ``mechanism`` as a dict, each value read by the option's declared
-    type (:func:`attnscale.mechanisms.parse_option`: ``divisor=false`` is False); a key given
-    twice is an error (the last would silently win)."""
-    from attnscale.mechanisms import parse_option  # the registry, only when options are read
-    options: dict[str, object] = {}
-    for text in items:
-        key, value = split_key_value(param, text)
-        if key in options:
-            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
-        options[key] = parse_option(mechanism, key, value, param=param)
-    return options
+    """``KEY=VALUE`` options of ``mechanism``: :func:`attnscale.mechanisms.parse_options`."""
+    from attnscale.mechanisms import parse_options  # the registry, only when options are read
+    return parse_options(items, mechanism, param)
 
 
 def print_json(obj: object) -> None:

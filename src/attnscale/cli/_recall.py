@@ -1,4 +1,4 @@
-"""Options and output shared by the recall commands ``train``, ``compare`` and ``study recall``."""
+"""Options and output shared by the recall commands ``train`` and ``compare``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from attnscale.cli._common import add_output, format_table, print_json
 from attnscale.errors import parse_name_list
 from attnscale.experiments.recall import RecallConfig
 from attnscale.experiments.recall.config import OPTIMIZERS
-from attnscale.experiments.recall.experiments import STUDY_D_KS, grad_decomposition, \
-    milestone_ratios
+from attnscale.experiments.recall.experiments import grad_decomposition, milestone_ratios
 from attnscale.experiments.recall.trainer import RunResult
 from attnscale.io import atomic_write, figure_suffixes
 from attnscale.mechanisms import check_mechanism
@@ -21,14 +20,10 @@ _RUN_COLUMNS = ["mechanism", "seed", "steps_to_loss_1", "steps_to_loss_0_1", "fi
                 "eval_accuracy", "grad_wq_norm_step0", "plateaus", "wall_seconds"]
 
 
-def add_training_options(p: argparse.ArgumentParser, *, d_k_list: bool = False) -> None:
+def add_training_options(p: argparse.ArgumentParser) -> None:
     """The model and optimiser options every recall command shares, and ``--json``."""
-    if d_k_list:
-        p.add_argument("--d-k", "--dk", dest="d_k", default=",".join(map(str, STUDY_D_KS)),
-                       help="comma-separated head sizes d_k (default: %(default)s)")
-    else:
-        p.add_argument("--d-k", "--dk", dest="d_k", type=int, default=DEFAULT.d_k,
-                       help="head size d_k of W_Q, W_K, W_V (default: %(default)s)")
+    p.add_argument("--d-k", "--dk", dest="d_k", type=int, default=DEFAULT.d_k,
+                   help="head size d_k of W_Q, W_K, W_V (default: %(default)s)")
     p.add_argument("--pairs", type=int, default=DEFAULT.pairs,
                    help=f"key-value pairs per sequence, <= {DEFAULT.n_keys} key tokens "
                         "(default: %(default)s)")
@@ -100,7 +95,7 @@ def save(runs: list[RunResult], args) -> None:
         atomic_write(args.output, text, param="--output", force=args.force)
     if getattr(args, "plot", None) is not None:
         from attnscale.experiments.recall.figures import plot_loss_curves
-        from attnscale.report.figures import new_figure, save as save_figure
+        from attnscale.plotting import new_figure, save as save_figure
         fig, (ax,) = new_figure(width=6.0, height=4.0)
         plot_loss_curves(ax, runs)
         atomic_write(args.plot, lambda tmp: save_figure(fig, tmp), param="--plot",

@@ -33,10 +33,10 @@ def _row(record: dict) -> dict:
 
 
 def _run(args) -> int:
-    from attnscale.experiments.lm.train import RunConfig, train_lm
+    from attnscale.experiments.lm.train import LMRunConfig, train_lm
     if args.data is not None and args.data == "":
         raise ConfigError("--data must be a path to a text file or folder, got ''.")
-    config = RunConfig(
+    config = LMRunConfig(
         mechanism=args.mechanism, options=parse_options(args.option, args.mechanism),
         lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
         seq_len=args.seq_len, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
@@ -55,8 +55,8 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from attnscale.experiments.lm.train import RunConfig
-    d = RunConfig()
+    from attnscale.experiments.lm.train import LMRunConfig
+    d = LMRunConfig()
     p = add_command(sub, "lm", examples=EXAMPLES,
                     help="Train one small byte-level LM (Wortsman et al.'s recipe) and report "
                          "its validation loss, divergence and attention statistics.")

@@ -10,8 +10,9 @@ import math
 import sys
 from pathlib import Path
 
+from attnscale.columns import RECORD_STATS
 from attnscale.cli._common import add_command, add_output, format_table
-from attnscale.errors import ConfigError, check_int
+from attnscale.errors import ConfigError, check_int, parse_json
 from attnscale.io import staged_dir
 from attnscale.mechanisms import check_mechanism
 from attnscale.rng import rng
@@ -27,8 +28,7 @@ EXAMPLES = """
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
 OUT_FILES = ("records.json", "entropy_heatmap.png")
-TABLE_COLUMNS = ("layer", "module", "heads", "queries", "entropy_mean", "entropy_min",
-                 "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean")
+TABLE_COLUMNS = ("layer", "module", "heads", "queries", *RECORD_STATS)
 
 
 def _check_inputs(args) -> tuple[Path, dict, str | None]:
@@ -43,7 +43,7 @@ def _check_inputs(args) -> tuple[Path, dict, str | None]:
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r} has no config.json "
                           "(save the model with save_pretrained).")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = parse_json("config.json", config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json is not valid JSON "
                           f"({err}).") from None

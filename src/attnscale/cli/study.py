@@ -1,119 +1,200 @@
-"""``attnscale study``: multi-run studies, one subcommand each; ``study recall`` lives here.
+"""``attnscale study NAME``: every registered study (:mod:`attnscale.study`), one command.
 
-A study module exposes ``register_study(studies)``, which adds its parser to the ``study`` group's
-subparsers and sets ``func``; adding a study is one line in :data:`STUDY_MODULES`.
+The parser of each study is built from its spec: the shared options (``--out``/``--resume``/
+``--from``, ``--quick``, ``--workers``, ``--ray``, ``--set``, ``--json``) and the study's own
+options, each of which sets a grid axis or a fixed setting of its stores.  No study has code here.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from attnscale.cli import _recall
 from attnscale.cli._common import (
     add_command, add_executor_options, add_output, add_study_store_options,
     check_one_study_folder, format_table, print_json,
 )
-from attnscale.errors import ConfigError, parse_int_list
-from attnscale.experiments.recall.experiments import STUDY_SEEDS
-from attnscale.experiments.recall.outputs import STUDY_FILES
-from attnscale.mechanisms import MECHANISMS
-
-# One module per study subcommand, in the order ``attnscale study --help`` lists them.
-STUDY_MODULES = (
-    __name__,  # study recall (below)
-    "attnscale.cli.study_lm",
-    "attnscale.cli.study_length",
-)
+from attnscale.errors import ConfigError
+from attnscale.study import STUDIES, get, launcher
+from attnscale.study.fragment import fragment_files
+from attnscale.study.spec import Option, Study
 
 EXAMPLES = """
+  attnscale study --list                            # the studies, their grids and what they measure
   attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds
-  attnscale study recall --out study/ --mechanisms scaled,unscaled,qknorm --d-k 16,64 --seed 0
-  attnscale study recall --out /tmp/s --steps 300 --d-k 16 --seed 0 --json --workers 2
-  attnscale study recall --resume study/            # after Ctrl-C or a crash: the rest only
-  attnscale study recall --from study/              # redraw table, figure, markdown; no training
-  attnscale study recall --out study/ --ray auto    # on the Ray cluster of 'ray start'
+  attnscale study lm --out lm-study/ --quick        # the quick variant of a study
+  attnscale study length --resume length/           # after Ctrl-C or a crash: the rest only
+  attnscale study lm --from lm-study/               # redraw tables, figures and fragment
+  attnscale reproduce --out report/ --include lm-study/ --include length/
 """
 
-SUMMARY_COLUMNS = ["mechanism", "d_k", "seeds", "steps_to_loss_0_1_mean", "steps_to_loss_0_1_std",
-                   "reached_0_1", "accuracy_mean", "accuracy_min", "final_loss_mean"]
+
+def _examples(study: Study) -> str:
+    n = study.name
+    shared = f"""
+  attnscale study {n} --out {n}/                 # the full study, one trial per core
+""" + (f"""  attnscale study {n} --out {n}/ --quick         # {study.quick_doc}
+""" if study.quick is not None else "") + f"""  attnscale study {n} --resume {n}/              # after Ctrl-C or a crash: the rest only
+  attnscale study {n} --from {n}/                # redraw figures and fragment; no training
+  attnscale study {n} --out {n}/ --ray auto      # on the Ray cluster of 'ray start'
+"""
+    return shared + study.examples.strip("\n") + "\n"
 
 
-def study_sweep(args, experiment: str, study: str, start: Callable[[str, dict], Any]):
-    """The conventions every ``study`` command on the sweep engine shares: exactly one of
-    ``--out DIR`` (runs ``start(DIR, executor)``, which returns ``sweep.run``'s results; the same
-    grid again continues it), ``--resume DIR`` or ``--from DIR`` (read only); the store must hold an
-    ``experiment`` sweep with a finished run, and failed or pending runs are reported on stderr.
-    ``study`` names the study in errors ("a recall study").  Returns (folder, results)."""
-    from attnscale import sweep
+def _dest(option: Option) -> str:
+    return option.key  # the experiment parameter it sets
+
+
+def _shown(value) -> str:
+    if callable(value):
+        return "all"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_shown(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def default_text(study: Study, option: Option) -> str:
+    """What ``option`` is when not given: the full study's grid axis or setting."""
+    from attnscale.experiments import registry
+    if option.default_text is not None:
+        return option.default_text
+    for trials in study.stores.values():
+        if option.key in trials.grid:
+            return _shown(trials.grid[option.key])
+        if option.key in trials.fixed:
+            return _shown(trials.fixed[option.key])
+        exp = registry.get(trials.experiment)
+        if option.key in exp.params:
+            return _shown(exp.params[option.key].default)
+    return "?"
+
+
+def _add_study(studies, study: Study) -> None:
+    q = add_command(studies, study.name, examples=_examples(study), help=study.doc)
+    add_output(q, "--out", kind="dir", metavar="DIR",
+               files=[launcher.STUDY_FILE, *fragment_files(study)],
+               help="study folder: the runs' store" + ("s" if len(study.stores) > 1 else "")
+                    + " (see 'attnscale sweep'), and the tables, figures and fragment drawn "
+                      "from them; the same settings again continue it")
+    add_study_store_options(q, "the tables, figures and fragment")
+    if study.quick is not None:
+        q.add_argument("--quick", action="store_true",
+                       help=f"the quick variant: {study.quick_doc} (options given explicitly "
+                            "still win)")
+    add_executor_options(q)
+    q.add_argument("--set", action="append", default=[], metavar="[STORE:]KEY=VALUE",
+                   help="one fixed setting of every store that has KEY (or of STORE alone); "
+                        "repeatable")
+    for option in study.options:
+        q.add_argument(option.flag, *option.aliases, dest=_dest(option), choices=option.choices,
+                       metavar=option.metavar or ("LIST" if option.axis else "VALUE"),
+                       help=f"{option.help} (default: "
+                            f"{default_text(study, option).replace('%', '%%')})")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=_launch, study_name=study.name)
+
+
+def _refused(args, study: Study, *, executor: bool) -> list[str]:
+    """The options given that only a new run can honour (and the executor's, if ``executor``)."""
+    out = [o.flag for o in study.options if getattr(args, _dest(o)) is not None]
+    out += ["--set"] * bool(args.set) + ["--quick"] * bool(getattr(args, "quick", False))
+    if executor:
+        out += ["--workers"] * (args.workers is not None) + ["--ray"] * (args.ray is not None)
+    return out
+
+
+def _launch(args) -> int:
+    study = get(args.study_name)
+    # Every option's value first, so a bad one is reported whatever else is wrong.
+    values = {o: launcher.parse_option(study, o, getattr(args, _dest(o)))
+              for o in study.options if getattr(args, _dest(o)) is not None}
+    sets = launcher.parse_sets(study, args.set)
     check_one_study_folder(args)
-    executor = {"workers": args.workers, "ray_address": args.ray}
     if args.from_dir is not None:
-        out, results = args.from_dir, sweep.load(args.from_dir)
+        refused = _refused(args, study, executor=True)
+        if refused:
+            raise ConfigError(f"--from only redraws, running nothing; it takes no "
+                              f"{', '.join(refused)}.")
+        outcome = launcher.redraw(study, args.from_dir, force=args.force)
     elif args.resume is not None:
-        out, results = args.resume, sweep.resume(args.resume, **executor)
+        refused = _refused(args, study, executor=False)
+        if refused:
+            raise ConfigError(f"--resume continues the study on the settings it holds; drop "
+                              f"{', '.join(refused)} (or start another folder with --out).")
+        outcome = launcher.resume(study, args.resume, workers=args.workers, ray=args.ray)
     else:
-        out, results = args.out, start(args.out, executor)
-    if results.spec.experiment != experiment:
-        raise ConfigError(f"{out!r} holds a {results.spec.experiment!r} sweep, not {study}.")
-    if not results.ok:
-        raise ConfigError(f"{out!r} holds no finished run to draw from.")
-    if results.failed or results.pending:
-        print(f"drawing {len(results.ok)} runs; {len(results.failed)} failed and "
-              f"{len(results.pending)} pending are left out (attnscale sweep --show {out})",
-              file=sys.stderr)
-    return out, results
-
-
-def _recall_study(args) -> int:
-    """Run the grid on the sweep engine (or continue it, or only read it), then draw the table,
-    figure and markdown from the store in the same folder."""
-    from attnscale import sweep
-    from attnscale.experiments.recall.outputs import write_study
-    from attnscale.experiments.recall.trial import run_result
-    mechanisms = list(MECHANISMS) if args.mechanisms == "all" else \
-        _recall.mechanisms(args.mechanisms)
-    grid = {"mechanism": mechanisms, "d_k": parse_int_list("--d-k", args.d_k, minimum=1),
-            "seed": parse_int_list("--seed", args.seed, minimum=0)}
-
-    def start(out: str, executor: dict):
-        base = _recall.config(args, d_k=_recall.DEFAULT.d_k)  # d_k: validated per run by the grid
-        fixed = {k: getattr(base, k) for k in ("pairs", "steps", "lr", "batch_size", "optimizer")}
-        return sweep.run("recall", grid, out, fixed=fixed, force=args.force, **executor)
-
-    out, results = study_sweep(args, "recall", "a recall study", start)
-    result = write_study(out, [run_result(r) for r in results.ok], force=args.force)
-    if args.json:
-        print_json({"rows": result["summary"]})
-    else:
-        print(format_table(result["summary"], SUMMARY_COLUMNS))
-        print(f"wrote {', '.join(result['files'].values())}", file=sys.stderr)
+        axes = {o.key: v for o, v in values.items() if o.axis}
+        for o, v in values.items():
+            if not o.axis:
+                _set_fixed(study, sets, o, v)
+        outcome = launcher.run(study, args.out, quick=getattr(args, "quick", False), axes=axes,
+                               fixed=sets, workers=args.workers, ray=args.ray,
+                               force=args.force)
+    _show(outcome, args.json)
     return 0
 
 
-def register_study(studies) -> None:
-    q = add_command(studies, "recall", examples=EXAMPLES,
-                    help="Every registered mechanism on associative recall across d_k and seeds; "
-                         "writes a table, a figure and a markdown fragment into --out.")
-    add_output(q, "--out", kind="dir", files=STUDY_FILES.values(), metavar="DIR",
-               help="output directory: the runs' store (see 'attnscale sweep'), and the table, "
-                    "figure and markdown drawn from it")
-    add_study_store_options(q, "the table, figure and markdown")
-    add_executor_options(q)  # the runs of a d_k share one batched model per worker
-    q.add_argument("--mechanisms", default="all",
-                   help="comma-separated mechanism names, or 'all' (default: %(default)s)")
-    q.add_argument("--seed", default=",".join(map(str, STUDY_SEEDS)),
-                   help="comma-separated seeds (default: %(default)s)")
-    _recall.add_training_options(q, d_k_list=True)
-    q.set_defaults(func=_recall_study)
+def _set_fixed(study: Study, fixed: dict, option: Option, value) -> None:
+    """``option``'s value as a fixed setting of every store whose experiment has its key."""
+    from attnscale.experiments import registry
+    for key, trials in study.stores.items():
+        if option.key in registry.get(trials.experiment).params:
+            if option.key in fixed[key]:
+                raise ConfigError(f"{option.flag} and --set {option.key} set the same value; "
+                                  "give it once.")
+            fixed[key][option.key] = value
+
+
+def _show(outcome: launcher.Outcome, as_json: bool) -> None:
+    a = outcome.analysis
+    if as_json:
+        print_json({**a.printed, "claims": list(a.claims), "files": dict(outcome.files),
+                    "runs": dict(outcome.runs)})
+        return
+    print(format_table(a.table, a.columns))
+    if a.table is not a.claims:
+        for c in a.claims:
+            print(f"{c['verdict']:>12}  {c['quantity']}")
+    print(f"wrote {', '.join(outcome.files.values())}", file=sys.stderr)
+
+
+def list_studies() -> str:
+    """``attnscale study --list``: each study, its stores' grids (full and quick) and its doc."""
+    lines = []
+    for study in STUDIES.values():
+        lines += [f"{study.name}: {study.title}", f"  {study.doc}"]
+        for label, stores in (("full", study.stores), ("quick", study.quick)):
+            for key, trials in (stores or {}).items():
+                grid, fixed = trials.resolved()
+                axes = " x ".join(f"{k} ({len(v)})" for k, v in grid.items())
+                n = 1
+                for v in grid.values():
+                    n *= len(v)
+                lines.append(f"  {label:5} {key}: {trials.experiment}, {axes} = {n} trials"
+                             + (f"; {', '.join(f'{k}={v}' for k, v in fixed.items())}"
+                                if fixed else ""))
+        if study.options:
+            lines.append("  options: " + ", ".join(o.flag for o in study.options))
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def _study_group(args) -> int:
+    if not args.list:
+        raise ConfigError(f"give a study ({', '.join(STUDIES)}) or --list.")
+    print(list_studies())
+    return 0
 
 
 def register(sub) -> None:
     p = add_command(sub, "study", examples=EXAMPLES,
-                    help="Multi-run studies; 'study recall' trains every mechanism x d_k x seed.")
+                    help="Multi-run studies on the sweep engine, each drawn into a report "
+                         f"fragment: {', '.join(STUDIES)}.")
+    p.add_argument("--list", action="store_true",
+                   help="list the studies, their grids and what each measures")
     studies = p.add_subparsers(dest="study", metavar="STUDY", parser_class=type(p))
-    studies.required = True
-    for name in STUDY_MODULES:
-        importlib.import_module(name).register_study(studies)
+    for study in STUDIES.values():
+        _add_study(studies, study)
+    p.set_defaults(func=_study_group)
+
+
+__all__ = ["list_studies", "register"]

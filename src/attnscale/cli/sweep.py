@@ -20,6 +20,7 @@ EXAMPLES = """
   attnscale sweep --resume runs/recall                      # after Ctrl-C or a crash
   attnscale sweep --resume runs/recall --retry-errors       # re-run the failed trials too
   attnscale sweep --resume runs/recall --extend --grid seed=0,1,2,3,4   # add seeds 3 and 4
+  attnscale sweep --resume runs/recall --force  # continue it as its hand-edited sweep.json reads
   attnscale sweep --show runs/recall                        # finished, failed, pending
   attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray          # a local Ray instance
   attnscale sweep recall --grid seed=0,1,2,3 --out runs/r --ray auto     # 'ray start' cluster
@@ -56,11 +57,15 @@ def _report(results, args, *, show: bool) -> int:
                                   "error"]))
         print(f"{results.spec.experiment}: {counts['ok']} ok, {counts['failed']} failed, "
               f"{counts['pending']} pending", file=sys.stdout if show else sys.stderr)
-    if show or not results.failed:
+    if show or not (results.failed or results.pending):
         return 0
-    print(f"{len(results.failed)} trials failed; see 'attnscale sweep --show {results.path}', "
-          f"and rerun them with 'attnscale sweep --resume {results.path} --retry-errors'.",
-          file=sys.stderr)
+    if results.failed:
+        print(f"{len(results.failed)} trials failed; see 'attnscale sweep --show {results.path}', "
+              f"and rerun them with 'attnscale sweep --resume {results.path} --retry-errors'.",
+              file=sys.stderr)
+    if results.pending:  # the run ended without an interrupt, yet some trials have no record
+        print(f"{len(results.pending)} trials are still pending; run them with "
+              f"'attnscale sweep --resume {results.path}'.", file=sys.stderr)
     return 1
 
 
@@ -104,9 +109,11 @@ def _sweep(args) -> int:
         if args.grid:
             from attnscale.sweep.engine import experiment_of
             from attnscale.sweep.store import Store
-            grid = parse_grid(experiment_of(Store(args.resume).read_spec()), args.grid)
+            store = Store(args.resume)
+            grid = parse_grid(experiment_of(store.read_spec(), store), args.grid)
         results = sweep.resume(args.resume, grid=grid, extend=args.extend,
-                               retry_errors=args.retry_errors, **_executor_options(args))
+                               retry_errors=args.retry_errors, force=args.force,
+                               **_executor_options(args))
         return _report(results, args, show=False)
     if args.out is None:
         raise ConfigError("--out DIR is required: the folder that holds the sweep.")

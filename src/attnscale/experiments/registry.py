@@ -10,8 +10,17 @@ registered; the name is the one used by the CLI, the store and the report::
 Each parameter has a type (``int``, ``float``, ``str``, ``bool`` or ``dict``, optionally
 ``| None``) and a default, read from the function's signature or given as ``params=`` (see
 :func:`params_from_dataclass`).  The type turns CLI text into a value and checks API values, so
-``lr=1`` and ``lr=1.0`` are one trial.  ``check(config)`` validates a whole config up front
+``lr=1`` and ``lr=1.0`` are one trial, and so are ``seed=1`` and ``seed=1.0`` (an integral number
+is an integer, from the CLI as from JSON).  ``check(config)`` validates a whole config up front
 (unknown mechanism, inconsistent sizes) before any trial runs.
+
+One value, one trial: a parameter may also say what its values mean beyond their type.
+``canonical(value, settings)`` rewrites a value to the one form of everything equal to it (a
+mechanism's options typed by that mechanism, ``{"cap": 20}`` -> ``{"cap": 20.0}``), given the
+values every parameter takes in the sweep (``settings``: key -> list).  ``path=True`` marks a file
+or folder: its value is stored absolute (resolved when the sweep is created, so a resume from
+another directory, or a worker on another node, reads the same file), and ``fingerprint(path)``,
+when given, says what it holds (sizes and a hash), which the store records and checks on resume.
 
 ``threads`` is the torch thread count every trial of the experiment runs on, whatever the worker
 count: a fixed count keeps float reductions, hence results, bit-identical across executors.
@@ -32,13 +41,16 @@ import inspect
 import json
 import math
 import numbers
+import sys
 import types
 import typing
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attnscale.errors import ConfigError, did_you_mean
+from pathlib import Path
+
+from attnscale.errors import ConfigError, did_you_mean, parse_json
 
 # Parameter types a grid may hold; dict is a JSON object (a mechanism's options).
 PARAM_TYPES = (int, float, str, bool, dict)
@@ -53,6 +65,9 @@ class Param:
     type: type
     default: Any = inspect.Parameter.empty    # empty: required (must be in the grid or fixed)
     optional: bool = False                    # None is a valid value
+    path: bool = False                        # a file or folder: stored resolved (absolute)
+    fingerprint: Callable[[str], Any] | None = None   # what a path holds, pinned by the store
+    canonical: Callable[[Any, Mapping[str, list]], Any] | None = None  # see the module doc
 
     @property
     def required(self) -> bool:
@@ -85,6 +100,10 @@ class Param:
                 return float(value)
         elif t is str:
             if isinstance(value, str):
+                if self.path:  # '' is never a path; a relative one is pinned to this directory
+                    if not value.strip():
+                        raise ConfigError(f"{key} must be a path, got {value!r}.")
+                    return str(Path(value).expanduser().resolve())
                 return value
         elif t is dict:
             if isinstance(value, Mapping):
@@ -100,14 +119,16 @@ class Param:
             return None
         t = self.type
         if t is str:
-            return text
+            return self.value(key, text)
         if t is bool:
             if text.lower() in _TRUE + _FALSE:
                 return text.lower() in _TRUE
-        else:  # int, float, dict; ConfigError is a ValueError, so convert before checking
-            convert = {int: int, float: float, dict: json.loads}[t]
+        elif t is dict:
+            return self.value(key, parse_json(key, text, _KIND[t]))
+        else:  # int, float: "1e3" is the integer 1000, as JSON's 1e3 is (one rule for both)
             try:
-                value = convert(text)
+                value = int(text) if t is int and text.strip().lstrip("+-").isdigit() \
+                    else float(text)
             except ValueError:
                 value = None
             if value is not None:
@@ -131,6 +152,19 @@ class Experiment:
     def module(self) -> str:
         """The module that registers this experiment: a worker imports it to find the name."""
         return self.fn.__module__
+
+    @property
+    def script(self) -> str | None:
+        """The script that defines this experiment, when it is defined in one (module
+        ``__main__``, which another process cannot import by that name), else None."""
+        if self.module != "__main__":
+            return None
+        file = getattr(sys.modules.get("__main__"), "__file__", None)
+        return str(Path(file).resolve()) if file else None
+
+    def paths(self) -> tuple[str, ...]:
+        """The parameters that name a file or folder (``Param.path``)."""
+        return tuple(k for k, p in self.params.items() if p.path)
 
     def key(self, key: str, param: str = "grid key") -> Param:
         """The parameter ``key``; an unknown key is a ConfigError with a "did you mean"."""

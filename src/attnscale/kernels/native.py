@@ -25,11 +25,12 @@ import os
 import torch
 from torch import Tensor
 
+# The row-statistics kernel writes the columns of ROW_STATS_COLUMNS, in that order (enum OUT_* in
+# _native/kernels.c); they are named once, in attnscale.columns.
+from attnscale.columns import ROW_STATS_COLUMNS
+
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
-# Output columns of the row-statistics kernel, in its order (enum OUT_* in _native/kernels.c).
-ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_std", "logit_absmax",
-                     "logit_max")
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
 KERNELS_VERSION = 3

@@ -110,6 +110,7 @@ class _SinkFlashCPU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         q2, k2, v2, out, lse, sink, base = ctx.saved_tensors
+        base = base.clone()  # its sink column is rewritten per head; the saved one stays as is
         scale, causal = ctx.args
         g = g.contiguous()
         if causal:

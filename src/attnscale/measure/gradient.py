@@ -29,7 +29,7 @@ from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_memor
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
 from attnscale.rng import cell_seed, rng
-from attnscale.stats import max_weight
+from attnscale.stats import max_weight, mean_se
 
 # d_k swept by the gradient-path experiment (the essay's range) and its default size.
 GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
@@ -70,11 +70,6 @@ def _path_norms(z: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor
     Frobenius norm of the value path over all keys."""
     paths = gradient_paths(z, v, g)
     return max_weight(z), paths.routing.norm(dim=-1), paths.value.flatten(-2).norm(dim=-1)
-
-
-def _mean_se(x: Tensor) -> tuple[float, float]:
-    x = x.double()
-    return x.mean().item(), (x.std() / math.sqrt(x.numel())).item() if x.numel() > 1 else 0.0
 
 
 def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
@@ -135,7 +130,7 @@ def _gradient_rows(d_k: int, mechanisms: list[str], n: int, trials: int, seed: i
         row = {"mechanism": name, "d_k": d_k, "n": n, "trials": trials}
         for key, parts in (("max_weight", mw), ("routing_norm", routing),
                            ("value_norm", value)):
-            row[f"{key}_mean"], row[f"{key}_se"] = _mean_se(torch.cat(parts))
+            row[f"{key}_mean"], row[f"{key}_se"] = mean_se(torch.cat(parts))
         rows.append(row)
     return rows
 

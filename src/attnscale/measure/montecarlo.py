@@ -20,8 +20,8 @@ Size
 ----
 Work is done in chunks of about :data:`CHUNK_ELEMENTS` logits, so memory does not grow with
 ``trials`` or ``pairs``; one trial's ``n`` keys (times ``d_k`` where a mechanism needs its
-vectors) must fit at once, and a request that would need more than :data:`MEMORY_FRACTION` of the
-machine's RAM is refused up front (:func:`check_memory`), and so is one that would run for
+vectors) must fit at once, and a request that would need more than half the machine's RAM is
+refused up front (:func:`attnscale.memory.check_memory`), and so is one that would run for
 more than a day even on a fast machine (:func:`check_time`).  Long runs show a progress bar.
 """
 
@@ -29,20 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from attnscale.columns import MEAN_STATS, named
 from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_name_list,
 )
+from attnscale.memory import check_memory
 from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
-from attnscale.stats import columns, row_mass, row_stats
+from attnscale.stats import (Moments, columns, mean_se_from_sums, row_mass, row_stats, std_ci,
+                             std_se)
 from attnscale.workers import num_threads
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
@@ -57,8 +59,6 @@ VARIANCE_CHUNK = 1 << 18
 # spinning threads slow it down by an order of magnitude (3x measured for the rotated-frame path
 # at n = 65536 on 2 busy cores).
 MONTE_CARLO_THREADS = 1
-# Refuse a request whose working set exceeds this fraction of the machine's physical memory.
-MEMORY_FRACTION = 0.5
 # Bytes per logit of a chunk's working set: float32 logits, the float64 shortcut samples and the
 # statistics' temporaries (the PyTorch formulation holds about ten row-sized tensors).
 BYTES_PER_LOGIT = 96
@@ -77,29 +77,9 @@ ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
 # Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order, and
-# the keys' total weight (:func:`attnscale.stats.row_mass`: 1 under softmax, less under a sink,
-# anything in [0, n] under sigmoid).
-SATURATION_STATS = ("max_weight", "entropy", "jacobian_fro", "logit_std", "mass")
-
-
-def physical_memory() -> int | None:
-    """Bytes of physical memory of this machine, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_memory(what: str, need: int) -> None:
-    """Refuse a request whose working set ``need`` (bytes) exceeds :data:`MEMORY_FRACTION` of RAM.
-
-    ``what`` names the request (``"n=100000000000"``); the one-line error says how much it needs.
-    """
-    ram = physical_memory()
-    if ram is not None and need > MEMORY_FRACTION * ram:
-        raise ConfigError(f"{what} would need about {need / 2**30:,.1f} GiB of memory at once, "
-                          f"more than {MEMORY_FRACTION:.0%} of this machine's "
-                          f"{ram / 2**30:,.1f} GiB; use a smaller value.")
+# the keys' total weight (attnscale.columns.WEIGHT_COLUMNS' mass: 1 under softmax, less with a
+# sink, anything in [0, n] under sigmoid).
+SATURATION_STATS = (*MEAN_STATS, *named("mass"))
 
 
 def check_time(what: str, seconds: float) -> None:
@@ -123,52 +103,6 @@ def kurtosis_dot(d_k: int) -> float:
     ``E[(q.k)^4] = 3 d^2 + 6 d`` because each term ``q_i k_i`` has fourth moment 9.
     """
     return 3.0 + 6.0 / d_k
-
-
-def std_se(std: float, count: int, kurtosis: float) -> float:
-    """Delta-method standard error of a sample standard deviation.
-
-    ``Var(s^2) ~= sigma^4 (kappa - (N - 3) / (N - 1)) / N`` and ``se(s) = se(s^2) / (2 s)``; heavy
-    tails (kappa > 3) widen the interval compared with the Gaussian ``s / sqrt(2N)``.
-    """
-    return std * math.sqrt((kurtosis - (count - 3) / (count - 1)) / count) / 2.0
-
-
-def std_ci(std: float, se: float) -> tuple[float, float]:
-    """95% interval of a standard deviation on the log scale: ``s exp(-/+ z se / s)``.
-
-    The delta method applied to ``ln s`` (whose se is ``se(s) / s``) keeps both ends positive, as a
-    standard deviation is, and widens the upper end for small samples, where the sampling
-    distribution of ``s`` is right-skewed; for large samples it agrees with ``s -/+ z se``.
-    """
-    if std <= 0.0:
-        return 0.0, 0.0
-    half = Z95 * se / std
-    return std * math.exp(-half), std * math.exp(half)
-
-
-class _Moments:
-    """Streaming central moments of a sample, from power sums shifted by its first chunk's mean
-    (so nothing cancels when the mean is far from 0)."""
-
-    def __init__(self) -> None:
-        self.count, self.shift, self.sums = 0, None, [0.0] * 4
-
-    def add(self, x: torch.Tensor) -> None:
-        if self.shift is None:
-            self.shift = float(x.mean())
-        y = x - self.shift
-        y2 = y * y
-        for k, part in enumerate((y, y2, y2 * y, y2 * y2)):
-            self.sums[k] += float(part.sum())
-        self.count += x.numel()
-
-    def central(self) -> tuple[float, float]:
-        """``(m2, m4)``, the second and fourth central moments (divided by N)."""
-        s1, s2, s3, s4 = (s / self.count for s in self.sums)
-        m2 = max(s2 - s1 * s1, 0.0)
-        m4 = max(s4 - 4 * s1 * s3 + 6 * s1 * s1 * s2 - 3 * s1 ** 4, 0.0)
-        return m2, m4
 
 
 def _chunk_sizes(total: int, per: int) -> Iterator[int]:
@@ -196,7 +130,7 @@ def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: i
     with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
         for d_k in d_ks:
             gen = rng(seed, "variance", d_k)
-            moments = _Moments()
+            moments = Moments()
             for size in _chunk_sizes(pairs, VARIANCE_CHUNK):
                 # Exact shortcut: q.k = |q| g with |q| ~ chi(d_k), g ~ N(0, 1) independent.
                 x = _chi(d_k, (size,), gen)
@@ -247,11 +181,7 @@ def _summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
     """Mean and standard error of the mean from accumulated sums."""
     out = {}
     for key in SATURATION_STATS:
-        s1, s2 = acc[key]
-        mean = s1 / trials
-        var = max(s2 / trials - mean * mean, 0.0) * trials / (trials - 1)
-        out[f"{key}_mean"] = mean
-        out[f"{key}_se"] = math.sqrt(var / trials)
+        out[f"{key}_mean"], out[f"{key}_se"] = mean_se_from_sums(*acc[key], trials)
     return out
 
 

@@ -31,6 +31,7 @@ from attnscale.measure.montecarlo import (
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
+from attnscale.stats import mean_se
 
 # The planted key's lead over the others' mean, in units of the scaled logit q.k / sqrt(d_k):
 # Nakanishi 2025, Figure 1 plants +3 among logits of -2, a lead of 5.
@@ -91,10 +92,8 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
                           on_logits=lambda name, z: weights[name].append(
                               planted_weight(z).double()))
             for name in names:
-                w = torch.cat(weights[name])
+                mean, se = mean_se(torch.cat(weights[name]))
                 rows.append({"mechanism": name, "d_k": d_k, "n": n, "trials": trials,
-                             "seed": seed, "margin": margin,
-                             "planted_weight_mean": float(w.mean()),
-                             "planted_weight_se": float(w.std() / math.sqrt(trials)),
-                             **_summarise(acc[name], trials)})
+                             "seed": seed, "margin": margin, "planted_weight_mean": mean,
+                             "planted_weight_se": se, **_summarise(acc[name], trials)})
     return rows

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
+import numbers
 import pkgutil
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from attnscale.errors import ConfigError, did_you_mean
+from attnscale.errors import ConfigError, did_you_mean, parse_typed
 from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
 
 # Explicit imports, in the order of the issue's table; importing a module registers its mechanism.
@@ -31,8 +31,9 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 del _module
 
-__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "check_mechanism", "defined_at_init",
-           "mechanism_options", "option_types", "parse_option", "register"]
+__all__ = ["MECHANISMS", "Mechanism", "build_mechanism", "canonical_options", "check_mechanism",
+           "defined_at_init", "mechanism_options", "option_types", "parse_option", "parse_options",
+           "register"]
 
 
 def defined_at_init() -> tuple[str, ...]:
@@ -48,55 +49,76 @@ def mechanism_options(name: str) -> tuple[str, ...]:
 
 
 def option_types(name: str) -> dict[str, type]:
-    """The declared type of each option of ``name`` that has a plain one (bool, int, float, str),
-    read from the annotations of its ``__init__``."""
-    hints = typing.get_type_hints(MECHANISMS[name].__init__)
-    return {option: hints[option] for option in mechanism_options(name)
-            if hints.get(option) in (bool, int, float, str)}
+    """The type of each option ``name`` takes: its annotation (``cap: float``), else the type of
+    its default."""
+    init = MECHANISMS[name].__init__
+    try:
+        hints = typing.get_type_hints(init)
+    except (NameError, TypeError):
+        hints = {}
+    params = inspect.signature(init).parameters
+    return {k: hints.get(k, type(params[k].default)) for k in mechanism_options(name)}
+
+
+def parse_options(items: Iterable[str], mechanism: str, param: str = "--option"
+                  ) -> dict[str, object]:
+    """``KEY=VALUE`` options of ``mechanism`` as a dict, each value read by the option's declared
+    type (:func:`parse_option`: ``divisor=false`` is False); a key given twice is an error (the
+    last would silently win)."""
+    from attnscale.errors import split_key_value
+    options: dict[str, object] = {}
+    for text in items:
+        key, value = split_key_value(param, text)
+        if key in options:
+            raise ConfigError(f"{param} sets {key!r} more than once; give each option once.")
+        options[key] = parse_option(mechanism, key, value, param=param)
+    return options
 
 
 def parse_option(name: str, key: str, text: str, *, param: str = "--option") -> object:
     """The value of option ``key`` of mechanism ``name`` written as ``text`` (``KEY=VALUE`` on a
-    command line, ``name(key=value)`` in a variant), read by the option's declared type: the one
-    rule every command that takes mechanism options uses.
-
-    bool: ``true`` / ``false`` (any case); int: an integer, or a float with an integral value
-    (``1e3``); float: any float; str: the text.  An option without a plain declared type (or one
-    the mechanism does not take, which :func:`check_mechanism` then reports) reads as an int,
-    else a float, else the text.  A value that does not parse is a :class:`ConfigError`.
+    command line, ``name(key=value)`` in a variant), read by the option's type
+    (:func:`option_types`) with :func:`attnscale.errors.parse_typed`, the rule the sweep's
+    ``--set`` and ``--grid`` read text by too: ``divisor=false`` is False, ``max_len=1e3`` is
+    1000.  An option without a plain type (bool, int, float, str), or one the mechanism does not
+    take (which :func:`check_mechanism` then reports), reads as an int, else a float, else the
+    text.  A value that does not parse is a :class:`ConfigError` naming ``param`` and ``key``.
     """
     kind = option_types(name).get(key) if name in MECHANISMS else None
-    if kind is str:
-        return text
-    if kind is bool:
-        if text.strip().lower() not in ("true", "false"):
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is true or false, got "
-                              f"{text!r}.")
-        return text.strip().lower() == "true"
-    try:
-        number = float(text)
-    except ValueError:
-        number = None
-    if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-        if number is None or not math.isfinite(number) or not number.is_integer():
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is an integer, got "
-                              f"{text!r}.")
-        return int(number)
-    if kind is float:
-        if number is None:
-            raise ConfigError(f"{param} {key}: option {key!r} of {name!r} is a number, got "
-                              f"{text!r}.")
-        return number
-    for cast in (int, float):  # undeclared: the most specific reading
+    if kind in (bool, int, float, str):
+        return parse_typed(f"{param} {key}", text, kind)
+    for cast in (int, float):  # no plain type: the most specific reading
         try:
             return cast(text)
         except ValueError:
             pass
     return text
+
+
+def canonical_options(names: str | Iterable[str], options: Mapping[str, object]) -> dict:
+    """``options`` with each number in the one form its option's type gives it, so that equal
+    settings are one: ``{"cap": 20}``, ``{"cap": 20.0}`` and ``{"cap": 2e1}`` are all
+    ``{"cap": 20.0}`` for softcap, and an integral float is an int for an int option.  ``names``:
+    the mechanism, or several (a grid's), an option being typed where those that take it agree.
+    Unknown names, options and values are left as they are, for :func:`check_mechanism` and the
+    mechanism to refuse."""
+    names = [names] if isinstance(names, str) else list(names)
+    types: dict[str, set] = {}
+    for name in names:
+        if isinstance(name, str) and name in MECHANISMS:
+            for key, kind in option_types(name).items():
+                types.setdefault(key, set()).add(kind)
+    out = {}
+    for key, value in options.items():
+        kind = types.get(key, set())
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and len(kind) == 1:
+            (kind,) = kind
+            if kind is float:
+                value = float(value)
+            elif kind is int and isinstance(value, float) and value.is_integer():
+                value = int(value)
+        out[key] = value
+    return out
 
 
 def check_mechanism(name: str, options: Iterable[str] = (), *, param: str | None = None) -> str:

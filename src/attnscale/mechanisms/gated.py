@@ -57,10 +57,9 @@ class Gated(Mechanism):
         if self.w_g is None:
             raise ConfigError("gated: the gate needs the layer's input; build the mechanism inside "
                               "attnscale.MultiHeadAttention or the LM.")
-        b, n, _ = x.shape
         g = torch.sigmoid(self.w_g(x))                              # (B, N, H·(1|d))
-        per_head = self.w_g.out_features // self.n_heads
-        return g.view(b, n, self.n_heads, per_head).transpose(1, 2)  # (B, H, N, 1|d)
+        # Only the last axis is split, so an empty sequence (N = 0) splits as any other.
+        return g.unflatten(-1, (self.n_heads, -1)).transpose(1, 2)  # (B, H, N, 1|d)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, granularity={self.granularity}"

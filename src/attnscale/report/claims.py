@@ -202,18 +202,18 @@ CLAIMS: tuple[Claim, ...] = (
           "lr mapping: max |logit diff| / scaled's max logit change", "differ",
           Within(0.1, float("inf"))),
 
-    # --- Entropy vs number of keys at init, d_k = 64 (attnscale.report.sections.length) ----------
+    # --- Entropy vs number of keys at init, d_k = 64 (attnscale.report.sections.keys) ----------
     # Scaled logits q.k / sqrt(d_k) are ~N(0, 1): below the condensation point sqrt(2 ln n) the
     # entropy is ln n - sigma^2 / 2 + o(1) (random energy model, Derrida 1981), so it tracks ln n.
-    Claim("length.scaled.entropy_slope", _BEYOND, "scaled: slope dH/d ln n of the mean entropy "
+    Claim("keys.scaled.entropy_slope", _BEYOND, "scaled: slope dH/d ln n of the mean entropy "
           "at init; 1 means the gap ln n - H stays constant, the attention disperses (random "
           "energy model, Derrida 1981)", "1", Within(0.9, 1.1)),
     # Nakanishi 2025 (SSMax, arXiv 2501.19399, Sec. 2 and Fig. 1): a key leading the rest by a
     # fixed margin gets weight ~1/n under a fixed temperature, but keeps it under s ln n.
-    Claim("length.planted.scaled.exponent", _BEYOND, "scaled: b in weight ~ n^b of one key "
+    Claim("keys.planted.scaled.exponent", _BEYOND, "scaled: b in weight ~ n^b of one key "
           "leading the others by a fixed margin, large n (fades like 1/n; Nakanishi 2025)",
           "-1", Within(-1.1, -0.9)),
-    Claim("length.planted.ssmax.exponent", _BEYOND, "ssmax: b in planted-key weight ~ n^b, same "
+    Claim("keys.planted.ssmax.exponent", _BEYOND, "ssmax: b in planted-key weight ~ n^b, same "
           "key (does not fade under s ln n; Nakanishi 2025)", "0", Within(-0.1, 0.1)),
 )
 

@@ -1,17 +1,14 @@
-"""Plotting helpers shared by the report sections (matplotlib, Agg backend, no display)."""
+"""Plotting helpers of the report sections; :func:`new_figure` and :func:`save` live in
+:mod:`attnscale.plotting`, the floor the experiments and studies share."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from attnscale.constants import Z95  # noqa: E402
-from attnscale.styles import style  # noqa: E402
+from attnscale.constants import Z95
+from attnscale.plotting import new_figure, save  # noqa: F401  (the sections' helpers)
+from attnscale.styles import style
 
 
 def plot_vs_dk(ax, rows: Sequence[dict], stat: str, mechanisms: Sequence[str]) -> None:
@@ -29,16 +26,3 @@ def plot_vs_dk(ax, rows: Sequence[dict], stat: str, mechanisms: Sequence[str]) -
     ax.set_xscale("log", base=2)
     ax.set_xlabel("head dimension $d_k$")
     ax.grid(True, which="both", alpha=0.3)
-
-
-def save(fig, path: Path) -> None:
-    """Save ``fig`` as PNG and release it."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def new_figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
-    """A figure with ``ncols`` side-by-side axes."""
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, list(axes[0])

@@ -22,6 +22,11 @@ folder.  The contract a study writes into ``DIR``:
          "agrees": true,                                        # ... and as a bool
          "note": "3 seeds"}                                     # optional
 
+The runs behind the fragment are the sweep stores in ``DIR`` (``DIR/sweep.json``, or one per
+subfolder, as :mod:`attnscale.study` writes them): the report says how many of their runs
+finished ("k of n runs") and which attnscale version ran them, and says so plainly when the
+folder holds no store, some runs are missing, or another version ran them.
+
 Everything is validated before any experiment runs (:func:`load_studies`); a folder that breaks
 the contract is a :class:`~attnscale.errors.ConfigError` naming ``--include`` and what is wrong.
 """
@@ -37,11 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnscale.errors import ConfigError, check_unique
+from attnscale.formatting import cell, with_interval
 from attnscale.report.model import Section
-from attnscale.report.writer import cell, with_interval
-
-FRAGMENT_MD = "fragment.md"
-FRAGMENT_JSON = "fragment.json"
+from attnscale.study.fragment import FRAGMENT_JSON, FRAGMENT_MD
 SECTION_NAME = "Beyond the essay"   # the report heading and the key in results.json "sections"
 PARAM = "--include"
 
@@ -61,6 +64,8 @@ class Study:
     markdown: str               # fragment.md with its image links pointing at the copied PNGs
     figures: tuple[str, ...]    # PNG file names in ``path`` that fragment.md shows
     claims: tuple[dict, ...]    # fragment.json's claim rows, validated
+    runs: dict | None = None    # {"ok", "total", "stores"} of its sweep stores; None: no store
+    version: str | None = None  # the attnscale version that ran them (None: not recorded)
 
 
 def _fail(path: str, what: str) -> ConfigError:
@@ -160,7 +165,55 @@ def load_study(path: str | os.PathLike) -> Study:
     figures = _images(shown, folder, text)
     markdown = _IMAGE.sub(lambda m: f"![{m['caption']}]({name}-{m['target']}{m['title'] or ''})",
                           text)
-    return Study(folder, name, meta.get("title") or name, markdown, tuple(figures), claims)
+    runs, version = _runs(shown, folder)
+    return Study(folder, name, meta.get("title") or name, markdown, tuple(figures), claims,
+                 runs, version)
+
+
+def _runs(shown: str, folder: Path) -> tuple[dict | None, str | None]:
+    """The runs of the sweep stores in ``folder`` (itself, or its subfolders) and the attnscale
+    version that ran them (several versions are listed together)."""
+    from attnscale import sweep
+    from attnscale.sweep.store import SPEC_FILE
+    stores = [folder] if (folder / SPEC_FILE).is_file() else \
+        sorted(p for p in folder.iterdir() if (p / SPEC_FILE).is_file())
+    if not stores:
+        return None, None
+    ok = total = 0
+    versions = []
+    for store in stores:
+        try:
+            res = sweep.load(store)
+            ran = json.loads((store / SPEC_FILE).read_text(encoding="utf-8")).get("attnscale")
+        except (ConfigError, ValueError, OSError) as err:
+            raise _fail(shown, f"holds a sweep store that cannot be read ({err}).") from None
+        ok += len(res.ok)
+        total += len(res) + len(res.pending)
+        versions.append(str(ran) if ran is not None else None)
+    known = sorted(set(v for v in versions if v is not None))
+    return ({"ok": ok, "total": total, "stores": len(stores)},
+            ", ".join(known) if known and None not in versions else None)
+
+
+def provenance(s: Study) -> str:
+    """One line on the runs behind a study's verdicts: "k of n runs; attnscale X", with what is
+    missing or other said plainly."""
+    from attnscale import __version__
+    if s.runs is None:
+        return (f"⚠️ No runs: the folder holds no sweep store (no results.jsonl), so these "
+                f"verdicts cannot be traced to runs; this report is attnscale {__version__}.")
+    k, n = s.runs["ok"], s.runs["total"]
+    text = f"{k} of {n} runs"
+    if k < n:
+        text = f"⚠️ {text}: {n - k} failed or never ran, and the verdicts leave them out"
+    if s.version is None:
+        text += f"; the attnscale version that ran them is not recorded (this report is " \
+                f"{__version__})"
+    elif s.version != __version__:
+        text += f"; ⚠️ run by attnscale {s.version}, not this report's {__version__}"
+    else:
+        text += f"; attnscale {s.version}"
+    return text + "."
 
 
 def load_studies(paths) -> list[Study]:
@@ -201,11 +254,12 @@ def beyond_the_essay(studies: list[Study], fig_dir: Path) -> Section:
                 raise ConfigError(f"{PARAM} {str(s.path)!r}: figure {dest.name!r} would replace "
                                   "a figure of the report; rename the study folder.")
             shutil.copyfile(s.path / png, dest)
-        md += [f"### {s.title}", ""]
+        md += [f"### {s.title}", "", f"*{provenance(s)}*", ""]
         if s.claims:
             md += [*_claims_markdown(s.claims), ""]
         md += [s.markdown.strip(), ""]
         rows.append({"kind": "study", "study": s.name, "title": s.title, "source": str(s.path),
-                     "figures": [f"{s.name}-{png}" for png in s.figures]})
+                     "figures": [f"{s.name}-{png}" for png in s.figures], "runs": s.runs,
+                     "attnscale": s.version})
         rows += [{"kind": "claim", "study": s.name, **c} for c in s.claims]
     return Section(SECTION_NAME, rows, {}, [], "\n".join(md))

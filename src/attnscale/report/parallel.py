@@ -37,6 +37,8 @@ from attnscale.report.model import Section
 from attnscale.workers import die_with_parent, process_context
 
 SectionFn = Callable[[Path], Section]  # receives the folder for its figures
+# Seconds an idle worker gets to exit when asked, before it is terminated.
+STOP_GRACE = 5.0
 
 
 def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -> list[Section]:
@@ -64,6 +66,7 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
 
     pool: list[_Worker] = []
     feeders: list[threading.Thread] = []
+    clean = False
     try:  # everything started inside: Ctrl-C at any point stops what has started
         for _ in range(n_workers):
             pool.append(_Worker(fig_dir, _threads(workers)))
@@ -79,9 +82,10 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
         for t in feeders:
             while t.is_alive() and not errors:
                 t.join(0.1)
+        clean = not errors  # every worker idle: let each exit on its own
     finally:
         for w in pool:
-            w.stop()
+            w.stop(force=not clean)
         for t in feeders:  # their pipes are at EOF now
             t.join()
         for w in pool:
@@ -164,8 +168,15 @@ class _Worker:
             else:
                 results[j] = section
 
-    def stop(self) -> None:
-        """Stop the worker now (a section it is running is abandoned) and reap it."""
+    def stop(self, *, force: bool) -> None:
+        """Stop the worker and reap it: ask it to exit (it is idle once every section is done),
+        or, on an error or interrupt, terminate it (a section it is running is abandoned)."""
+        if self.process.is_alive() and not force:
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(STOP_GRACE)
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()

@@ -20,13 +20,13 @@ from attnscale.errors import ConfigError, check_int, check_unique
 from attnscale.io import check_output_path
 from attnscale.report.include import beyond_the_essay, load_studies
 from attnscale.report.model import Section
-from attnscale.report.sections import gradient, length, montecarlo, recall
+from attnscale.report.sections import gradient, keys, montecarlo, recall
 from attnscale.report.writer import write_report
 
 SECTIONS: tuple[Callable[..., Section], ...] = (
     montecarlo.report_section,
     montecarlo.report_section_mechanisms,
-    length.report_section,
+    keys.report_section,
     gradient.report_section,
     recall.report_section,   # last: with workers > 1 the calling process runs it (the longest)
 )

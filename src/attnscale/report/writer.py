@@ -12,30 +12,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from attnscale.constants import Z95
+from attnscale.formatting import cell, number, with_interval  # noqa: F401  (the report's)
 from attnscale.io import staged_dir
 from attnscale.report.claims import CLAIMS, check_claim_ids
 from attnscale.report.model import Measurement, Section, judge
 from attnscale.report.parallel import run_sections
 
 SectionFn = Callable[[Path], Section]  # receives the staging folder for its figures
-
-
-def cell(text: str) -> str:
-    """Escape a markdown table cell (quantities such as ||J||_F contain pipes)."""
-    return text.replace("|", "\\|")
-
-
-def number(x: float | None) -> str:
-    """A number as the report's tables show it; None (not measured) is a dash."""
-    return "—" if x is None else f"{x:.4g}"
-
-
-def with_interval(value: float | None, interval) -> str:
-    """``value [lo, hi]``, or ``value`` alone when there is no interval."""
-    text = number(value)
-    if interval is not None:
-        text += f" [{number(interval[0])}, {number(interval[1])}]"
-    return text
 
 
 def _ours(m: Measurement) -> str:

@@ -6,9 +6,13 @@ the sweep stored in a folder, and :func:`load` reads one back.  Resume rules:
 * a trial with an ``ok`` record is never run again;
 * a trial with an ``error`` record is run again only with ``retry_errors``;
 * a trial with no record (never started, or in flight when the sweep stopped) is run;
-* the grid and fixed settings must equal the stored ones (a ConfigError names each difference),
+* the canonical settings must equal the stored ones (a ConfigError names each difference),
   except that with ``extend`` the grid may gain values (and a fixed key may become a grid key
-  that keeps its value), which runs just the new trials.
+  that keeps its value), which runs just the new trials;
+* every file a trial reads (a path parameter) must still hold what it held when the sweep was
+  created (the fingerprints in ``sweep.json``);
+* one process writes the store at a time (:meth:`Store.locked`), from the first read of its
+  spec to the last record.
 
 Stopping: Ctrl-C (KeyboardInterrupt) and SIGTERM (:class:`attnscale.io.Terminated`) alike stop
 every worker, with the finished trials recorded, and propagate (the CLI exits 130 or 143).
@@ -24,11 +28,11 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from attnscale.errors import ConfigError, check_float, check_int
-from attnscale.io import sigterm_as_exit
+from attnscale.errors import ConfigError, check_float, check_int, did_you_mean
+from attnscale.io import owned, sigterm_as_exit
 from attnscale.progress import progress
 from attnscale.experiments import registry
-from attnscale.sweep.grid import SweepSpec, check_grid, differences, extended
+from attnscale.sweep.grid import SweepSpec, check_grid, check_pins, differences, extended
 from attnscale.sweep.local import cpu_count, run_local, threads_per_worker
 from attnscale.sweep.results import SweepResults, load
 from attnscale.sweep.store import Store
@@ -53,17 +57,27 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
     If ``out`` already holds this sweep it is continued (``resume=False`` refuses instead); if it
     holds another one, a ConfigError names the differences, unless ``extend`` and the new grid
     only adds values.  A new sweep needs ``out`` new, empty or written by attnscale, unless
-    ``force``.  Returns the records, as :func:`load` does.
+    ``force`` (which also lets a ``sweep.json`` changed by hand be continued as it reads).
+    One process at a time writes a store: another writer is refused, naming its PID.  Returns
+    the records, as :func:`load` does.
     """
     exp = registry.get(experiment)
     spec = SweepSpec.build(exp, grid, fixed)
     executor = _executor(exp, workers, ray_address, cpus_per_trial, gpus_per_trial)
     store = Store(out)
-    if store.exists():
-        old = store.read_spec()
-        diffs = differences(old, spec)
+    if not store.exists():  # checked before any folder is made (and again under the lock)
+        _check_trials(exp, spec.trials())
+    store.check(new=not store.exists(), force=force)
+    with sigterm_as_exit(), _connected(executor), store.locked():
+        if not store.exists():
+            return _execute(store, spec, exp, executor, retry_errors, show_progress,
+                            write_spec=True, new=True)
+        old = _stored(store, force)
+        diffs = differences(old, spec, exp)
+        if old.experiment == exp.name:
+            check_pins(exp, old, str(store.path))
         if diffs and extend:
-            spec = extended(old, spec)
+            spec = extended(old, spec, exp)
         elif diffs:
             raise ConfigError(f"out {str(store.path)!r} holds another sweep ({'; '.join(diffs)}); "
                               f"resume it as it is, pass extend to add values to its grid, or "
@@ -74,48 +88,100 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         else:
             spec = old
         return _execute(store, spec, exp, executor, retry_errors, show_progress,
-                        write_spec=bool(diffs), new=False)
-    _check_trials(exp, spec.trials())
-    store.check(new=True, force=force)
-    return _execute(store, spec, exp, executor, retry_errors, show_progress, write_spec=True,
-                    new=True)
+                        write_spec=bool(diffs) or force, new=False)
 
 
 def resume(out: str | os.PathLike, *, grid: Mapping[str, Sequence[Any]] | None = None,
            extend: bool = False, workers: int | None = None, ray_address: str | None = None,
            cpus_per_trial: float | None = None, gpus_per_trial: float = 0,
-           retry_errors: bool = False, show_progress: bool | None = None) -> SweepResults:
+           retry_errors: bool = False, force: bool = False,
+           show_progress: bool | None = None) -> SweepResults:
     """Continue the sweep stored in ``out``.  ``grid`` (with ``extend``) gives new value lists
-    for some keys; keys it does not name keep theirs."""
+    for some keys; keys it does not name keep theirs.  ``force`` continues a sweep whose
+    ``sweep.json`` was changed by hand, as it now reads."""
     store = Store(out)
-    old = store.read_spec()
-    exp = experiment_of(old)
+    old = _stored(store, force)
+    exp = experiment_of(old, store)
     executor = _executor(exp, workers, ray_address, cpus_per_trial, gpus_per_trial)
-    spec = old
-    if grid:
-        updates = check_grid(exp, grid)
-        new = SweepSpec(old.experiment, old.module, {**old.grid, **updates},
-                        {k: v for k, v in old.fixed.items() if k not in updates},
-                        {k: v for k, v in old.base.items() if k not in updates})
-        diffs = differences(old, new)
-        if diffs and not extend:
-            raise ConfigError(f"the grid differs from the sweep in {str(store.path)!r} "
-                              f"({'; '.join(diffs)}); pass --extend to add these trials.")
-        spec = extended(old, new) if diffs else old
-    return _execute(store, spec, exp, executor, retry_errors, show_progress,
-                    write_spec=spec is not old, new=False)
+    updates = check_grid(exp, grid) if grid else {}
+    store.check(new=False)
+    with sigterm_as_exit(), _connected(executor), store.locked():
+        old = _stored(store, force)  # again, now that no one else can change it
+        check_pins(exp, old, str(store.path))
+        spec = old
+        if updates:
+            new = SweepSpec.build(exp, {**old.grid, **updates},
+                                  {k: v for k, v in old.base.items() if k not in updates})
+            diffs = differences(old, new, exp)
+            if diffs and not extend:
+                raise ConfigError(f"the grid differs from the sweep in {str(store.path)!r} "
+                                  f"({'; '.join(diffs)}); pass --extend to add these trials.")
+            spec = extended(old, new, exp) if diffs else old
+        return _execute(store, spec, exp, executor, retry_errors, show_progress,
+                        write_spec=spec is not old or force, new=False)
 
 
-def experiment_of(spec: SweepSpec) -> registry.Experiment:
-    """The experiment a stored sweep runs, importing the module that registers it if needed."""
+def _stored(store: Store, force: bool) -> SweepSpec:
+    """The stored spec, its values checked; refused when ``sweep.json`` was changed by hand,
+    unless ``force``."""
+    spec = store.read_spec()
+    experiment_of(spec, store)  # a bad value is named before --force is suggested
+    if not force and not owned(store.spec_path):
+        raise ConfigError(f"{str(store.spec_path)!r} was changed since attnscale wrote it; "
+                          f"restore it, or pass --force to continue the sweep as the file now "
+                          f"reads (see it with 'attnscale sweep --show {store.path}').")
+    return spec
+
+
+def experiment_of(spec: SweepSpec, store: Store | None = None) -> registry.Experiment:
+    """The experiment a stored sweep runs, importing the module that registers it if needed;
+    its stored values are checked against the parameters (a ConfigError names the field)."""
+    where = f" in {str(store.spec_path)!r}" if store is not None else ""
     if spec.experiment not in registry.EXPERIMENTS:
+        if spec.module == "__main__":
+            script = f" {spec.script!r}" if spec.script else ""
+            raise ConfigError(f"the sweep's experiment {spec.experiment!r}{where} is defined in "
+                              f"the script{script}, which this process did not run; resume it "
+                              f"from Python, with sweep.resume(...) in that script (or a script "
+                              f"that imports the module defining it).")
         try:
             importlib.import_module(spec.module)
         except ImportError as err:
-            raise ConfigError(f"the sweep's experiment {spec.experiment!r} is registered by "
-                              f"module {spec.module!r}, which cannot be imported "
+            raise ConfigError(f"the sweep's experiment {spec.experiment!r}{where} is registered "
+                              f"by module {spec.module!r}, which cannot be imported "
                               f"({err}).") from None
-    return registry.get(spec.experiment)
+    if spec.experiment not in registry.EXPERIMENTS:
+        raise ConfigError(f"the sweep's experiment {spec.experiment!r}{where} is not registered "
+                          f"by module {spec.module!r}."
+                          f"{did_you_mean(spec.experiment, registry.EXPERIMENTS)} Restore the "
+                          f"file, or start the sweep again in a new folder.")
+    exp = registry.get(spec.experiment)
+    for field, values in (("grid", spec.grid), ("base", {k: [v] for k, v in spec.base.items()})):
+        for key, items in values.items():
+            if key not in exp.params:
+                raise ConfigError(f"field {field!r}{where} holds {key!r}, which experiment "
+                                  f"{exp.name!r} does not take.{did_you_mean(key, exp.params)} "
+                                  f"Restore the file, or start the sweep again in a new folder.")
+            for v in items:
+                try:
+                    exp.params[key].value(key, v)
+                except ConfigError as err:
+                    raise ConfigError(f"field {field!r}{where}: {str(err).rstrip('.')}; restore "
+                                      f"the file, or start the sweep again in a new "
+                                      f"folder.") from None
+    return exp
+
+
+@contextlib.contextmanager
+def _connected(executor: dict) -> Iterator[None]:
+    """The executor's connection for the block (Ray's; none locally), made before the store is
+    written, so that a failed start leaves the folder as it was."""
+    if executor["kind"] != "ray":
+        yield
+        return
+    from attnscale.sweep.ray_exec import connected
+    with connected(executor["address"]):
+        yield
 
 
 def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
@@ -172,8 +238,6 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
              retry_errors: bool, show_progress: bool | None, *, write_spec: bool,
              new: bool) -> SweepResults:
     trials = spec.trials()
-    if not new:
-        store.check(new=False)
     store.repair()
     latest = store.latest()
     todo = [t for t in trials if t.id not in latest
@@ -199,13 +263,11 @@ def _execute(store: Store, spec: SweepSpec, exp: registry.Experiment, executor: 
             bar.set_postfix_str(f"{errors} failed", refresh=False)
 
     try:
-        with sigterm_as_exit():
-            if executor["kind"] == "local":
-                run_local(tasks, record, workers=executor["workers"], key=key)
-            else:
-                from attnscale.sweep.ray_exec import run_ray
-                run_ray(tasks, record, address=executor["address"], cpus=executor["cpus"],
-                        gpus=executor["gpus"], key=key)
+        if executor["kind"] == "local":
+            run_local(tasks, record, workers=executor["workers"], key=key)
+        else:
+            from attnscale.sweep.ray_exec import run_ray
+            run_ray(tasks, record, cpus=executor["cpus"], gpus=executor["gpus"], key=key)
     finally:
         store.close()
         bar.close()

@@ -3,7 +3,9 @@
 ``address="local"`` starts a private local Ray instance (stopped afterwards); ``"auto"`` joins the
 cluster started on this machine with ``ray start``; ``HOST:PORT`` or ``ray://HOST:10001`` joins a
 remote one.  If the process is already connected (``ray.init`` called by the user), that
-connection is used and left open.
+connection is used and left open.  :func:`connected` joins before the sweep writes its store, so
+a cluster that cannot be reached leaves nothing behind; a remote address must answer within
+:data:`CONNECT_TIMEOUT` seconds (``ray.init`` itself would retry for minutes).
 
 Each task asks for ``cpus`` CPUs (its torch thread count) and ``gpus`` GPUs, and Ray retries a
 task whose worker or node was lost up to :data:`MAX_RETRIES` times, on another node when its node
@@ -19,8 +21,10 @@ goes back to the queue as single trials.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterable
+import socket
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 from attnscale.errors import ConfigError
 from attnscale.sweep.batch import Chunk, chunks, run_chunk
@@ -32,6 +36,8 @@ MAX_RETRIES = 3
 # writes results, few enough that ``ray.wait`` stays cheap on huge grids.
 IN_FLIGHT_PER_CPU = 2
 MIN_IN_FLIGHT = 16
+# Seconds a remote cluster's address gets to accept a connection before --ray gives up.
+CONNECT_TIMEOUT = 10.0
 
 
 def import_ray():
@@ -49,20 +55,57 @@ def _run_remote(chunk: Chunk) -> list[dict]:
     return run_chunk(chunk)
 
 
-def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, address: str,
-            cpus: float, gpus: float,
-            key: Callable[[Task], Hashable | None] | None = None) -> None:
-    """Run ``tasks`` as Ray tasks, calling ``on_outcome`` in the driver as each trial finishes;
-    ``key`` (the experiment's batch key) lets trials run in chunks."""
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a remote address (``HOST:PORT`` or ``ray://HOST:PORT``), else None."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(address: str) -> None:
+    """A remote address must accept a TCP connection within :data:`CONNECT_TIMEOUT` seconds."""
+    target = _host_port(address)
+    if target is None:
+        return
+    try:
+        with socket.create_connection(target, timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as err:
+        why = f"no answer within {CONNECT_TIMEOUT:g} s" if isinstance(err, TimeoutError) \
+            else (err.strerror or str(err))
+        raise ConfigError(f"--ray: no Ray cluster answers at {address!r} ({why}); check the "
+                          f"address, or start the cluster with 'ray start --head'.") from None
+
+
+@contextlib.contextmanager
+def connected(address: str) -> Iterator[None]:
+    """Join (or start) Ray at ``address`` for the block, and leave it afterwards; a connection
+    the process already had is used and kept.  Failing to join is a one-line ConfigError."""
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
+        _check_reachable(address)
         kwargs = {"include_dashboard": False} if address == "local" else {}
         try:
             ray.init(address=address, logging_level=logging.WARNING, **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise ConfigError(f"--ray: cannot start or join Ray at {address!r} "
                               f"({' '.join(str(err).split())}).") from None
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, cpus: float,
+            gpus: float, key: Callable[[Task], Hashable | None] | None = None) -> None:
+    """Run ``tasks`` as Ray tasks on the cluster joined by :func:`connected`, calling
+    ``on_outcome`` in the driver as each trial finishes; ``key`` (the experiment's batch key)
+    lets trials run in chunks."""
+    ray = import_ray()
     remote = ray.remote(_run_remote).options(num_cpus=cpus, num_gpus=gpus,
                                              max_retries=MAX_RETRIES, retry_exceptions=False)
     total_cpus = ray.cluster_resources().get("CPU", 1.0)
@@ -90,5 +133,3 @@ def run_ray(tasks: Iterable[Task], on_outcome: Callable[[dict], None], *, addres
     finally:
         for ref in in_flight:
             ray.cancel(ref, force=True)
-        if started:
-            ray.shutdown()

@@ -9,12 +9,19 @@ Layout of ``DIR``::
                      {"trial", "config", "status": "ok" | "error", "result", "error",
                       "wall_seconds", "host"}
 
-Only the driver process writes ``results.jsonl``: each line is appended in one write, flushed and
-fsync'd before the next trial is counted as finished, so a crash loses at most the trials in
-flight, never a finished one.  A crash in the middle of a write leaves a last line without its
-newline; :meth:`Store.records` ignores it and :meth:`Store.repair` cuts it off before appending.
-When a trial has several lines (an error, then a retry), the last one counts; :meth:`Store.compact`
-rewrites the file (atomically) with one line per trial.
+    .attnscale-lock  the writer's lock (:meth:`Store.locked`): one process writes a store
+
+Only the driver process writes ``results.jsonl``, and only while it holds the store's lock: each
+line is appended in one write, flushed and fsync'd before the next trial is counted as finished,
+so a crash loses at most the trials in flight, never a finished one.  A crash in the middle of a
+write leaves a last line without its newline: :meth:`Store.records` ignores it when it is not a
+complete record, and :meth:`Store.repair` cuts it off before appending (a complete record that
+only lacks its newline is kept, and the newline added).  Blank lines are skipped.  When a trial
+has several lines (an error, then a retry), the last one counts; :meth:`Store.compact` rewrites
+the file (atomically) with one line per trial.
+
+Every record is checked on read (:func:`check_record`): a line changed by hand is a ConfigError
+that names the file, the line and the field, never a traceback later.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from attnscale.errors import ConfigError
-from attnscale.io import atomic_write, check_output_path, fsync_dir, replace_atomically
+from attnscale.errors import ConfigError, parse_json
+from attnscale.io import atomic_write, check_output_path, exclusive, fsync_dir, \
+    replace_atomically
 from attnscale.sweep.grid import SweepSpec
 
 SPEC_FILE = "sweep.json"
@@ -34,6 +42,35 @@ RESULTS_FILE = "results.jsonl"
 FORMAT = "attnscale-sweep"
 FORMAT_VERSION = 1
 RECORD_KEYS = ("trial", "config", "status", "result", "error", "wall_seconds", "host")
+
+
+def check_record(record: object) -> dict:
+    """``record`` if it is a trial record as attnscale writes it, else a ValueError naming the
+    first field that is not."""
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object, got {json.dumps(record)}")
+    for key in ("trial", "config", "status", "wall_seconds"):
+        if key not in record:
+            raise ValueError(f"field {key!r} is missing")
+    checks = {
+        "trial": (isinstance(record["trial"], str) and record["trial"], "a trial id"),
+        "config": (isinstance(record["config"], dict), "an object"),
+        "status": (record["status"] in ("ok", "error"), '"ok" or "error"'),
+        "error": (record.get("error") is None or isinstance(record["error"], str),
+                  "null or a message"),
+        "wall_seconds": (isinstance(record["wall_seconds"], (int, float))
+                         and not isinstance(record["wall_seconds"], bool)
+                         and record["wall_seconds"] >= 0, "a number of seconds"),
+        "host": (record.get("host") is None or isinstance(record["host"], str),
+                 "null or a host name"),
+    }
+    for key, (good, what) in checks.items():
+        if not good:
+            raise ValueError(f"field {key!r} must be {what}, got {json.dumps(record.get(key))}")
+    if record["status"] == "error" and not record.get("error"):
+        raise ValueError("field 'error' must hold the message of a failed trial, got "
+                         f"{json.dumps(record.get('error'))}")
+    return record
 
 
 def record_line(record: dict) -> str:
@@ -60,10 +97,25 @@ class Store:
 
     def check(self, *, new: bool, force: bool = False) -> None:
         """Before any trial runs: the folder must be writable and, for a new sweep, new, empty or
-        attnscale's (the output-folder policy of :mod:`attnscale.io`; ``force`` overrides it)."""
-        check_output_path("out", self.path, kind="dir",
-                          files=(SPEC_FILE, RESULTS_FILE) if new else (SPEC_FILE,),
-                          force=force)
+        attnscale's (the output-folder policy of :mod:`attnscale.io`; ``force`` overrides it);
+        for a sweep in it, ``results.jsonl`` must take appends."""
+        if new:
+            check_output_path("out", self.path, kind="dir", files=(SPEC_FILE, RESULTS_FILE),
+                              force=force)
+            return
+        check_output_path("out", self.path, kind="dir", force=True)  # writable, a folder
+        if self.results_path.exists() or self.results_path.is_symlink():
+            try:
+                with open(self.results_path, "ab"):
+                    pass
+            except OSError as err:
+                raise ConfigError(f"{str(self.results_path)!r} is not writable "
+                                  f"({err.strerror or err}); make it writable (chmod u+w, "
+                                  f"chattr -i) and run this again.") from None
+
+    def locked(self):
+        """Context manager: hold the store's writer lock (:func:`attnscale.io.exclusive`)."""
+        return exclusive(self.path, param="out")
 
     # -- sweep.json ---------------------------------------------------------------------------
 
@@ -73,16 +125,17 @@ class Store:
         if not self.spec_path.is_file():
             raise ConfigError(f"{str(self.path)!r} holds no sweep (no {SPEC_FILE}).")
         try:
-            obj = json.loads(self.spec_path.read_text(encoding="utf-8"))
-            if obj.get("format") != FORMAT:
+            obj = parse_json(SPEC_FILE, self.spec_path.read_bytes())
+            if not isinstance(obj, dict) or obj.get("format") != FORMAT:
                 raise ValueError("not an attnscale sweep")
             if obj.get("version") != FORMAT_VERSION:
                 raise ValueError(f"format version {obj.get('version')!r}, "
                                  f"this attnscale reads {FORMAT_VERSION}")
             return SweepSpec.from_json(obj)
-        except (ValueError, KeyError, AttributeError, TypeError) as err:
+        except (ValueError, OSError) as err:
             raise ConfigError(f"{str(self.spec_path)!r} is not a sweep attnscale wrote "
-                              f"({err}).") from None
+                              f"({str(err).rstrip('.')}); "
+                              f"restore it, or start the sweep again in a new folder.") from None
 
     def write_spec(self, spec: SweepSpec) -> None:
         from attnscale import __version__
@@ -91,38 +144,60 @@ class Store:
                    timespec="seconds"),
                **spec.to_json()}
         self.path.mkdir(parents=True, exist_ok=True)
+        # force: the folder passed Store.check, and a sweep.json changed by hand gets here only
+        # when the user chose to continue it as it reads (--force); written, it is ours again.
         atomic_write(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n",
-                     param="out")
+                     param="out", force=True)
 
     # -- results.jsonl ------------------------------------------------------------------------
 
-    def _lines(self) -> tuple[list[dict], int]:
-        """Complete records, and the byte length of the file up to the last complete line."""
+    def _lines(self) -> tuple[list[dict], int, bool]:
+        """Complete records; the byte length of the file up to the last complete record; and
+        whether that record is a last line missing only its newline."""
         if not self.results_path.exists():
-            return [], 0
-        data = self.results_path.read_bytes()
+            return [], 0, False
+        try:
+            data = self.results_path.read_bytes()
+        except OSError as err:
+            raise ConfigError(f"{str(self.results_path)!r} cannot be read "
+                              f"({err.strerror or err}); it must be the sweep's results "
+                              f"file.") from None
         end = data.rfind(b"\n") + 1                      # a torn last line has no newline
-        records = []
-        for number, line in enumerate(data[:end].splitlines(), start=1):
+        records = [self._record(number, line)
+                   for number, line in enumerate(data[:end].split(b"\n"), start=1)
+                   if line.strip()]
+        tail = data[end:]
+        if tail.strip():  # complete JSON that lacks its newline is a record, not a torn write
             try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or "trial" not in record \
-                        or record.get("status") not in ("ok", "error"):
-                    raise ValueError("not a trial record")
+                record = check_record(parse_json("record", tail))
             except ValueError:
-                raise ConfigError(f"{str(self.results_path)!r} line {number} is not a trial "
-                                  f"record; the file was changed by something other than "
-                                  f"attnscale.") from None
-            records.append(record)
-        return records, end
+                return records, end, False
+            return records + [record], len(data), True
+        return records, len(data) if not tail else end, False
+
+    def _record(self, number: int, line: bytes) -> dict:
+        try:
+            return check_record(parse_json("record", line))
+        except ValueError as err:
+            raise ConfigError(f"{str(self.results_path)!r} line {number} is not a trial record "
+                              f"({str(err).rstrip('.')}); the file was changed by something "
+                              f"other than attnscale: restore it, or delete that line to run "
+                              f"its trial again.") from None
 
     def records(self) -> list[dict]:
         """Every complete record in file order (a torn last line is ignored)."""
         return self._lines()[0]
 
     def repair(self) -> bool:
-        """Cut off a torn last line before appending; True if there was one."""
-        records, end = self._lines()
+        """Before appending: cut off a torn last line, or end a complete last record with its
+        newline; True if there was anything to repair."""
+        _, end, unterminated = self._lines()
+        if unterminated:
+            with open(self.results_path, "ab") as fh:
+                fh.write(b"\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            return True
         if self.results_path.exists() and self.results_path.stat().st_size > end:
             with open(self.results_path, "r+b") as fh:
                 fh.truncate(end)
@@ -137,14 +212,19 @@ class Store:
 
     def append(self, record: dict) -> None:
         """Append one record and make it durable before returning."""
-        if self._fh is None:
-            created = not self.results_path.exists()
-            self._fh = open(self.results_path, "ab")
-            if created:
-                fsync_dir(self.path)
-        self._fh.write(record_line(record).encode())
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            if self._fh is None:
+                created = not self.results_path.exists()
+                self._fh = open(self.results_path, "ab")
+                if created:
+                    fsync_dir(self.path)
+            self._fh.write(record_line(record).encode())
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as err:
+            raise ConfigError(f"cannot write {str(self.results_path)!r} "
+                              f"({err.strerror or err}); make it writable, then resume the "
+                              f"sweep to run the trials not recorded.") from None
 
     def close(self) -> None:
         if self._fh is not None:

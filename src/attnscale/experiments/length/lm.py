@@ -37,9 +37,9 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.length.recall import lengths_text
-from attnscale.experiments.lm.data import Corpus, eval_windows
+from attnscale.experiments.lm.data import DATA_PARAM, Corpus, eval_windows
 from attnscale.experiments.lm.model import LM, rope_frequencies
-from attnscale.experiments.lm.train import RunConfig, loss_by_position, train_lm
+from attnscale.experiments.lm.train import LMRunConfig, loss_by_position, train_lm
 from attnscale.io import json_safe
 from attnscale.mechanisms.base import Mechanism, Scale
 from attnscale.pipeline import Observation, key_mask, observe
@@ -170,7 +170,7 @@ def fit_minimum(x: Sequence[float], y: Sequence[float]) -> dict:
 
 
 def _params() -> dict[str, Param]:
-    params = params_from_dataclass(RunConfig)
+    params = params_from_dataclass(LMRunConfig)
     for key in ("max_seq_len", "device", "bf16", "monitor_every", "options"):
         params.pop(key)
     params["steps"] = Param(int, LM_STEPS)
@@ -178,10 +178,11 @@ def _params() -> dict[str, Param]:
     params["lengths"] = Param(str, lengths_text(EVAL_LENGTHS))
     params["yarn"] = Param(bool, True)   # the YaRN sweep, on the scaled model's trials only
     params["yarn_factors"] = Param(str, ",".join(map(str, YARN_FACTORS)))
+    params["data"] = DATA_PARAM          # stored absolute, pinned by its fingerprint
     return params
 
 
-def _split(config: dict) -> tuple[RunConfig, list[int], list[int] | None]:
+def _split(config: dict) -> tuple[LMRunConfig, list[int], list[int] | None]:
     config = dict(config)
     lengths = parse_int_list("lengths", config.pop("lengths"), minimum=1)
     factors = parse_int_list("yarn_factors", config.pop("yarn_factors"), minimum=2)
@@ -190,7 +191,7 @@ def _split(config: dict) -> tuple[RunConfig, list[int], list[int] | None]:
         else {}
     # Built and validated at the training context (the memory estimate is for training); the
     # trained model is extended to the evaluation lengths afterwards (LM.set_rope).
-    run = RunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10))
+    run = LMRunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10))
     run.validated()
     return run, lengths, factors if yarn else None
 

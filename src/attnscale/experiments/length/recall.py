@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from attnscale.columns import named
 from attnscale.errors import ConfigError, parse_int_list
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import eval_set
@@ -34,7 +35,7 @@ LENGTH_CONFIG = RecallConfig(n_keys=max(EVAL_PAIRS))
 MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "qknorm", "cosine", "softcap",
               "learned-temp")
 # Statistics kept per length, from trainer.evaluate.
-STATS = ("accuracy", "entropy", "max_weight")
+STATS = ("accuracy", *named("entropy", "max_weight"))
 
 
 def lengths_text(lengths) -> str:

@@ -21,6 +21,14 @@ Cache
 The token arrays are written once to ``$ATTNSCALE_CACHE/lm/<key>/`` (default
 ``~/.cache/attnscale``), atomically (staged then renamed), and read back on later runs.  The key
 hashes the source's files with their sizes and modification times, and :data:`CORPUS_VERSION`.
+The cache is never data: a folder given as ``data`` that holds the cache folder is read without
+it (else every run would add its own cache files to the corpus).
+
+Pinning
+-------
+:data:`DATA_PARAM` is the ``data`` parameter of the experiments that train on a corpus: a path,
+stored absolute, whose :func:`fingerprint` (files, bytes and a BLAKE2b hash of the relative names,
+sizes and contents) a sweep records when it is created and checks when it is resumed.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from torch import Tensor
 
 from attnscale.errors import ConfigError
+from attnscale.experiments.registry import Param
 
 # Folders whose files are not part of the default corpus: test suites and installed packages.
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
@@ -114,8 +123,10 @@ def user_files(path: str | os.PathLike) -> tuple[Path, list[Path]]:
     if not p.is_dir():
         raise ConfigError(f"data path {str(path)!r} is neither a file nor a folder.")
     root = p.resolve()
+    cache = cache_dir().resolve()
     found = sorted((f for f in root.rglob("*") if f.is_file()
-                    and not any(part.startswith(".") for part in f.relative_to(root).parts)),
+                    and not any(part.startswith(".") for part in f.relative_to(root).parts)
+                    and not f.resolve().is_relative_to(cache)),
                    key=lambda f: f.relative_to(root).as_posix())
     texts = [f for f in found if f.stat().st_size > 0 and is_text(f)]
     if not texts:
@@ -137,6 +148,36 @@ def _cache_key(name: str, root: Path, files: list[Path]) -> str:
         st = f.stat()
         h.update(repr((f.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns)).encode())
     return h.hexdigest()
+
+
+# fingerprint() results by the files' names, sizes and modification times: each file is read once
+# per process however often a sweep checks it.
+_FINGERPRINTS: dict[str, dict] = {}
+
+
+def fingerprint(data: str | os.PathLike) -> dict:
+    """What ``data`` (a text file or folder, as :func:`user_files` reads it) holds:
+    ``{"files", "bytes", "blake2b"}``, the hash over each file's relative name, size and
+    contents in order.  Missing or empty data is a ConfigError naming ``data``."""
+    root, files = user_files(data)
+    key = _cache_key("fingerprint", root, files)
+    if key not in _FINGERPRINTS:
+        h = hashlib.blake2b(digest_size=16)
+        total = 0
+        for f in files:
+            size = f.stat().st_size
+            total += size
+            h.update(f"{f.relative_to(root).as_posix()}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        _FINGERPRINTS[key] = {"files": len(files), "bytes": total, "blake2b": h.hexdigest()}
+    return dict(_FINGERPRINTS[key])
+
+
+# The corpus parameter of an experiment (LMRunConfig.data): None for the stdlib, else a path that a
+# sweep stores absolute and pins by its fingerprint.
+DATA_PARAM = Param(str, None, optional=True, path=True, fingerprint=fingerprint)
 
 
 def _build(root: Path, files: list[Path]) -> tuple[bytes, bytes, int]:

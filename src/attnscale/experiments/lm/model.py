@@ -57,7 +57,7 @@ NORM_EPS = 1e-5
 
 @dataclass(frozen=True)
 class LMConfig:
-    """The model's shape; :func:`attnscale.experiments.lm.train.RunConfig` holds one of these."""
+    """The model's shape; :class:`attnscale.experiments.lm.train.LMRunConfig` holds one of these."""
 
     d_model: int = 64                  # residual width ("width" in the study)
     n_layers: int = 2                  # transformer blocks

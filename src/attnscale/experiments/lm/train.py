@@ -13,14 +13,14 @@ instabilities", arXiv 2309.14322, section 2.1), each constant defined once below
 * gradient clipping at global norm 1.0 and z-loss 1e-4 · log²Z (Chowdhery et al. 2022, PaLM).
 
 Mechanisms that act between steps run for real: qk-clip's clip follows every optimizer step
-(:func:`attnscale.mechanisms.qk_clip.install`, a step post-hook).
+(:func:`attnscale.guard` installs it as a step post-hook).
 
 A run records its full config, its training throughput (``timing``: tokens per second and seconds
 of training, the one part of a record that depends on the machine), the training loss per step (cross-entropy, nats per byte, without
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
-at the end (nats and bits per byte), and every :attr:`RunConfig.monitor_every` steps, per layer,
+at the end (nats and bits per byte), and every :attr:`LMRunConfig.monitor_every` steps, per layer,
 the max |attention logit| (after the mechanism: what enters the softmax), the min and mean over
-heads of the mean attention entropy (nats), read by :func:`attnscale.monitor`, plus the max |output logit|.
+heads of the mean attention entropy (nats), read by :func:`attnscale.guard`, plus the max |output logit|.
 
 A run *diverges* when a training loss is not finite (training stops there) or when its final
 validation loss is above its loss at init.  That is a result (``diverged: true``), never an error.
@@ -39,12 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.columns import named
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sample_batch
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
-from attnscale.measure.monitor import monitor
-from attnscale.mechanisms import qk_clip
+from attnscale.guard import guard
+from attnscale.memory import check_memory
 from attnscale.rng import rng
 from attnscale.workers import check_device, num_threads
 
@@ -61,8 +62,10 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on; its JSON form is the ``config`` of the run record."""
+class LMRunConfig:
+    """Everything one LM training run depends on (the model's shape is its
+    :class:`~attnscale.experiments.lm.model.LMConfig`, built by :meth:`model_config`); its JSON
+    form is the ``config`` of the run record."""
 
     mechanism: str = "scaled"          # registry key of the attention-temperature mechanism
     options: Mapping[str, Any] = field(default_factory=dict)  # the mechanism's own options
@@ -82,7 +85,7 @@ class RunConfig:
     bf16: bool = False                 # bfloat16 autocast for the forward (weights stay float32)
     threads: int = 1                   # CPU intra-op threads: results depend on it, so it is config
 
-    def validated(self) -> RunConfig:
+    def validated(self) -> LMRunConfig:
         """Return self after checking every field; bad values raise a one-line ConfigError."""
         for name in ("seq_len", "batch_size", "steps", "eval_windows", "monitor_every",
                      "threads"):
@@ -99,7 +102,9 @@ class RunConfig:
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
         check_device("device", self.device)
         self.model_config().validated()
-        check_memory(self)
+        check_memory(f"this run (width {self.d_model}, {self.n_layers} layers, batch "
+                     f"{self.batch_size} x {self.seq_len})", training_bytes(self), self.device,
+                     hint="reduce the width, depth, batch or sequence length")
         return self
 
     def model_config(self) -> LMConfig:
@@ -113,7 +118,7 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> RunConfig:
+    def from_json(cls, obj: Mapping[str, Any]) -> LMRunConfig:
         """The config of a JSON dict; an unknown key is a ConfigError that names it."""
         names = {f.name for f in fields(cls)}
         unknown = [k for k in obj if k not in names]
@@ -130,7 +135,9 @@ FLOATS_PER_PARAM = 4
 ACTIVATION_FLOATS = 40
 
 
-def training_bytes(config: RunConfig) -> int:
+
+
+def training_bytes(config: LMRunConfig) -> int:
     """An upper estimate of a run's training memory in bytes (float32): parameters with their
     gradients and Adam moments, stored activations, and the (B, N, 256) logits with their
     gradient.  The attention kernels keep O(N · block) per head, not (N, N)."""
@@ -140,28 +147,6 @@ def training_bytes(config: RunConfig) -> int:
     floats = (FLOATS_PER_PARAM * params + ACTIVATION_FLOATS * tokens * d * layers
               + 3 * tokens * VOCAB_SIZE)
     return 4 * floats
-
-
-def available_bytes(device: str) -> int | None:
-    """Free memory on ``device`` (CUDA: free device memory; CPU: available RAM), or None."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def check_memory(config: RunConfig) -> None:
-    """Refuse up front a run whose estimated memory exceeds what the device has free."""
-    need, have = training_bytes(config), available_bytes(config.device)
-    if have is not None and need > have:
-        raise ConfigError(f"this run needs about {need / 2**30:.1f} GiB (width {config.d_model}, "
-                          f"{config.n_layers} layers, batch {config.batch_size} x "
-                          f"{config.seq_len}) but {config.device} has {have / 2**30:.1f} GiB "
-                          "free; reduce the width, depth, batch or sequence length.")
 
 
 def recipe() -> dict:
@@ -190,7 +175,7 @@ def lm_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return ce, ce + Z_LOSS * log_z.square().mean()
 
 
-def _optimizer(model: LM, config: RunConfig) -> torch.optim.AdamW:
+def _optimizer(model: LM, config: LMRunConfig) -> torch.optim.AdamW:
     skip = model.no_weight_decay()
     decay = [p for n, p in model.named_parameters() if n not in skip]
     keep = [p for n, p in model.named_parameters() if n in skip]
@@ -228,7 +213,7 @@ def loss_by_position(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: i
         model.train(was_training)
 
 
-def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: RunConfig) -> float:
+def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: LMRunConfig) -> float:
     """Mean next-byte cross-entropy (nats per byte) over the validation windows."""
     return float(loss_by_position(model, windows, batch_size=config.batch_size,
                                   device=config.device, bf16=config.bf16).mean())
@@ -243,23 +228,27 @@ def _trace_row(step: int, records: list[dict], logits: Tensor) -> dict:
         by_layer.setdefault(r["layer"], []).append(r)
     heads = [by_layer[layer] for layer in sorted(by_layer)]
     return {"step": step, "output_logit_max": float(logits.detach().abs().amax()),
-            "attn_logit_max": [max(h["logit_absmax"] for h in hs) for hs in heads],
-            "entropy_min": [min(h["entropy_mean"] for h in hs) for hs in heads],
-            "entropy_mean": [sum(h["entropy_mean"] for h in hs) / len(hs) for hs in heads]}
+            "attn_logit_max": [max(h[_ABSMAX] for h in hs) for hs in heads],
+            "entropy_min": [min(h[_ENTROPY] for h in hs) for hs in heads],
+            "entropy_mean": [sum(h[_ENTROPY] for h in hs) / len(hs) for hs in heads]}
 
 
-def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
+# The monitor's record keys the trace reads (attnscale.columns names them).
+_ABSMAX, _ENTROPY = named("logit_absmax", "entropy_mean")
+
+
+def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
              after: Callable[[LM, Corpus], None] | None = None, **overrides) -> dict:
     """Train one run and return its record (JSON-ready; non-finite numbers become null).
 
-    ``config`` is a :class:`RunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
+    ``config`` is a :class:`LMRunConfig` or its JSON dict; ``overrides`` replace fields, e.g.
     ``train_lm(mechanism="unscaled", lr=3e-2)``.  ``after(model, corpus)``, when given, is called
     with the trained model and the corpus it was trained on after its final evaluation (the
     length study evaluates it at longer contexts).
     """
     if isinstance(config, Mapping):
-        config = RunConfig.from_json(config)
-    config = replace(config or RunConfig(), **overrides).validated()
+        config = LMRunConfig.from_json(config)
+    config = replace(config or LMRunConfig(), **overrides).validated()
     corpus = load_corpus(config.data)
     windows = eval_windows(corpus.val, config.eval_windows, config.seq_len)
     # --threads binds the CPU's intra-op threads: any CPU spelling ("cpu", "cpu:0"), by kind.
@@ -268,8 +257,6 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
     with threads:
         model = build_lm(config.model_config(), seed=config.seed, device=config.device).train()
         opt = _optimizer(model, config)
-        if qk_clip.clip_mechanisms(model):  # qk-clip rescales W_Q, W_K after every step
-            qk_clip.install(opt, model)
         loss_init = evaluate(model, windows, config)
         gen = rng(config.seed, "lm-batches")
         losses = torch.full((config.steps,), math.nan)
@@ -277,13 +264,14 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
         trace, diverged_step = [], None
         k = config.monitor_every
         start = time.perf_counter()
-        with monitor(model, every=k) as mon:
+        # The guard records steps 0, k, 2k, ... and installs qk-clip's clip; no alarms here.
+        with guard(model, optimizer=opt, every=k, alarm_logit=None,
+                   alarm_entropy_fraction=None) as g:
             for t in range(config.steps):
                 for group in opt.param_groups:
                     group["lr"] = config.lr * lr_factor(t, config.steps, config.lr)
                 x, y = sample_batch(corpus.train, config.batch_size, config.seq_len, gen)
                 x, y = x.to(config.device), y.to(config.device)
-                mon.step = t  # the monitor observes the forward passes whose step % k == 0
                 with _autocast(config.device, config.bf16):
                     logits = model(x)                                       # (B, N, 256)
                 ce, loss = lm_loss(logits, y)
@@ -292,9 +280,9 @@ def train_lm(config: RunConfig | Mapping[str, Any] | None = None, *,
                 grad_norms[t] = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
                 opt.step()
                 losses[t] = ce.detach()
+                records = g.step(t)
                 if t % k == 0:
-                    trace.append(_trace_row(t, mon.records, logits))
-                    mon.reset()
+                    trace.append(_trace_row(t, records, logits))
                     bad = ~torch.isfinite(losses[:t + 1])
                     if bad.any():  # a diverged run: nothing left to learn from its steps
                         diverged_step = int(bad.nonzero()[0])

@@ -76,8 +76,10 @@ def shared_key(config: RecallConfig) -> tuple:
     return tuple(getattr(config, f.name) for f in fields(config) if f.name not in PER_RUN_FIELDS)
 
 
-def sweep(base: RecallConfig, **grid) -> list[RecallConfig]:
-    """Configs for every combination of ``grid`` values, e.g. ``sweep(c, mechanism=[...], seed=[0, 1])``.
+def expand_grid(base: RecallConfig, **grid) -> list[RecallConfig]:
+    """Configs for every combination of ``grid`` values, e.g.
+    ``expand_grid(c, mechanism=[...], seed=[0, 1])`` (in-process; a grid on the sweep engine is
+    :class:`attnscale.sweep.grid.SweepSpec`).
 
     A value listed twice is a :class:`ConfigError`: it would train (and count) one run twice."""
     configs = [base]
@@ -85,6 +87,8 @@ def sweep(base: RecallConfig, **grid) -> list[RecallConfig]:
         values = check_unique(name, list(values))
         configs = [replace(c, **{name: v}) for c in configs for v in values]
     return configs
+
+
 
 
 def sqrt_dk(config: RecallConfig) -> float:

@@ -7,9 +7,8 @@ Each function returns plain dicts (tidy rows or a flat summary); plotting lives 
   sqrt(d_k) the divisor removes and the saturation factor that claws part of it back.
 * :func:`logit_scaling`: how the logit std grows with d_k, at init and once trained (the muP
   argument: trained q and k align, so q.k ~ d_k rather than sqrt(d_k)).
-* :func:`init_reparam_adam` and :func:`init_reparam_sgd`: "Identical at step 0 is not identical at
+* :func:`adam_separation` and :func:`init_reparam_sgd`: "Identical at step 0 is not identical at
   step 10,000".
-* :func:`study`: every registered mechanism on the task, across d_k and seeds.
 """
 
 from __future__ import annotations
@@ -19,19 +18,17 @@ from dataclasses import replace
 
 import torch
 
-from attnscale.errors import check_int_list, check_name_list
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, sqrt_dk, sweep
+from attnscale.experiments.recall.config import RecallConfig, sqrt_dk
 from attnscale.experiments.recall.model import RecallNet, StackedRecall
 from attnscale.experiments.recall.task import eval_set
 from attnscale.experiments.recall.trainer import (
-    TRAIN_THREADS, RunResult, evaluate, run_all, train_runs,
+    TRAIN_THREADS, RunResult, evaluate, run_all,
 )
 from attnscale.workers import num_threads
 
-# The all-mechanism study's grid (issue 4: "d_k in {16, 64, 256, 1024} x 3 seeds").
-STUDY_D_KS = (16, 64, 256, 1024)
-STUDY_SEEDS = (0, 1, 2)
+# The d_k grid of the logit-scaling exponent fit (the recall study's, attnscale.study.recall).
+SCALING_D_KS = (16, 64, 256, 1024)
 # SGD learning rate of the init-reparam tracking experiment.  SGD needs a far larger step than
 # Adam: at 0.1 all three runs reach loss 0.1 in ~200 steps at the defaults; at 0.5 the runs with
 # sqrt(d_k) x 0.5 on W_Q, W_K stall at chance, and at 2.0 every run diverges.
@@ -77,7 +74,7 @@ def init_stats(configs: Sequence[RecallConfig]) -> list[dict]:
         return evaluate(model, [eval_set(c) for c in configs])
 
 
-def logit_scaling(d_ks: Sequence[int] = STUDY_D_KS, config: RecallConfig | None = None,
+def logit_scaling(d_ks: Sequence[int] = SCALING_D_KS, config: RecallConfig | None = None,
                   *, trained: Sequence[RunResult] | None = None,
                   show_progress: bool | None = None) -> dict:
     """Exponent a in ``std(q.k) ~ d_k^a`` at init and after training ``config.mechanism``.
@@ -117,68 +114,35 @@ def adam_separation(scaled: RunResult, reparam: RunResult) -> dict:
             "scaled_final_loss": scaled.final_loss, "reparam_final_loss": reparam.final_loss}
 
 
-def init_reparam_adam(config: RecallConfig | None = None, *,
-                      show_progress: bool | None = None) -> dict:
-    """Train scaled and init-reparam under Adam and return :func:`adam_separation` (+ the runs)."""
-    config = replace(config or RecallConfig(), optimizer="adam")
-    runs = train_runs([replace(config, mechanism=m) for m in ("scaled", "init-reparam")],
-                      show_progress=show_progress, desc="init-reparam vs scaled, adam")
-    return {**adam_separation(*runs), "runs": runs}
+def sgd_configs(config: RecallConfig | None = None, *, lr: float = SGD_LR) -> list[RecallConfig]:
+    """The three runs of :func:`sgd_tracking` under SGD at ``lr``: init-reparam, scaled with
+    ``qk_lr_mult = sqrt(d_k)``, and plain scaled, from the same init and data."""
+    config = replace(config or RecallConfig(), optimizer="sgd", lr=lr)
+    return [replace(config, mechanism="init-reparam"),
+            replace(config, mechanism="scaled", qk_lr_mult=sqrt_dk(config)),
+            replace(config, mechanism="scaled")]
 
 
-def init_reparam_sgd(config: RecallConfig | None = None, *, lr: float = SGD_LR,
-                     show_progress: bool | None = None) -> dict:
+def sgd_tracking(reparam: RunResult, boosted: RunResult, plain: RunResult) -> dict:
     """Under SGD, init-reparam at lr equals scaled with sqrt(d_k) * lr on W_Q and W_K.
 
     With W = d^(1/4) W' the forward passes agree, dL/dW' = d^(1/4) dL/dW, so an SGD step of lr on W'
-    moves W by sqrt(d) lr dL/dW.  Three runs from the same init and data: init-reparam (lr),
-    scaled with ``qk_lr_mult = sqrt(d_k)`` (should track it to float rounding; exactly, when d^1/4
-    is a power of two as at d_k = 256) and plain scaled (lr; separates).  Returns the largest
-    relative gap of the tracking pair over the whole run and the separation step of the plain pair.
+    moves W by sqrt(d) lr dL/dW.  Three runs from the same init and data (:func:`sgd_configs`):
+    init-reparam (lr), scaled with ``qk_lr_mult = sqrt(d_k)`` (should track it to float rounding;
+    exactly, when d^1/4 is a power of two as at d_k = 256) and plain scaled (lr; separates).
+    Returns the largest relative gap of the tracking pair over the whole run and the separation
+    step of the plain pair.
     """
-    config = replace(config or RecallConfig(), optimizer="sgd", lr=lr)
-    reparam, plain = train_runs([replace(config, mechanism="init-reparam"),
-                                 replace(config, mechanism="scaled")],
-                                show_progress=show_progress, desc="init-reparam vs scaled, sgd")
-    boosted = train_runs([replace(config, mechanism="scaled", qk_lr_mult=sqrt_dk(config))],
-                         show_progress=show_progress, desc="scaled, sgd, sqrt(d_k) lr on W_Q/W_K")[0]
-    return {"optimizer": "sgd", "lr": lr, "d_k": config.d_k, "seed": config.seed,
-            "qk_lr_mult": sqrt_dk(config),
+    config = reparam.config
+    return {"optimizer": "sgd", "lr": config.lr, "d_k": config.d_k, "seed": config.seed,
+            "qk_lr_mult": boosted.config.qk_lr_mult,
             "tracking_max_rel_gap": metrics.max_rel_gap(reparam.loss, boosted.loss),
             "plain_separation_step": metrics.separation_step(reparam.loss, plain.loss),
             "reparam_final_loss": reparam.final_loss, "boosted_final_loss": boosted.final_loss,
             "plain_final_loss": plain.final_loss, "runs": [reparam, boosted, plain]}
 
 
-def study(mechanisms: Sequence[str] | None = None, d_ks: Sequence[int] = STUDY_D_KS,
-          seeds: Sequence[int] = STUDY_SEEDS, config: RecallConfig | None = None,
-          *, show_progress: bool | None = None) -> list[RunResult]:
-    """Every mechanism (default: the whole registry) x d_k x seed on the same task.
-
-    All runs of one d_k train as one batched model (same data per seed, same init per seed).
-    A repeated mechanism, d_k or seed is a :class:`~attnscale.errors.ConfigError`.
-    """
-    from attnscale.mechanisms import MECHANISMS, check_mechanism
-    mechanisms = list(MECHANISMS) if mechanisms is None else \
-        [check_mechanism(m, param="mechanisms") for m in check_name_list("mechanisms", mechanisms)]
-    configs = sweep(config or RecallConfig(), d_k=check_int_list("d_ks", d_ks, minimum=1),
-                    mechanism=mechanisms, seed=check_int_list("seeds", seeds, minimum=0))
-    return run_all(configs, show_progress=show_progress)
-
-
-def study_summary(runs: Sequence[RunResult]) -> list[dict]:
-    """One row per (mechanism, d_k): mean and spread over seeds of steps to 0.1 and accuracy."""
-    cells: dict[tuple, list[RunResult]] = {}
-    for r in runs:
-        cells.setdefault((r.config.mechanism, r.config.d_k), []).append(r)
-    rows = []
-    for (mech, d_k), rs in cells.items():
-        steps = metrics.mean_spread([r.steps_to_loss_0_1 for r in rs])
-        acc = metrics.mean_spread([r.eval_accuracy for r in rs])
-        rows.append({"mechanism": mech, "d_k": d_k, "seeds": len(rs),
-                     "steps_to_loss_0_1_mean": steps["mean"], "steps_to_loss_0_1_std": steps["std"],
-                     "reached_0_1": steps["n"], "accuracy_mean": acc["mean"],
-                     "accuracy_min": acc["min"],
-                     "final_loss_mean": sum(r.final_loss for r in rs) / len(rs),
-                     "qk_std_trained_mean": sum(r.eval_stats["qk_std"] for r in rs) / len(rs)})
-    return rows
+def init_reparam_sgd(config: RecallConfig | None = None, *, lr: float = SGD_LR,
+                     show_progress: bool | None = None) -> dict:
+    """:func:`sgd_tracking` of the runs of :func:`sgd_configs`, trained here."""
+    return sgd_tracking(*run_all(sgd_configs(config, lr=lr), show_progress=show_progress))

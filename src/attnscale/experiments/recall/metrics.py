@@ -97,14 +97,3 @@ def power_law_exponent(x: Sequence[float], y: Sequence[float]) -> float:
     lx = np.log(np.asarray(x, dtype=np.float64))
     ly = np.log(np.asarray(y, dtype=np.float64))
     return float(np.polyfit(lx, ly, 1)[0])
-
-
-def mean_spread(values: Sequence[float | None]) -> dict:
-    """Mean, sample std, min and max of the non-None values, plus how many were None."""
-    got = [float(v) for v in values if v is not None]
-    if not got:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0,
-                "missing": len(values)}
-    std = float(np.std(got, ddof=1)) if len(got) > 1 else 0.0
-    return {"mean": float(np.mean(got)), "std": std, "min": min(got), "max": max(got),
-            "n": len(got), "missing": len(values) - len(got)}

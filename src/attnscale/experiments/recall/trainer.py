@@ -15,17 +15,19 @@ writing its loss into a preallocated tensor.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from attnscale.columns import MEAN_STATS
 from attnscale.errors import ConfigError, check_int_list, check_name_list
 from attnscale.io import json_safe
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
-from attnscale.experiments.recall.config import RecallConfig, shared_key, sweep
+from attnscale.experiments.recall.config import RecallConfig, expand_grid, shared_key
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.mechanisms import qk_clip
 from attnscale.experiments.recall.task import CHUNK_STEPS, RecallBatch, eval_set, train_chunk
@@ -59,29 +61,52 @@ class RunResult:
     def mechanism(self) -> str:
         return self.config.mechanism
 
+    def record(self) -> dict:
+        """The run's one serialisation: every measurement under its field name, JSON-safe
+        (non-finite numbers of a diverged run become null), without the config and the wall
+        time, which the sweep's record keeps beside it.  :meth:`from_record` inverts it;
+        :meth:`to_json` and :meth:`row` are views of it."""
+        return json_safe({name: getattr(self, name) for name in RECORD_FIELDS})
+
+    @classmethod
+    def from_record(cls, config: RecallConfig, result: dict, wall_seconds: float) -> RunResult:
+        """The run that :meth:`record` gave ``result`` (a null loss comes back as NaN)."""
+        r = dict(result)
+        r["loss"] = [math.nan if v is None else v for v in r["loss"]]
+        r["final_loss"] = math.nan if r["final_loss"] is None else r["final_loss"]
+        return cls(config=config, smoothed=metrics.ema(r["loss"]).tolist(),
+                   wall_seconds=wall_seconds, **{name: r[name] for name in RECORD_FIELDS})
+
     def to_json(self) -> dict:
-        """The issue's JSON record for ``attnscale compare --json`` (loss_curve = per-step loss;
-        non-finite numbers of a diverged run become null)."""
-        c = self.config
+        """The record of ``attnscale compare --json``: the milestones, the per-step loss as
+        ``loss_curve``, and the full config, so the run can be re-run from its record."""
+        r, c = self.record(), self.config
         return json_safe({
-            "mechanism": c.mechanism, "seed": c.seed, "steps_to_loss_1": self.steps_to_loss_1,
-            "steps_to_loss_0_1": self.steps_to_loss_0_1, "final_loss": self.final_loss,
-            "eval_accuracy": self.eval_accuracy, "grad_wq_norm_step0": self.grad_wq_norm_step0,
-            "plateaus": self.plateaus, "wall_seconds": self.wall_seconds, "loss_curve": self.loss,
-            "config": config_dict(c)})  # the full config: the run can be re-run from its record
+            "mechanism": c.mechanism, "seed": c.seed,
+            **{k: r[k] for k in ("steps_to_loss_1", "steps_to_loss_0_1", "final_loss",
+                                 "eval_accuracy", "grad_wq_norm_step0", "plateaus")},
+            "wall_seconds": self.wall_seconds, "loss_curve": r["loss"],
+            "config": config_dict(c)})
 
     def row(self) -> dict:
-        """A flat record for tables and results.json (no curves)."""
-        c = self.config
+        """A flat record for tables and results.json (no curves): the config's grid keys, the
+        scalar measurements, the plateau count and the held-out statistics as ``eval_<stat>``."""
+        r, c = self.record(), self.config
         return json_safe({
             "mechanism": c.mechanism, "seed": c.seed, "d_k": c.d_k, "optimizer": c.optimizer,
             "lr": c.lr, "qk_lr_mult": c.qk_lr_mult, "steps": c.steps,
-            "steps_to_loss_1": self.steps_to_loss_1, "steps_to_loss_0_1": self.steps_to_loss_0_1,
-            "final_loss": self.final_loss, "eval_accuracy": self.eval_accuracy,
-            "grad_wq_norm_step0": self.grad_wq_norm_step0,
-            "logit_grad_norm_step0": self.logit_grad_norm_step0,
+            **{k: r[k] for k in ("steps_to_loss_1", "steps_to_loss_0_1", "final_loss",
+                                 "eval_accuracy", "grad_wq_norm_step0",
+                                 "logit_grad_norm_step0")},
             "plateaus": len(self.plateaus), "wall_seconds": self.wall_seconds,
-            **{f"eval_{k}": v for k, v in self.eval_stats.items()}})
+            **{f"eval_{k}": v for k, v in r["eval_stats"].items()}})
+
+
+# The measurements of a run, in the order its record lists them (RunResult's fields but the
+# config, the smoothed curve, derived from the loss, and the wall time).
+RECORD_FIELDS = ("steps_to_loss_1", "steps_to_loss_0_1", "final_loss", "eval_accuracy",
+                 "grad_wq_norm_step0", "logit_grad_norm_step0", "plateaus", "eval_stats", "loss",
+                 "trace")
 
 
 def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
@@ -131,7 +156,8 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
                             configs[0].n_keys, configs[0].n_values)
 
 
-_STAT_NAMES = ("entropy", "max_weight", "jacobian_fro", "logit_std")
+# The row statistics the evaluation averages (attnscale.columns names them).
+_STAT_NAMES = MEAN_STATS
 
 
 def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -281,7 +307,7 @@ def compare(mechanisms: Sequence[str] = ("scaled", "unscaled"), config: RecallCo
     A repeated mechanism or seed is a ConfigError."""
     base = replace(config or RecallConfig(), **overrides)
     seeds = [base.seed] if seeds is None else check_int_list("seeds", seeds, minimum=0)
-    return train_runs(sweep(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
+    return train_runs(expand_grid(base, seed=seeds, mechanism=check_name_list("mechanisms", mechanisms)),
                       show_progress=show_progress)
 
 

@@ -15,13 +15,13 @@ run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
-from attnscale.experiments.recall import metrics
-from attnscale.io import json_safe
 from attnscale.experiments.recall.config import RecallConfig, shared_key
 from attnscale.experiments.recall.trainer import TRAIN_THREADS, RunResult, train, train_runs
-from attnscale.experiments.registry import experiment, params_from_dataclass
+from attnscale.experiments.registry import Param, experiment, params_from_dataclass
+from attnscale.mechanisms import canonical_options
 
 
 def _check(config: dict) -> None:
@@ -38,7 +38,18 @@ def recall_batch(configs: Sequence[dict]) -> list[dict]:
     return [trial_result(run) for run in runs]
 
 
-@experiment("recall", params=params_from_dataclass(RecallConfig), check=_check,
+def _canonical_options(options: dict, settings: Mapping[str, list]) -> dict:
+    """A run's options typed by the sweep's mechanisms (``{"cap": 20}`` is ``{"cap": 20.0}``)."""
+    return canonical_options(settings.get("mechanism", ()), options)
+
+
+def _params() -> dict[str, Param]:
+    params = params_from_dataclass(RecallConfig)
+    return {**params, "options": dataclasses.replace(params["options"],
+                                                      canonical=_canonical_options)}
+
+
+@experiment("recall", params=_params(), check=_check,
             threads=TRAIN_THREADS, batch_key=_batch_key, run_batch=recall_batch)
 def recall_run(**config) -> dict:
     """Train one recall model (RecallConfig fields) and return its measurements: milestones,
@@ -48,25 +59,11 @@ def recall_run(**config) -> dict:
 
 
 def trial_result(run: RunResult) -> dict:
-    """The record's result: every measurement of ``run`` but its wall time."""
-    return json_safe({
-        "steps_to_loss_1": run.steps_to_loss_1, "steps_to_loss_0_1": run.steps_to_loss_0_1,
-        "final_loss": run.final_loss, "eval_accuracy": run.eval_accuracy,
-        "grad_wq_norm_step0": run.grad_wq_norm_step0,
-        "logit_grad_norm_step0": run.logit_grad_norm_step0, "plateaus": run.plateaus,
-        "eval_stats": run.eval_stats, "loss": run.loss, "trace": run.trace})
+    """The record's result: :meth:`RunResult.record`, every measurement but the wall time."""
+    return run.record()
 
 
 def run_result(record: dict) -> RunResult:
-    """The :class:`RunResult` of an ``ok`` record of this experiment (a diverged loss, stored as
-    null, comes back as NaN)."""
-    r = record["result"]
-    loss = [float("nan") if v is None else v for v in r["loss"]]
-    final = r["final_loss"]
-    return RunResult(
-        config=RecallConfig(**record["config"]), loss=loss, smoothed=metrics.ema(loss).tolist(),
-        steps_to_loss_1=r["steps_to_loss_1"], steps_to_loss_0_1=r["steps_to_loss_0_1"],
-        final_loss=float("nan") if final is None else final, eval_accuracy=r["eval_accuracy"],
-        grad_wq_norm_step0=r["grad_wq_norm_step0"],
-        logit_grad_norm_step0=r["logit_grad_norm_step0"], plateaus=r["plateaus"],
-        wall_seconds=record["wall_seconds"], trace=r["trace"], eval_stats=r["eval_stats"])
+    """The :class:`RunResult` of an ``ok`` record of this experiment."""
+    return RunResult.from_record(RecallConfig(**record["config"]), record["result"],
+                                 record["wall_seconds"])

@@ -11,11 +11,12 @@ key is not counted; an additive float mask's entries at or below
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from attnscale.columns import MONITOR_SUMMARIES, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
@@ -30,111 +31,78 @@ DEFAULT_BLOCK = 128
 
 @dataclass
 class HeadStats:
-    """Per-head sums over every (batch, query) row seen so far; each field has shape (H,), float64.
+    """Per-head totals over every (batch, query) row seen so far, each of shape (H,), float64:
+    ``queries`` (rows with at least one unmasked key) and one running total per summary of
+    :data:`attnscale.columns.MONITOR_SUMMARIES` (a sum for a mean, the extreme for a min or a
+    max), read as attributes by :attr:`~attnscale.columns.Summary.field`: ``entropy_sum``,
+    ``entropy_min``, ``max_weight_sum``, ``logit_std_sum``, ``logit_absmax``,
+    ``jacobian_fro_sum``, ``logit_max``, ``mass_sum``, ``sink_mass_sum``, ``gate_sum``.
 
     Sums rather than means, so that blocks, calls and forward passes merge exactly.
     """
 
-    queries: Tensor           # rows with at least one unmasked key
-    entropy_sum: Tensor       # sum of H(p) over those rows, nats
-    entropy_min: Tensor       # smallest H(p), nats (+inf before any row)
-    max_weight_sum: Tensor    # sum of max_i p_i
-    logit_std_sum: Tensor     # sum of the per-row std of the unmasked logits
-    logit_absmax: Tensor      # largest |z| over unmasked logits
-    jacobian_fro_sum: Tensor  # sum of ||diag(p) - p p^T||_F (the normaliser's, attnscale.stats)
-    logit_max: Tensor         # largest signed z over unmasked logits (-inf before any row)
-    # Σ_i p_i over the keys, summed over rows: 1 per row under softmax, 1 - the sink's weight
-    # under a sink, Σ σ(z_i) under sigmoid (attnscale.stats.row_mass).
-    mass_sum: Tensor = None
-    sink_mass_sum: Tensor = None  # the weight left on the sink, summed over rows (0 without one)
-    gate_sum: Tensor = None       # the output gate's values, summed (1 per row without a gate)
-    gate_count: Tensor = None     # how many gate values gate_sum adds up
+    queries: Tensor
+    totals: dict[str, Tensor]  # by Summary.field
 
-    def __post_init__(self):
-        for name in ("mass_sum", "gate_sum", "gate_count"):  # softmax without a gate
-            if getattr(self, name) is None:
-                setattr(self, name, self.queries.clone())
-        if self.sink_mass_sum is None:
-            self.sink_mass_sum = torch.zeros_like(self.queries)
+    def __getattr__(self, name: str) -> Tensor:
+        totals = self.__dict__.get("totals", {})
+        if name in totals:
+            return totals[name]
+        raise AttributeError(f"HeadStats has no statistic {name!r}")
 
     @classmethod
     def zeros(cls, n_heads: int) -> HeadStats:
         z = torch.zeros(n_heads, dtype=torch.float64)
-        return cls(z, z.clone(), torch.full_like(z, math.inf), z.clone(), z.clone(), z.clone(),
-                   z.clone(), torch.full_like(z, -math.inf))
+        return cls(z, {s.field: torch.full_like(z, s.start) for s in MONITOR_SUMMARIES})
 
     @classmethod
-    def from_rows(cls, rows: Tensor, mass: Tensor | None = None,
-                  sink: bool = False) -> HeadStats:
-        """Per-head sums of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of
+    def from_rows(cls, rows: Tensor, weights: dict[str, Tensor] | None = None) -> HeadStats:
+        """Per-head totals of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of
         :func:`attnscale.stats.row_stats`; rows whose count is 0 (no key to attend) are left out.
-        ``mass`` (B, H, Nq): each row's key mass (:func:`attnscale.stats.row_mass`; 1 when None,
-        softmax); ``sink``: the rest of each row's weight is the sink's."""
+        ``weights``: per-row (B, H, Nq) values of :data:`attnscale.columns.WEIGHT_COLUMNS`
+        (``mass``, ``sink_mass``, ``gate``); a missing one takes its softmax value
+        (:data:`~attnscale.columns.WEIGHT_DEFAULTS`)."""
         col = columns(rows)
         ok = col["count"] > 0
+        for name, default in WEIGHT_DEFAULTS.items():
+            given = (weights or {}).get(name)
+            col[name] = (torch.full_like(col["count"], default) if given is None
+                         else given.to(col["count"].device, torch.float64).expand_as(ok))
 
-        def total(x: Tensor) -> Tensor:
-            return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+        def reduce(s: Summary) -> Tensor:
+            x = col[s.column]
+            if s.reduce == "mean":
+                return torch.where(ok, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+            extreme = torch.amin if s.reduce == "min" else torch.amax
+            return extreme(torch.where(ok, x, s.start), dim=(0, 2)).double()
 
-        def extreme(x: Tensor, fill: float, reduce) -> Tensor:
-            return reduce(torch.where(ok, x, fill), dim=(0, 2)).double()
-
-        return cls(
-            queries=ok.sum(dim=(0, 2), dtype=torch.float64),
-            entropy_sum=total(col["entropy"]),
-            entropy_min=extreme(col["entropy"], math.inf, torch.amin),
-            max_weight_sum=total(col["max_weight"]),
-            logit_std_sum=total(col["logit_std"]),
-            logit_absmax=extreme(col["logit_absmax"], 0.0, torch.amax),
-            jacobian_fro_sum=total(col["jacobian_fro"]),
-            logit_max=extreme(col["logit_max"], -math.inf, torch.amax),
-            mass_sum=None if mass is None else total(mass),
-            sink_mass_sum=total(1.0 - mass) if sink and mass is not None else None,
-        )
-
-    def with_gate(self, gate: Tensor) -> HeadStats:
-        """These statistics with the output gate's values (B, H, Nq, 1 or d) as the gate's."""
-        g = gate.detach().double()
-        return replace(self, gate_sum=g.sum(dim=(0, 2, 3)).cpu(),
-                       gate_count=torch.full_like(self.queries, float(g[:, 0].numel())))
+        return cls(ok.sum(dim=(0, 2), dtype=torch.float64),
+                   {s.field: reduce(s) for s in MONITOR_SUMMARIES})
 
     def merge(self, other: HeadStats) -> HeadStats:
         """Statistics over the rows of both."""
-        return HeadStats(
-            self.queries + other.queries, self.entropy_sum + other.entropy_sum,
-            torch.minimum(self.entropy_min, other.entropy_min),
-            self.max_weight_sum + other.max_weight_sum, self.logit_std_sum + other.logit_std_sum,
-            torch.maximum(self.logit_absmax, other.logit_absmax),
-            self.jacobian_fro_sum + other.jacobian_fro_sum,
-            torch.maximum(self.logit_max, other.logit_max), self.mass_sum + other.mass_sum,
-            self.sink_mass_sum + other.sink_mass_sum, self.gate_sum + other.gate_sum,
-            self.gate_count + other.gate_count)
+        both = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
+        return HeadStats(self.queries + other.queries,
+                         {s.field: both[s.reduce](self.totals[s.field], other.totals[s.field])
+                          for s in MONITOR_SUMMARIES})
 
     def pooled(self) -> HeadStats:
-        """All heads together as one: every field of shape (1,)."""
-        def total(t: Tensor) -> Tensor:
-            return t.sum(0, keepdim=True)
-        return HeadStats(total(self.queries), total(self.entropy_sum),
-                         self.entropy_min.amin(0, keepdim=True), total(self.max_weight_sum),
-                         total(self.logit_std_sum), self.logit_absmax.amax(0, keepdim=True),
-                         total(self.jacobian_fro_sum), self.logit_max.amax(0, keepdim=True),
-                         total(self.mass_sum), total(self.sink_mass_sum), total(self.gate_sum),
-                         total(self.gate_count))
+        """All heads together as one: every total of shape (1,)."""
+        over = {"mean": torch.sum, "min": torch.amin, "max": torch.amax}
+        return HeadStats(self.queries.sum(0, keepdim=True),
+                         {s.field: over[s.reduce](self.totals[s.field], 0, keepdim=True)
+                          for s in MONITOR_SUMMARIES})
 
     def means(self) -> dict[str, list[float]]:
-        """The record statistics per head (means over rows); NaN for a head that saw no row."""
+        """``queries`` and each summary per head under its key (means over rows for a mean);
+        NaN for a head that saw no row."""
         n = self.queries
         safe = n.clamp(min=1)
         none = n == 0
-        out = {"queries": n,
-               "entropy_mean": self.entropy_sum / safe, "entropy_min": self.entropy_min,
-               "max_weight_mean": self.max_weight_sum / safe,
-               "logit_std": self.logit_std_sum / safe, "logit_absmax": self.logit_absmax,
-               "jacobian_fro_mean": self.jacobian_fro_sum / safe, "logit_max": self.logit_max,
-               "mass_mean": self.mass_sum / safe, "sink_mass_mean": self.sink_mass_sum / safe,
-               "gate_mean": self.gate_sum / self.gate_count.clamp(min=1)}
-        return {k: torch.where(none, math.nan, v).tolist() if k != "queries" else v.tolist()
-                for k, v in out.items()}
+        out = {s.key: self.totals[s.field] / safe if s.reduce == "mean" else self.totals[s.field]
+               for s in MONITOR_SUMMARIES}
+        return {"queries": n.tolist(),
+                **{k: torch.where(none, math.nan, v).tolist() for k, v in out.items()}}
 
 
 def _rows(t: Tensor | float | None, i0: int, i1: int) -> Tensor | float | None:
@@ -169,10 +137,11 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
 def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                 mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
                 block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
-                sink: Tensor | None = None) -> HeadStats:
+                sink: Tensor | None = None, gate: Tensor | None = None) -> HeadStats:
     """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
-    and the weights are the ``normaliser``'s (``sink``: the per-head sink logits)."""
+    the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
+    (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
     with torch.no_grad():
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = work_dtype(q.dtype)
@@ -213,14 +182,21 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
                                     offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
                                     sink=sink),
             starts, workers)
-        rows = [part for part in blocks if part is not None]  # O(B H Nq) in all
-        if not rows:
+        kept = [(i0, part) for i0, part in zip(starts, blocks) if part is not None]
+        if not kept:  # O(B H Nq) rows in all
             return HeadStats.zeros(n_heads)
+        weights = {}
         if normaliser == "softmax":
-            return HeadStats.from_rows(torch.cat(rows, dim=-2))
-        stats = torch.cat([part[0] for part in rows], dim=-2)         # (B, H, Nq, columns)
-        mass = torch.cat([part[1] for part in rows], dim=-1)          # (B, H, Nq)
-        return HeadStats.from_rows(stats, mass, sink=normaliser == "sink")
+            stats = torch.cat([part for _, part in kept], dim=-2)      # (B, H, Nq', columns)
+        else:
+            stats = torch.cat([part[0] for _, part in kept], dim=-2)
+            weights["mass"] = torch.cat([part[1] for _, part in kept], dim=-1)  # (B, H, Nq')
+            if normaliser == "sink":
+                weights["sink_mass"] = 1.0 - weights["mass"]
+        if gate is not None:  # the gate's mean per query row, for the rows kept
+            per_row = gate.detach().double().mean(-1).expand(*stats.shape[:2], -1)
+            weights["gate"] = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
+        return HeadStats.from_rows(stats, weights)
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,

@@ -25,20 +25,16 @@ import warnings
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnscale.columns import RECORD_STATS
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.pipeline import Observation, add_observer, running
 
 # The keys of every record, in order (the column order of ``to_frame`` and ``records.json``).
-# mass_mean is Σ_i p_i over the keys (1 under softmax; sigmoid rows need not sum to 1),
-# sink_mass_mean the weight a sink takes (0 without one), gate_mean the output gate's mean
-# (1 without a gate): attnscale.stats defines each for every normaliser.
-RECORD_KEYS = ("layer", "head", "module", "queries", "entropy_mean", "entropy_min",
-               "max_weight_mean", "logit_std", "logit_absmax", "jacobian_fro_mean", "mass_mean",
-               "sink_mass_mean", "gate_mean")
+RECORD_KEYS = ("layer", "head", "module", "queries", *RECORD_STATS)
 # The statistics a TensorBoard writer receives, per (layer, head) and per layer.
-SCALAR_KEYS = RECORD_KEYS[4:]
+SCALAR_KEYS = RECORD_STATS
 
 
 class _SdpaTap:
@@ -160,7 +156,7 @@ class Monitor:
 
     def _push(self, module: nn.Module, args) -> None:
         if module is self.model and not self._stack:
-            self._observing = self.step % self.every == 0
+            self._observing = self._selects()
             self._seen = 0
         self._stack.append([module, 0])
 
@@ -173,11 +169,19 @@ class Monitor:
             self.flush()  # what this forward pass saw goes to TensorBoard at its own step
             self.step += 1
 
+    def _selects(self) -> bool:
+        """Whether the forward pass starting now is observed: one in ``every``."""
+        return self.step % self.every == 0
+
     def _warn_unobserved(self) -> None:
         """Warn (once) that a whole forward pass reached no call point the monitor observes."""
         if self._warned:
             return
         self._warned = True
+        warnings.warn(f"attnscale.monitor {self._unobserved()}", RuntimeWarning, stacklevel=2)
+
+    def _unobserved(self) -> str:
+        """Why a forward pass of the model reached no observed call, with what to do about it."""
         root = self._names.get(self.model, type(self.model).__name__)
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if impl == "eager":
@@ -186,8 +190,7 @@ class Monitor:
         else:
             hint = ("it calls neither attnscale.attention nor torch's "
                     "scaled_dot_product_attention (torch.compile-d graphs are not observed).")
-        warnings.warn(f"attnscale.monitor observed no attention call in a forward pass of "
-                      f"{root}: {hint}", RuntimeWarning, stacklevel=2)
+        return f"observed no attention call in a forward pass of {root}: {hint}"
 
     def _watching(self) -> bool:
         """Inside a forward pass of this monitor's model that ``every`` selects."""
@@ -236,15 +239,16 @@ class Monitor:
         self._seen += 1
         # From the kernel that forms the logits, when the pipeline's path has one; the
         # statistics then arrive once the call's output is computed.
-        gate = None if seen is None else seen.gate
+        gate = None if seen is None else seen.gate  # the output gate, where there is one
 
-        def gated(stats: HeadStats) -> HeadStats:  # the output gate's mean, where there is one
-            return stats if gate is None else stats.with_gate(gate)
+        def from_kernel(rows: Tensor) -> None:
+            weights = {} if gate is None else {"gate": gate.detach().double().mean(-1)}
+            self._merge(site, HeadStats.from_rows(rows, weights))
 
-        if seen is not None and how.get("normaliser", "softmax") == "softmax" and seen.request_rows(
-                lambda rows: self._merge(site, gated(HeadStats.from_rows(rows)))):
+        if (seen is not None and how.get("normaliser", "softmax") == "softmax"
+                and seen.request_rows(from_kernel)):
             return
-        self._merge(site, gated(_head_stats(q, k, block=self.block, **how)))
+        self._merge(site, _head_stats(q, k, block=self.block, gate=gate, **how))
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):

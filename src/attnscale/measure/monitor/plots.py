@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from attnscale.columns import MONITOR_SUMMARIES
 from attnscale.errors import ConfigError, check_int
 
 def layer_summary(records: list[dict]) -> list[dict]:
@@ -14,15 +15,11 @@ def layer_summary(records: list[dict]) -> list[dict]:
         by_layer.setdefault(r["layer"], []).append(r)
     rows = []
     for layer, heads in sorted(by_layer.items()):
-        def mean(key: str) -> float:
-            return sum(h[key] for h in heads) / len(heads)
+        over = {"mean": lambda v: sum(v) / len(v), "min": min, "max": max}
         rows.append({"layer": layer, "module": heads[0]["module"], "heads": len(heads),
                      "queries": heads[0]["queries"],
-                     "entropy_mean": mean("entropy_mean"),
-                     "entropy_min": min(h["entropy_min"] for h in heads),
-                     "max_weight_mean": mean("max_weight_mean"), "logit_std": mean("logit_std"),
-                     "logit_absmax": max(h["logit_absmax"] for h in heads),
-                     "jacobian_fro_mean": mean("jacobian_fro_mean")})
+                     **{s.key: over[s.reduce]([h[s.key] for h in heads])
+                        for s in MONITOR_SUMMARIES if s.recorded}})
     return rows
 
 

@@ -7,6 +7,9 @@ order, in :data:`attnscale.report.reproduce.SECTIONS`:
 
 - :mod:`~attnscale.report.sections.montecarlo`: the variance check, Figures 1-2, the small-head
   thresholds, and saturation at init for every mechanism;
+- :mod:`~attnscale.report.sections.keys`: entropy and max weight vs the number of keys n at
+  init, and a planted key (named for the keys, not "length": ``attnscale study length`` is the
+  trained extrapolation study);
 - :mod:`~attnscale.report.sections.gradient`: the two gradient paths and init-reparam;
 - :mod:`~attnscale.report.sections.recall`: the training demo (Figure 3).
 """

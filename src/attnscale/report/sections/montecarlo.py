@@ -15,7 +15,7 @@ from attnscale.measure.montecarlo import (
 from attnscale.report import Measurement, Section
 from attnscale.report.claims import essay
 from attnscale.report.figures import new_figure, plot_vs_dk, save
-from attnscale.stats import entropy
+from attnscale.stats import entropy, mean_of_means
 
 # Trials per d_k for the every-mechanism figure: its mechanisms are sampled through their own
 # modules, which costs O(n d_k) per trial instead of O(n); 500 keeps the standard errors < 1%.
@@ -27,10 +27,8 @@ SMALL_HEAD_NS = (2, 4, 7, 16, 64, 256, 4096)
 
 def _mean_over(rows: list[dict], stat: str) -> Measurement:
     """Average of ``<stat>_mean`` over independent rows, with its standard error."""
-    k = len(rows)
-    mean = sum(r[f"{stat}_mean"] for r in rows) / k
-    se = math.sqrt(sum(r[f"{stat}_se"] ** 2 for r in rows)) / k
-    return Measurement(mean, se=se, note=f"mean over {k} d_k")
+    mean, se = mean_of_means([r[f"{stat}_mean"] for r in rows], [r[f"{stat}_se"] for r in rows])
+    return Measurement(mean, se=se, note=f"mean over {len(rows)} d_k")
 
 
 def _small_head(seed: int) -> tuple[list[dict], str]:

@@ -1,32 +1,36 @@
 """Report section for the essay's training demo: Figure 3 and every training number, measured.
 
-Runs (about a minute on 2 cores): scaled, unscaled and init-reparam at the default settings for
-:data:`SECTION_SEEDS` seeds as one batched model; the init-reparam SGD pair for
-:data:`SGD_STEPS` steps; scaled at the smaller d_k of :data:`SCALING_D_KS` for the logit-scaling
-exponent.  Quantities the unspecified architecture sets (absolute step counts, losses, gradient
+Runs (about a minute on 2 cores), as trials of the ``recall`` experiment on the sweep engine
+(the recall study's engine, :func:`attnscale.study.launcher.run_trials`): scaled, unscaled and
+init-reparam at the default settings for :data:`SECTION_SEEDS` seeds; the init-reparam SGD runs
+for :data:`SGD_STEPS` steps; scaled at the smaller d_k of :data:`SCALING_D_KS` for the
+logit-scaling exponent.  Quantities the unspecified architecture sets (absolute step counts, losses, gradient
 norms) are shown next to the essay's in a table; verdicts are on ratios and bounds
 (see the recall block of :mod:`attnscale.report.claims`).
 """
 
 from __future__ import annotations
 
-import math
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from attnscale.experiments.recall import RecallConfig, compare, run_all
+from attnscale.experiments.recall import RecallConfig
 from attnscale.experiments.recall import metrics
 from attnscale.io import json_safe
 from attnscale.experiments.recall.experiments import (
-    adam_separation, grad_decomposition, init_reparam_sgd, logit_scaling, milestone_ratios,
+    adam_separation, grad_decomposition, logit_scaling, milestone_ratios, sgd_configs,
+    sgd_tracking,
 )
 from attnscale.experiments.recall.figures import MARKEVERY, plot_loss_curves
 from attnscale.experiments.recall.trainer import RunResult, config_dict
+from attnscale.plotting import new_figure, save
 from attnscale.report import Measurement, Section
 from attnscale.report.claims import essay
-from attnscale.report.figures import new_figure, save
+from attnscale.study.seeds import spread, standard_error
+from attnscale.study.spec import Trials
 from attnscale.styles import style
 
 SECTION_SEEDS = 3              # seeds seed, seed+1, ...: the issue's ">= 3 seeds"
@@ -38,12 +42,11 @@ DEMO_MECHANISMS = ("scaled", "unscaled", "init-reparam")
 def _over_seeds(values: list[float | None], fmt: str = "{:.3g}") -> Measurement | None:
     """Mean over seeds with the standard error of the mean and the per-seed values in the note;
     None (no measurement) when no seed has a value, e.g. a milestone no run reached."""
-    got = [v for v in values if v is not None and math.isfinite(v)]
+    s = spread(values)
     shown = ", ".join("never" if v is None else fmt.format(v) for v in values)
-    if not got:
+    if s["mean"] is None:
         return None
-    se = float(np.std(got, ddof=1) / math.sqrt(len(got))) if len(got) > 1 else None
-    return Measurement(float(np.mean(got)), se=se, note=f"seeds: {shown}")
+    return Measurement(s["mean"], se=standard_error(s), note=f"seeds: {shown}")
 
 
 def _mid_plateaus(run: RunResult) -> list[dict]:
@@ -64,10 +67,10 @@ def _plateau_text(run: RunResult) -> str:
 
 def _spread(values: list[float | None], fmt: str) -> str:
     """'a, b, c (mean m ± s)' with 'never' for None."""
-    got = [v for v in values if v is not None]
+    s = spread(values)
     text = ", ".join("never" if v is None else fmt.format(v) for v in values)
-    if len(got) > 1:
-        text += f" (mean {fmt.format(np.mean(got))} ± {fmt.format(np.std(got, ddof=1))})"
+    if s["n"] > 1:
+        text += f" (mean {fmt.format(s['mean'])} ± {fmt.format(s['std'])})"
     return text
 
 
@@ -189,18 +192,37 @@ def _figure_init_reparam(fig_dir: Path, adam_runs: list[RunResult], sgd: dict) -
     return "figure3c_init_reparam.png"
 
 
+def _on_engine(store: Path, grid: dict, fixed: dict) -> list[RunResult]:
+    """The runs of ``grid`` on ``fixed`` as ``recall`` trials on the sweep engine, in grid order
+    (a run that fails is an error: the report's numbers need every run)."""
+    from attnscale.experiments.recall.trial import run_result
+    from attnscale.study.launcher import run_trials
+    # One worker: the report runs its Monte Carlo sections beside this one (report.parallel).
+    return [run_result(r) for r in run_trials(Trials("recall", grid, fixed), store, workers=1)]
+
+
 def report_section(fig_dir: Path, *, seed: int) -> Section:
     """Figure 3, the training numbers over seeds, init-reparam and the logit-scaling exponent."""
     base = RecallConfig(seed=seed)
     seeds = [seed + i for i in range(SECTION_SEEDS)]
-    runs = compare(DEMO_MECHANISMS, base, seeds=seeds)
+    reparam, boosted, plain = sgd_configs(replace(base, steps=SGD_STEPS))
+    with tempfile.TemporaryDirectory(prefix="attnscale-recall-") as tmp:
+        stores = Path(tmp)
+        runs = _on_engine(stores / "demo", {"seed": seeds, "mechanism": list(DEMO_MECHANISMS)},
+                          {})
+        sgd_fixed = {"optimizer": "sgd", "lr": reparam.lr, "steps": SGD_STEPS, "seed": seed}
+        sgd_pair = _on_engine(stores / "sgd", {"mechanism": [reparam.mechanism,
+                                                             plain.mechanism]}, sgd_fixed)
+        (sgd_boosted,) = _on_engine(stores / "sgd-boosted", {"qk_lr_mult": [boosted.qk_lr_mult]},
+                                    {**sgd_fixed, "mechanism": boosted.mechanism})
+        small = _on_engine(stores / "scaling",
+                           {"d_k": [d for d in SCALING_D_KS if d != base.d_k]}, {"seed": seed})
+    sgd = sgd_tracking(sgd_pair[0], sgd_boosted, sgd_pair[1])
     demo = {m: [r for r in runs if r.mechanism == m] for m in DEMO_MECHANISMS}
     pairs = list(zip(demo["scaled"], demo["unscaled"]))
     grads = [grad_decomposition(s, u) for s, u in pairs]
     ratios = [milestone_ratios(s, u) for s, u in pairs]
     adam = [adam_separation(s, r) for s, r in zip(demo["scaled"], demo["init-reparam"])]
-    sgd = init_reparam_sgd(replace(base, steps=SGD_STEPS))
-    small = run_all([replace(base, d_k=d) for d in SCALING_D_KS if d != base.d_k])
     trained = {r.config.d_k: r for r in [*small, demo["scaled"][0]]}
     scaling = logit_scaling(SCALING_D_KS, base, trained=[trained[d] for d in SCALING_D_KS])
 

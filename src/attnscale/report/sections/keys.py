@@ -7,8 +7,10 @@ Two Monte Carlo experiments at ``d_k = 64`` on ``N(0, I)`` queries and keys:
 * :func:`attnscale.measure.planted.planted_key` for scaled and ssmax: the weight on one key that
   leads the others by a fixed margin, and its exponent ``b`` in ``weight ~ n^b`` at large n.
 
-Both slopes come from :func:`fit_line`, a weighted least-squares line through per-n Monte Carlo
-means with their standard errors (method in its docstring and in the section's text).
+Both slopes come from :func:`attnscale.stats.fit_line`, a weighted least-squares line through
+per-n Monte Carlo means with their standard errors (method in its docstring and in the
+section's text).  The section is named for the keys: "length" is the trained extrapolation
+study (``attnscale study length``).
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnscale.constants import Z95
-from attnscale.errors import ConfigError
 from attnscale.measure.montecarlo import saturation
 from attnscale.measure.planted import PLANTED_MARGIN, planted_key
 from attnscale.mechanisms import defined_at_init
 from attnscale.report import Measurement, Section
 from attnscale.report.figures import new_figure, save
+from attnscale.stats import fit_line
 from attnscale.styles import style
 
-LENGTH_D_K = 64
-LENGTH_NS = tuple(4 ** i for i in range(2, 9))        # 16, 64, ..., 65536
+KEYS_D_K = 64
+KEYS_NS = tuple(4 ** i for i in range(2, 9))        # 16, 64, ..., 65536
 # Trials per n: a budget of keys per n, clamped.  The cost of a trial grows with n (the
 # mechanisms that need q and k hold n * d_k numbers), so large n get fewer trials; the standard
 # errors stay below ~0.03 nats there because the per-trial spread of the entropy does not grow.
@@ -43,76 +45,6 @@ PLANTED_MECHANISMS = ("scaled", "ssmax")              # the two sides of SSMax's
 def trials_for(n: int) -> int:
     """Monte Carlo trials at ``n`` keys: ``KEY_BUDGET // n`` within [MIN_TRIALS, MAX_TRIALS]."""
     return min(MAX_TRIALS, max(MIN_TRIALS, KEY_BUDGET // n))
-
-
-def t975(dof: int) -> float:
-    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom (``dof >= 1``).
-
-    Bisection on the exact CDF for integer dof (Abramowitz & Stegun 26.7.3-4): with
-    ``theta = atan(t / sqrt(dof))``, ``P(|T| < t)`` is a finite series in ``cos(theta)``.
-    """
-    if dof < 1:
-        raise ValueError(f"dof must be >= 1, got {dof}")
-
-    def central(t: float) -> float:          # P(|T| < t)
-        th = math.atan(t / math.sqrt(dof))
-        c2 = math.cos(th) ** 2
-        if dof % 2:                          # odd: (2 / pi) (theta + sin cos (1 + 2/3 c2 + ...))
-            term, total = 1.0, 1.0 if dof > 1 else 0.0
-            for j in range(1, (dof - 1) // 2):
-                term *= c2 * (2 * j) / (2 * j + 1)
-                total += term
-            return 2.0 / math.pi * (th + math.sin(th) * math.cos(th) * total)
-        term, total = 1.0, 1.0               # even: sin (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...)
-        for j in range(1, dof // 2):
-            term *= c2 * (2 * j - 1) / (2 * j)
-            total += term
-        return math.sin(th) * total
-
-    lo, hi = 0.0, 1000.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if central(mid) < 0.95 else (lo, mid)
-    return 0.5 * (lo + hi)
-
-
-def fit_line(x: Sequence[float], y: Sequence[float], se: Sequence[float]) -> dict:
-    """Weighted least-squares line ``y = a + b x`` through points with standard errors ``se``.
-
-    Weights are ``1 / se^2``.  The slope's standard error is ``sqrt(S / D)`` with ``S = sum w``,
-    ``D = S sum w x^2 - (sum w x)^2``, scaled by ``max(1, sqrt(chi2 / dof))`` (the Birge ratio,
-    ``dof = len(x) - 2``): when the points scatter about the line more than their standard errors
-    allow (a curved relation, or underestimated errors) the interval widens accordingly.  The 95%
-    interval is ``b +/- q se(b)`` with ``q`` = 1.96 when the errors are taken as known (ratio <= 1)
-    and Student's ``t_{0.975, dof}`` when the scatter sets them.
-
-    Returns ``slope, slope_se, slope_ci95, intercept, chi2, dof, birge``.
-    """
-    x, y, se = (list(map(float, v)) for v in (x, y, se))
-    if not len(x) == len(y) == len(se) or len(x) < 2:
-        raise ConfigError(f"fit_line needs at least 2 points of x, y and se of equal length, got "
-                          f"{len(x)}, {len(y)}, {len(se)}.")
-    if min(se) <= 0 or not all(map(math.isfinite, x + y + se)):
-        raise ConfigError("fit_line needs finite x and y and positive, finite standard errors.")
-    w = [1.0 / s ** 2 for s in se]
-    sw = sum(w)
-    sx = sum(wi * xi for wi, xi in zip(w, x))
-    sy = sum(wi * yi for wi, yi in zip(w, y))
-    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
-    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
-    det = sw * sxx - sx * sx
-    if det <= 0:
-        raise ConfigError("fit_line needs at least two distinct x.")
-    slope = (sw * sxy - sx * sy) / det
-    intercept = (sxx * sy - sx * sxy) / det
-    chi2 = sum(wi * (yi - intercept - slope * xi) ** 2 for wi, xi, yi in zip(w, x, y))
-    dof = len(x) - 2
-    birge = math.sqrt(chi2 / dof) if dof > 0 else 1.0
-    inflate = birge > 1.0
-    slope_se = math.sqrt(sw / det) * (birge if inflate else 1.0)
-    half = (t975(dof) if inflate else Z95) * slope_se
-    return {"slope": slope, "slope_se": slope_se, "slope_ci95": (slope - half, slope + half),
-            "intercept": intercept, "chi2": chi2, "dof": dof, "birge": birge}
 
 
 def _fit_entropy(rows: list[dict]) -> dict:
@@ -146,7 +78,7 @@ def _plot(ax, rows: list[dict], stat: str, names: Sequence[str]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
+def keys_rows(seed: int, ns: Sequence[int] = KEYS_NS, d_k: int = KEYS_D_K,
                 trials=trials_for) -> tuple[list[dict], list[dict]]:
     """The section's two experiments: saturation rows for every mechanism defined at init and
     planted-key rows for :data:`PLANTED_MECHANISMS`, with ``trials(n)`` trials at each n."""
@@ -160,7 +92,7 @@ def length_rows(seed: int, ns: Sequence[int] = LENGTH_NS, d_k: int = LENGTH_D_K,
 
 def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
                   seed: int) -> Section:
-    """Fits, claims, figure and text from the rows of :func:`length_rows`."""
+    """Fits, claims, figure and text from the rows of :func:`keys_rows`."""
     names = list(dict.fromkeys(r["mechanism"] for r in sat_rows))
     by = {name: sorted((r for r in sat_rows if r["mechanism"] == name), key=lambda r: r["n"])
           for name in names}
@@ -173,9 +105,9 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     large = f"n = {EXPONENT_MIN_N}-{ns[-1]}"
     lead = f"{large}, lead {planted_rows[0]['margin']:g}, d_k = {d_k}"
     measurements = {
-        "length.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
-        "length.planted.scaled.exponent": _measurement(exps["scaled"], lead),
-        "length.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
+        "keys.scaled.entropy_slope": _measurement(fits["scaled"], f"{span}, d_k = {d_k}"),
+        "keys.planted.scaled.exponent": _measurement(exps["scaled"], lead),
+        "keys.planted.ssmax.exponent": _measurement(exps["ssmax"], lead),
     }
 
     fig, (ax1, ax2, ax3) = new_figure(3, width=5.0, height=4.2)
@@ -194,7 +126,7 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     ax3.set_yscale("log")
     ax3.set_ylabel(f"weight on the planted key (lead {PLANTED_MARGIN:g})")
     ax3.legend(fontsize=7)
-    save(fig, fig_dir / "figure_length_at_init.png")
+    save(fig, fig_dir / "figure_keys_at_init.png")
 
     def ci(fit: dict) -> str:
         lo, hi = fit["slope_ci95"]
@@ -236,11 +168,11 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
                     **v} for k, v in exps.items()])
     return Section(
         name="Entropy vs number of keys, at init",
-        rows=[dict(r, experiment="length_saturation") for r in sat_rows]
-        + [dict(r, experiment="length_planted") for r in planted_rows]
+        rows=[dict(r, experiment="keys_saturation") for r in sat_rows]
+        + [dict(r, experiment="keys_planted") for r in planted_rows]
         + [dict(r, slope_ci95=list(r["slope_ci95"])) for r in fit_rows],
         measurements=measurements,
-        figures=[("figure_length_at_init.png", f"Entropy (left) and max weight (middle) vs the "
+        figures=[("figure_keys_at_init.png", f"Entropy (left) and max weight (middle) vs the "
                   f"number of keys at d_k = {d_k}, every mechanism defined at init; right: the "
                   "weight on one planted key, scaled vs ssmax. Bars: 95% CI.")],
         markdown="\n".join(lines),
@@ -249,5 +181,5 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
 
 def report_section(fig_dir: Path, *, seed: int) -> Section:
     """Entropy and max weight vs n at init for every mechanism, and the planted key."""
-    sat_rows, planted_rows = length_rows(seed)
+    sat_rows, planted_rows = keys_rows(seed)
     return build_section(fig_dir, sat_rows, planted_rows, seed)

@@ -1,4 +1,4 @@
-"""The length section: the WLS slope and its CI, the planted-key Monte Carlo, a tiny section."""
+"""The entropy-vs-keys section (at init): the WLS slope and its CI, the planted-key Monte Carlo, a tiny section."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from attnscale.mechanisms.ssmax import S_INIT
 from attnscale.report.claims import CLAIMS_BY_ID
 from attnscale.report.model import judge
 from attnscale.report.reproduce import SECTIONS
-from attnscale.report.sections import length
-from attnscale.report.sections.length import build_section, fit_line, length_rows, t975
+from attnscale.report.sections import keys
+from attnscale.report.sections.keys import build_section, keys_rows
+from attnscale.stats import fit_line, t975
 from attnscale.rng import rng
 
 AT_INIT = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
@@ -137,37 +138,37 @@ def test_planted_key_refuses_bad_input(kwargs, pattern):
 
 
 def test_tiny_section(tmp_path):
-    ns = (16, 128, length.EXPONENT_MIN_N, 2 * length.EXPONENT_MIN_N)
-    sat, planted = length_rows(0, ns=ns, d_k=8, trials=lambda n: 24)
+    ns = (16, 128, keys.EXPONENT_MIN_N, 2 * keys.EXPONENT_MIN_N)
+    sat, planted = keys_rows(0, ns=ns, d_k=8, trials=lambda n: 24)
     section = build_section(tmp_path, sat, planted, seed=0)
-    assert length.report_section in SECTIONS
-    png = tmp_path / "figure_length_at_init.png"
+    assert keys.report_section in SECTIONS
+    png = tmp_path / "figure_keys_at_init.png"
     assert png.read_bytes().startswith(b"\x89PNG")
     assert [f for f, _ in section.figures] == [png.name]
     # Every mechanism defined at init, at every n; the planted key for scaled and ssmax.
     assert {(r["mechanism"], r["n"]) for r in sat} == {(m, n) for m in AT_INIT for n in ns}
     assert {(r["mechanism"], r["n"]) for r in planted} == \
-        {(m, n) for m in length.PLANTED_MECHANISMS for n in ns}
+        {(m, n) for m in keys.PLANTED_MECHANISMS for n in ns}
     for name in AT_INIT:
         assert f"| {name} |" in section.markdown
     # The measurements are the fits of the rows, and each claim gets a verdict.
     scaled = [r for r in sat if r["mechanism"] == "scaled"]
     fit = fit_line([math.log(r["n"]) for r in scaled], [r["entropy_mean"] for r in scaled],
                    [r["entropy_se"] for r in scaled])
-    m = section.measurements["length.scaled.entropy_slope"]
+    m = section.measurements["keys.scaled.entropy_slope"]
     assert m.value == pytest.approx(fit["slope"]) and m.interval() == pytest.approx(
         fit["slope_ci95"])
-    tail = [r for r in planted if r["mechanism"] == "scaled" and r["n"] >= length.EXPONENT_MIN_N]
+    tail = [r for r in planted if r["mechanism"] == "scaled" and r["n"] >= keys.EXPONENT_MIN_N]
     b = math.log(tail[1]["planted_weight_mean"] / tail[0]["planted_weight_mean"]) / math.log(2)
-    assert section.measurements["length.planted.scaled.exponent"].value == pytest.approx(b)
+    assert section.measurements["keys.planted.scaled.exponent"].value == pytest.approx(b)
     for claim_id, meas in section.measurements.items():
         judge(CLAIMS_BY_ID[claim_id], meas)      # a Within claim: judged without error
     fits = {(r["experiment"], r["mechanism"]) for r in section.rows if "slope" in r}
     assert fits == {("entropy_slope", m) for m in AT_INIT} | \
-        {("planted_exponent", m) for m in length.PLANTED_MECHANISMS}
+        {("planted_exponent", m) for m in keys.PLANTED_MECHANISMS}
 
 
 def test_trials_schedule_is_clamped():
-    assert length.trials_for(16) == length.MAX_TRIALS
-    assert length.trials_for(1 << 30) == length.MIN_TRIALS
-    assert length.trials_for(4096) == length.KEY_BUDGET // 4096
+    assert keys.trials_for(16) == keys.MAX_TRIALS
+    assert keys.trials_for(1 << 30) == keys.MIN_TRIALS
+    assert keys.trials_for(4096) == keys.KEY_BUDGET // 4096

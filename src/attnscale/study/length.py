@@ -1,32 +1,36 @@
-"""The length study's analysis, figures and report fragment: pure functions over trial records.
+"""The length study: temperature vs length.  Recall trained at 16 pairs and scored to 512, the
+small LM trained at context 128 and scored to 1024, and YaRN's temperature law measured; two
+stores (``recall-length`` and ``lm-length``), drawn as tables, claims and four figures.
 
-A record is a sweep record of ``recall-length`` or ``lm-length`` (``{"config", "result", ...}``,
-as :func:`attnscale.sweep.load` returns them).  Seed-to-seed intervals are the [min, max] over
-seeds, as in the small-LM study.
+A record is a sweep record of either store (``{"config", "result", ...}``); seed-to-seed
+intervals are the [min, max] over seeds (:mod:`attnscale.study.claims`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from attnscale.experiments.length import lm as lm_length
+from attnscale.experiments.length import recall as recall_length
 from attnscale.experiments.length.lm import M_GRID, M_STEP, YARN_ALPHA, YARN_BETA
-from attnscale.experiments.recall.metrics import mean_spread
 from attnscale.io import json_safe
 from attnscale.mechanisms.llama4_temp import llama4_tau
 from attnscale.mechanisms.yarn import YARN_SLOPE, yarn_m
+from attnscale.study import claims as claim_rules
+from attnscale.study.registry import register
+from attnscale.study.seeds import spread
+from attnscale.study.spec import Analysis, Study, Trials
 
-# The study folder's report (``attnscale reproduce --include`` reads fragment.md and .json).
-FRAGMENT_FILES = {"markdown": "fragment.md", "json": "fragment.json",
-                  "summary": "length_study.json", "recall": "length_recall.png",
-                  "lm_loss": "length_lm_loss.png", "lm_entropy": "length_lm_entropy.png",
-                  "yarn": "length_yarn.png"}
+SUMMARY = "length_study.json"
+FIGURES = {"recall": "length_recall.png", "lm_loss": "length_lm_loss.png",
+           "lm_entropy": "length_lm_entropy.png", "yarn": "length_yarn.png"}
 TITLE = "Temperature vs length: recall beyond the trained pair count, and the YaRN law measured"
 # Positions per bin in the by-position figures (the curves are per-position means over windows).
 POSITION_BIN = 16
+COLUMNS = ["quantity", "ours", "ci", "verdict"]
 
 
 def _order(records: Sequence[dict]) -> list[str]:
@@ -39,7 +43,7 @@ def _by_mechanism(records: Sequence[dict], mechanism: str) -> list[dict]:
 
 
 def _spread(values) -> dict:
-    return mean_spread([None if v is None or not math.isfinite(v) else v for v in values])
+    return spread(values)
 
 
 def recall_rows(records: Sequence[dict]) -> list[dict]:
@@ -102,41 +106,24 @@ def yarn_slope(records: Sequence[dict]) -> dict | None:
     return {"per_seed": per_seed, "span": span, **_spread(per_seed)} if per_seed else None
 
 
-def _interval(s: dict) -> list | None:
-    return None if s["mean"] is None else [s["min"], s["max"]]
+_interval = claim_rules.interval
 
 
 def _text(s: dict, digits: int = 3) -> str:
-    if s["mean"] is None:
-        return "n/a"
-    if s["n"] == 1:
-        return f"{s['mean']:.{digits}f}"
-    return f"{s['mean']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
-
-
-def _compare(a: dict, b: dict) -> str:
-    """'above', 'below' or 'overlap' for the seed ranges of spreads a and b."""
-    if a["min"] > b["max"]:
-        return "above"
-    if a["max"] < b["min"]:
-        return "below"
-    return "overlap"
+    return claim_rules.range_text(s, f"{{:.{digits}f}}")
 
 
 def _pair_claim(quantity: str, expected_side: str, ours: dict, ref: dict, ref_name: str,
                 source: str, note: str) -> dict | None:
-    """A claim that ``ours`` lies ``expected_side`` ("above"/"below") ``ref``; None when either
-    has no finite value (every seed diverged)."""
+    """A claim that ``ours`` lies ``expected_side`` ("lower"/"higher") than ``ref``; None when
+    either has no finite value (every seed diverged)."""
     if ours["mean"] is None or ref["mean"] is None:
         return None
-    side = _compare(ours, ref)
-    agrees = side == expected_side
-    verdict = "agrees" if agrees else \
-        "inconclusive: the seed ranges overlap" if side == "overlap" else "differs"
-    return {"quantity": quantity,
-            "expected": f"{expected_side} {ref_name}'s {_text(ref)} ({source})",
-            "ours": ours["mean"], "ci": _interval(ours), "verdict": verdict, "agrees": agrees,
-            "note": f"{note}; {ours['n']} seed(s), interval = seed-to-seed [min, max]"}
+    verdict, agrees = claim_rules.verdict([claim_rules.compare(ours, ref)], expected_side)
+    return claim_rules.claim(
+        quantity, f"{expected_side} than {ref_name}'s {_text(ref)} ({source})", ours["mean"],
+        _interval(ours), verdict, agrees,
+        f"{note}; {ours['n']} seed(s), interval = seed-to-seed [min, max]")
 
 
 def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
@@ -153,7 +140,7 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"recall accuracy at {longest} pairs, trained at {train}: {mech} vs scaled",
-                    "above", cell[mech, longest]["accuracy"], cell["scaled", longest]["accuracy"],
+                    "higher", cell[mech, longest]["accuracy"], cell["scaled", longest]["accuracy"],
                     "scaled", source,
                     f"{mech} at {train} pairs: {_text(cell[mech, train]['accuracy'])}; scaled: "
                     f"{_text(cell['scaled', train]['accuracy'])}"))
@@ -166,43 +153,45 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"small-LM validation loss at context {longest}, trained at {train}: "
-                    f"{mech} vs scaled (nats/byte)", "below", cell[mech, longest]["loss"],
+                    f"{mech} vs scaled (nats/byte)", "lower", cell[mech, longest]["loss"],
                     cell["scaled", longest]["loss"], "scaled",
                     "a length-aware temperature extrapolates better",
                     f"at {train}: {mech} {_text(cell[mech, train]['loss'])}, scaled "
                     f"{_text(cell['scaled', train]['loss'])}"))
     out = [c for c in out if c is not None]
-    for row in yarn_rows(lm) if lm else []:
+    yrows = yarn_rows(lm) if lm else []
+    for row in yrows:
         fit = row["fit"]
         if fit["mean"] is None:
             continue
         lo, hi = fit["min"] - M_STEP / 2, fit["max"] + M_STEP / 2
-        agrees = lo <= row["yarn"] <= hi
-        side = "below" if row["yarn"] > hi else "above"
-        out.append({
-            "quantity": f"YaRN √(1/t) minimising the loss at context {row['context']} "
-                        f"(s = {row['factor']}), scaled small LM",
-            "expected": f"{YARN_SLOPE:g}·ln s + 1 = {row['yarn']:.3f} (Peng et al. 2023, fitted "
-                        "on LLaMA 7B-65B)",
-            "ours": fit["mean"], "ci": _interval(fit),
-            "verdict": "agrees" if agrees else f"differs: ours is {side}",
-            "agrees": agrees,
-            "note": f"{fit['n']} seed(s); agrees when 0.1·ln s + 1 lies in the seed range "
-                    f"widened by half the grid step ({M_STEP / 2:g})"
-                    + ("; a fit sits at the grid's edge" if any(row["edge"]) else "")})
+        edge = claim_rules.search_inconclusive(
+            [x for x in row["per_seed"] if x is not None], row["edge"], M_GRID)
+        agrees = edge is None and lo <= row["yarn"] <= hi
+        verdict = edge or ("agrees" if agrees else
+                           f"differs: ours is {claim_rules.side(fit['mean'], row['yarn'])}")
+        out.append(claim_rules.claim(
+            f"YaRN √(1/t) minimising the loss at context {row['context']} "
+            f"(s = {row['factor']}), scaled small LM",
+            f"{YARN_SLOPE:g}·ln s + 1 = {row['yarn']:.3f} (Peng et al. 2023, fitted on LLaMA "
+            "7B-65B)", fit["mean"], _interval(fit), verdict, agrees,
+            f"{fit['n']} seed(s); agrees when 0.1·ln s + 1 lies in the seed range widened by "
+            f"half the grid step ({M_STEP / 2:g})"
+            + ("; a fit sits at the grid's edge" if any(row["edge"]) else "")))
     slope = yarn_slope(lm) if lm else None
     if slope is not None:
         tol = M_STEP / 2 / slope["span"]
-        agrees = slope["min"] - tol <= YARN_SLOPE <= slope["max"] + tol
-        out.append({
-            "quantity": "slope of the fitted √(1/t) against ln s, scaled small LM",
-            "expected": f"{YARN_SLOPE:g} (YaRN's 0.1·ln s + 1)",
-            "ours": slope["mean"], "ci": _interval(slope),
-            "verdict": "agrees" if agrees else
-            f"differs: ours is {'below' if slope['max'] + tol < YARN_SLOPE else 'above'}",
-            "agrees": agrees,
-            "note": f"{slope['n']} seed(s); agrees when {YARN_SLOPE:g} lies in the seed range "
-                    f"widened by half a grid step over the ln s span ({tol:.3f})"})
+        # A slope through a fit at the grid's edge inherits its doubt.
+        edge = next((claim_rules.search_inconclusive([], row["edge"], M_GRID) for row in yrows
+                     if any(row["edge"])), None)
+        agrees = edge is None and slope["min"] - tol <= YARN_SLOPE <= slope["max"] + tol
+        side = "lower" if slope["max"] + tol < YARN_SLOPE else "higher"
+        out.append(claim_rules.claim(
+            "slope of the fitted √(1/t) against ln s, scaled small LM",
+            f"{YARN_SLOPE:g} (YaRN's 0.1·ln s + 1)", slope["mean"], _interval(slope),
+            edge or ("agrees" if agrees else f"differs: ours is {side}"), agrees,
+            f"{slope['n']} seed(s); agrees when {YARN_SLOPE:g} lies in the seed range "
+            f"widened by half a grid step over the ln s span ({tol:.3f})"))
     return json_safe(out)
 
 
@@ -220,7 +209,7 @@ def _band(ax, x, spreads, name: str) -> None:
 def figure_recall(records: Sequence[dict]):
     """Accuracy and attention entropy vs pairs, per mechanism (band: seed range); the trained
     pair count dotted, ln n dashed."""
-    from attnscale.report.figures import new_figure
+    from attnscale.plotting import new_figure
     rows = recall_rows(records)
     fig, (acc, ent) = new_figure(2, width=4.6, height=3.6)
     for mech in _order(records):
@@ -265,7 +254,7 @@ def _by_position(ax, records: Sequence[dict], curve) -> None:
 
 def figure_lm_loss(records: Sequence[dict]):
     """Validation loss vs position, per mechanism, mean over seeds."""
-    from attnscale.report.figures import new_figure
+    from attnscale.plotting import new_figure
     fig, (ax,) = new_figure(1, width=6.0, height=3.8)
     _by_position(ax, records, lambda r: r["result"]["loss_by_position"])
     ax.set_ylabel("validation loss (nats/byte)")
@@ -275,7 +264,7 @@ def figure_lm_loss(records: Sequence[dict]):
 def figure_lm_entropy(records: Sequence[dict]):
     """Attention entropy vs position (mean over layers, heads, windows and seeds); ln(i + 1),
     the uniform ceiling, dashed."""
-    from attnscale.report.figures import new_figure
+    from attnscale.plotting import new_figure
     fig, (ax,) = new_figure(1, width=6.0, height=3.8)
     _by_position(ax, records, lambda r: np.mean(np.asarray(
         r["result"]["entropy_by_position"], dtype=np.float64), axis=0))
@@ -290,7 +279,7 @@ def figure_lm_entropy(records: Sequence[dict]):
 def figure_yarn(records: Sequence[dict]):
     """Loss at context 128·s vs the multiplier √(1/t), one panel per s: mean over seeds, the
     fitted minimum (solid) and YaRN's 0.1 ln s + 1 (dashed)."""
-    from attnscale.report.figures import new_figure
+    from attnscale.plotting import new_figure
     from attnscale.styles import style
     runs = [r for r in records if r["result"].get("yarn")]
     rows = yarn_rows(records)
@@ -364,7 +353,7 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
                   "", *_table(["ln n", *_order(recall)], pairs,
                               lambda m, n: f"{math.log(n):.2f}" if m == "ln n" else
                               f"{cell[m, n]['entropy']['mean']:.2f}"),
-                  "", f"![accuracy and entropy vs pairs]({FRAGMENT_FILES['recall']})", ""]
+                  "", f"![accuracy and entropy vs pairs]({FIGURES['recall']})", ""]
     if lm:
         rows = lm_rows(lm)
         ctx = sorted({r["context"] for r in rows})
@@ -372,8 +361,8 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
         lines += ["#### Small-LM length extrapolation", "", _lm_setup(lm), "",
                   "Validation loss (nats/byte) at each context, mean [seed min, max]:", "",
                   *_table(_order(lm), ctx, lambda m, n: _text(cell[m, n]["loss"]))]
-        lines += ["", f"![loss vs position]({FRAGMENT_FILES['lm_loss']})", "",
-                  f"![attention entropy vs position]({FRAGMENT_FILES['lm_entropy']})", ""]
+        lines += ["", f"![loss vs position]({FIGURES['lm_loss']})", "",
+                  f"![attention entropy vs position]({FIGURES['lm_entropy']})", ""]
         yrows = yarn_rows(lm)
         if yrows:
             lines += ["#### YaRN's temperature law", "",
@@ -388,7 +377,7 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
                 lines.append(f"| {r['factor']} | {r['context']} | {_text(r['fit'])} | "
                              f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} | "
                              f"{_text(plain['loss']) if plain else 'n/a'} |")
-            lines += ["", f"![loss vs the YaRN multiplier]({FRAGMENT_FILES['yarn']})", ""]
+            lines += ["", f"![loss vs the YaRN multiplier]({FIGURES['yarn']})", ""]
     lines += ["#### Claims", "", "| claim | expected | ours | verdict |", "|---|---|---|---|"]
     for c in claim_rows:  # from claims(recall, lm)
         ours = "n/a" if c["ours"] is None else f"{c['ours']:.3f}"
@@ -398,38 +387,47 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir, recall: Sequence[dict], lm: Sequence[dict], *,
-                 force: bool = False) -> dict:
-    """Write fragment.md, fragment.json (``attnscale reproduce --include``), length_study.json
-    (every table and claim) and the figures of the sections that have runs, all or nothing."""
-    from attnscale.errors import ConfigError
-    from attnscale.io import check_output_path, staged_dir
-    from attnscale.report.figures import save
-    if not recall and not lm:
-        raise ConfigError("the length study holds no finished run to draw from.")
-    out = check_output_path("--out", out_dir, kind="dir", files=FRAGMENT_FILES.values(),
-                            force=force)
+def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
+    """The tables, claims and figures of the sections that have runs."""
+    recall, lm = stores["recall-length"], stores["lm-length"]
     found = claims(recall, lm)
-    summary = json_safe({"recall": recall_rows(recall) if recall else [],
-                         "lm": lm_rows(lm) if lm else [], "yarn": yarn_rows(lm) if lm else [],
-                         "yarn_slope": yarn_slope(lm) if lm else None, "claims": found})
-    written = {}
-    with staged_dir(out, param="--out", force=force) as staging:
-        def text(key: str, value: str) -> None:
-            (staging / FRAGMENT_FILES[key]).write_text(value, "utf-8")
-            written[key] = str(out / FRAGMENT_FILES[key])
+    tables = {"recall": recall_rows(recall) if recall else [],
+              "lm": lm_rows(lm) if lm else [], "yarn": yarn_rows(lm) if lm else [],
+              "yarn_slope": yarn_slope(lm) if lm else None, "claims": found}
+    figures = {}
+    if recall:
+        figures[FIGURES["recall"]] = lambda: figure_recall(recall)
+    if lm:
+        figures[FIGURES["lm_loss"]] = lambda: figure_lm_loss(lm)
+        figures[FIGURES["lm_entropy"]] = lambda: figure_lm_entropy(lm)
+        if tables["yarn"]:
+            figures[FIGURES["yarn"]] = lambda: figure_yarn(lm)
+    return Analysis(markdown(recall, lm, found), found, tables, figures, table=found,
+                    columns=COLUMNS)
 
-        def figure(key: str, fig) -> None:
-            save(fig, staging / FRAGMENT_FILES[key])
-            written[key] = str(out / FRAGMENT_FILES[key])
-        text("json", json.dumps({"title": TITLE, "claims": found}, indent=1, allow_nan=False))
-        text("summary", json.dumps(summary, indent=1, allow_nan=False))
-        text("markdown", markdown(recall, lm, found))
-        if recall:
-            figure("recall", figure_recall(recall))
-        if lm:
-            figure("lm_loss", figure_lm_loss(lm))
-            figure("lm_entropy", figure_lm_entropy(lm))
-            if summary["yarn"]:
-                figure("yarn", figure_yarn(lm))
-    return {"files": written, "claims": found, "summary": summary}
+
+# The full study: 8 mechanisms x 3 seeds of recall at the essay's widths and the length
+# config's 1200 steps; the LM (width 64, 2 layers) at 2000 steps, 3 mechanisms x 3 seeds.
+# --quick (about 10 minutes on 2 cores): 2 seeds; recall at width 64 (d_k = d_model = 64),
+# 600 steps, 500 held-out sequences per length; the LM at 600 steps on 16 windows.
+STUDY = register(Study(
+    name="length",
+    title=TITLE,
+    doc="Temperature vs length: recall trained at 16 pairs and scored to 512 pairs, the small "
+        "LM trained at context 128 and scored to 1024, and YaRN's temperature law "
+        "0.1·ln s + 1 measured on the scaled LM.",
+    stores={"recall-length": Trials("recall-length", {"mechanism": recall_length.MECHANISMS,
+                                                      "seed": (0, 1, 2)}),
+            "lm-length": Trials("lm-length", {"mechanism": lm_length.MECHANISMS,
+                                              "seed": (0, 1, 2)})},
+    quick={"recall-length": Trials("recall-length", {"mechanism": recall_length.MECHANISMS,
+                                                     "seed": (0, 1)},
+                                   {"d_k": 64, "d_model": 64, "steps": 600, "eval_size": 500}),
+           "lm-length": Trials("lm-length", {"mechanism": lm_length.MECHANISMS, "seed": (0, 1)},
+                               {"steps": 600, "eval_windows": 16})},
+    quick_doc="2 seeds, fewer steps, recall at width 64: about 10 minutes on 2 cores",
+    analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),
+    examples="""
+  attnscale reproduce --out report/ --include length/
+""",
+))

@@ -1,0 +1,18 @@
+"""Watch and hold the attention temperature inside a training run: :func:`guard`.
+
+:mod:`~attnscale.guard.core` has the guard (records, alarms, the two clip modes);
+:mod:`~attnscale.guard.clip` where QK-Clip acts in each model family, and its grouped-query rule;
+:mod:`~attnscale.guard.plot` the figure of a guard log.  The Hugging Face Trainer and Lightning
+callbacks (:class:`attnscale.hf.TemperatureCallback`, :class:`attnscale.lightning.
+TemperatureCallback`) are thin layers over :func:`guard`.
+"""
+
+from __future__ import annotations
+
+from attnscale.guard.clip import ClipSite, clip_sites
+from attnscale.guard.core import (
+    ALARMS, GUARD_KEYS, Guard, GuardAlarm, guard, layer_rows, read_log, to_frame,
+)
+
+__all__ = ["ALARMS", "GUARD_KEYS", "ClipSite", "Guard", "GuardAlarm", "clip_sites", "guard",
+           "layer_rows", "read_log", "to_frame"]

@@ -1,0 +1,554 @@
+"""The guard: attention-temperature records, alarms and QK-Clip inside a training loop.
+
+::
+
+    with attnscale.guard(model, optimizer=opt, qk_clip=100, every=10,
+                         log="runs/guard.jsonl") as g:
+        for step, batch in enumerate(loader):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            g.step(step)          # after the optimizer step: records, alarms
+            if g.should_stop:     # on_alarm="stop"
+                break
+
+**What it observes.**  The guard is built on :mod:`attnscale.measure.monitor`'s observer (its
+pipeline observer and SDPA tap, its block kernels and statistics): every forward pass of ``model``
+in training mode on a recorded step, attributed to the attention module that made the call.  The
+model's outputs are bit for bit those without the guard.  A recorded step is the first one and
+every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of ``every``.
+
+**Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
+training forward passes and only the keys each query attends (``n_keys``: the most keys in one
+of the layer's calls, the n of the entropy's range [0, ln n]): ``logit_max`` (largest pre-softmax
+logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats), ``max_weight_mean``,
+``logit_std`` and ``logit_std_ratio`` (its ratio to the head's value at the first recorded step:
+how far the temperature has drifted from where it started), and with the clip ``s_max`` and
+``clip_gamma`` (the factor the head's logits were multiplied by at that step, 1 = untouched).  They
+go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``), to a TensorBoard
+``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the HF and Lightning
+callbacks hand to their loggers).  Per layer the spread over heads is :func:`layer_rows`.
+
+**Alarms**, per head, on recorded steps: ``max_logit`` when ``logit_max`` exceeds
+``alarm_logit`` (attention-logit growth precedes divergence: Wortsman et al. 2023, "Small-scale
+proxies for large-scale Transformer training instabilities", arXiv 2309.14322); ``entropy_floor``
+when the head's mean entropy falls below ``alarm_entropy_floor`` nats and ``entropy_collapse`` when
+it falls below ``alarm_entropy_fraction`` of its first recorded value (entropy collapse: Zhai et
+al. 2023, "Stabilizing Transformer Training by Preventing Attention Entropy Collapse", arXiv
+2303.06296).  The mean over rows, not the row minimum: under causality the first query has one
+key, so every causal head's minimum entropy is 0 from the start.  An alarm acts when it starts
+(not again while it holds): ``on_alarm="warn"`` (one line naming layer, head, step and value),
+``"raise"`` (:class:`GuardAlarm`, after the step's records are written), ``"stop"``
+(:attr:`Guard.should_stop`; the callbacks stop their trainers) or a callable given the alarm dict.
+
+A model built with attnscale's ``qk-clip`` mechanism carries its own clip (its τ, α and S_max):
+given the optimizer, the guard installs it (:func:`attnscale.mechanisms.qk_clip.install`).
+
+**QK-Clip** (``qk_clip=τ``; :mod:`attnscale.guard.clip` for the rule, GQA and where the factor
+goes).  S_max per head is tracked over every training forward pass, recorded or not, from the
+logits before any soft-cap; with an optimizer the clip runs as its step post-hook, otherwise in
+:meth:`Guard.step`.  Two modes:
+
+* K2's (default): S_max comes from the forward passes *before* the step and the factor is applied
+  *after* it, so the step's own update is not measured.  Documented overshoot: after the clip, a
+  head's largest logit on the batches it was measured on is ``τ · S'/S``, with S its S_max before
+  the step and S' after the step, before the clip: one step's growth over τ (the next clip catches
+  it).
+* strict (``strict=True``): after the step the guard re-runs that step's batches (kept by
+  reference) in ``eval()`` under ``torch.no_grad()``, measures S_max on the stepped weights, then
+  clips: the largest logit on those batches is at most τ after every step.  One extra forward per
+  step, no RNG drawn (eval mode: no dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.guard.clip import all_reduce_max, clip_sites
+from attnscale.io import atomic_write, check_output_path, json_safe
+from attnscale.kernels.peak import head_peaks
+from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
+from attnscale.measure.monitor.observer import Monitor
+from attnscale.mechanisms.base import inv_sqrt
+from attnscale.mechanisms import qk_clip as qk_clip_mechanism
+from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
+
+# The keys of every record, in order (the columns of to_frame() and of the JSONL log).
+GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
+              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean", "logit_std",
+              "logit_std_ratio", "s_max", "clip_gamma", "alarm")
+# Alarm names, in the order they are checked.
+ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
+# Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
+DEFAULT_ALARM_LOGIT = K2_TAU
+# Default entropy-collapse alarm: a head's mean entropy under a tenth of its first value.
+DEFAULT_ALARM_ENTROPY_FRACTION = 0.1
+ON_ALARM = ("warn", "raise", "stop")
+
+
+class GuardAlarm(RuntimeError):
+    """Raised by ``on_alarm="raise"``; ``.alarm`` is the alarm dict."""
+
+    def __init__(self, message: str, alarm: dict):
+        super().__init__(message)
+        self.alarm = alarm
+
+
+def _optional_positive(param: str, value: object) -> float | None:
+    return None if value is None else check_float(param, value, positive=True)
+
+
+class _Observer(Monitor):
+    """The monitor's observer, selecting the forward passes the guard wants and also folding each
+    call's largest logit into the guard's S_max where the clip needs it."""
+
+    def __init__(self, guard: Guard, model: nn.Module, block: int):
+        super().__init__(model, block=block)
+        self.guard = guard
+
+    def _selects(self) -> bool:
+        return self.guard._selects()
+
+    def _warn_unobserved(self) -> None:
+        # The guard is useless on a model it cannot see: an error, not a warning.
+        raise ConfigError(f"attnscale.guard {self._unobserved()}")
+
+    def _add(self, q: Tensor, k: Tensor, seen=None, **how) -> None:
+        site = self._site()
+        if site is None:
+            return
+        self._seen += 1
+        g = self.guard
+        module = site.split("#")[0]  # a second call of one module in a forward: same layer
+        capped = how.get("cap") is not None
+        record = g._recording and not g._remeasuring
+        track = g._tracking()
+        if track and (capped or not record):
+            # S_max alone: before the cap (the logit the clip scales), one blocked q kᵀ.
+            scale = how.get("scale")
+            g._fold(module, head_peaks(q, k, inv_sqrt(q.shape[-1]) if scale is None else scale,
+                                       mask=how.get("mask"), causal=how.get("causal", False)))
+        if not record:
+            return
+        g._keys[site] = max(g._keys.get(site, 0), k.shape[-2])
+
+        def take(stats: HeadStats) -> None:
+            self._merge(site, stats)
+            if track and not capped:  # the statistics' logits are the clip's: scored once
+                g._fold(module, stats.logit_max)
+
+        if seen is not None and seen.request_rows(lambda rows: take(HeadStats.from_rows(rows))):
+            return
+        take(_head_stats(q, k, block=self.block, **how))
+
+
+class Guard:
+    """See the module doc; build it with :func:`guard`."""
+
+    def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                 every: int = 10, log: str | os.PathLike | None = None, writer=None,
+                 qk_clip: float | None = None, alpha: float = K2_ALPHA, strict: bool = False,
+                 alarm_logit: float | None = DEFAULT_ALARM_LOGIT,
+                 alarm_entropy_floor: float | None = None,
+                 alarm_entropy_fraction: float | None = DEFAULT_ALARM_ENTROPY_FRACTION,
+                 on_alarm: str | Callable[[dict], None] = "warn", block: int = DEFAULT_BLOCK,
+                 force: bool = False):
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}.")
+        self.model, self.optimizer = model, optimizer
+        self.every = check_int("every", every, minimum=1)
+        self.block = check_int("block", block, minimum=1)
+        self.qk_clip = _optional_positive("qk_clip", qk_clip)
+        self.alpha = check_float("alpha", alpha)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1], got {alpha!r}.")
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict must be True or False, got {strict!r}.")
+        if strict and self.qk_clip is None:
+            raise ConfigError("strict=True is a mode of the clip; give qk_clip=tau as well.")
+        self.strict = strict
+        self.alarm_logit = _optional_positive("alarm_logit", alarm_logit)
+        self.alarm_entropy_floor = _optional_positive("alarm_entropy_floor", alarm_entropy_floor)
+        self.alarm_entropy_fraction = _optional_positive("alarm_entropy_fraction",
+                                                         alarm_entropy_fraction)
+        if self.alarm_entropy_fraction is not None and self.alarm_entropy_fraction >= 1:
+            raise ConfigError(f"alarm_entropy_fraction must be in (0, 1), got "
+                              f"{alarm_entropy_fraction!r}.")
+        if not callable(on_alarm) and on_alarm not in ON_ALARM:
+            raise ConfigError(f"on_alarm must be one of {', '.join(ON_ALARM)} or a callable, "
+                              f"got {on_alarm!r}.")
+        self.on_alarm = on_alarm
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
+                              "SummaryWriter).")
+        self.writer = writer
+        self.log = None if log is None else check_output_path("log", log, suffixes=(".jsonl",),
+                                                             force=force)
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl == "eager":
+            raise ConfigError("attnscale.guard cannot see Hugging Face attn_implementation="
+                              "'eager' (it forms the softmax by hand); load the model with "
+                              "attn_implementation='sdpa' or 'attnscale' (Gemma 2: 'attnscale').")
+        # Built now, so a layer the clip cannot handle is refused before any training.
+        self.sites = {s.name: s for s in clip_sites(model)} if self.qk_clip is not None else {}
+        self.records: list[dict] = []
+        self.latest: dict[str, float] = {}  # per-layer scalars of the last recorded step
+        self.should_stop = False
+        self._recording = True   # the first step is always recorded
+        self._remeasuring = False
+        self._s_max: dict[str, Tensor] = {}          # per module, since the last clip
+        self._last_clip: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (S_max, η per head)
+        self._layers: dict[str, int] = {}            # module -> layer index (first seen)
+        self._keys: dict[str, int] = {}              # module -> most keys in one of its calls
+        self._first: dict[tuple[str, int], dict] = {}  # (module, head) -> first recorded values
+        self._active: set[tuple[str, str, int]] = set()  # (alarm, module, head) holding now
+        self._batches: list[tuple[tuple, dict]] = []  # this step's inputs (strict mode)
+        self._observer: _Observer | None = None
+        self._handles: list = []
+        self._file = None
+
+    # -- attaching ---------------------------------------------------------------------------
+    def __enter__(self) -> Guard:
+        if self._observer is not None:
+            raise RuntimeError("this guard is already active")
+        try:
+            self._observer = _Observer(self, self.model, self.block).__enter__()
+            if self.strict:
+                self._handles.append(self.model.register_forward_pre_hook(
+                    self._keep_batch, with_kwargs=True))
+            if self.qk_clip is not None and self.optimizer is not None:
+                self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+            if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
+                # A model built with the qk-clip mechanism clips itself after every step, from
+                # its own S_max; the guard installs that clip (qk_clip.install) and records.
+                self._handles.append(qk_clip_mechanism.install(self.optimizer, self.model))
+            if self.log is not None:
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.log, "w", encoding="utf-8")
+        except BaseException:
+            self._detach()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles.clear()
+        if self._observer is not None:
+            self._observer._detach()
+            self._observer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            # The log was written line by line as training ran; registering it in the folder's
+            # manifest (attnscale.io) lets a later run replace it without --force.
+            atomic_write(self.log, self.log.read_bytes(), param="log", force=True)
+
+    # -- what is observed --------------------------------------------------------------------
+    def _tracking(self) -> bool:
+        """Whether this call's S_max is wanted: K2 mode in training, or the strict re-measure."""
+        if self.qk_clip is None:
+            return False
+        return self._remeasuring or not self.strict
+
+    def _selects(self) -> bool:
+        if self._remeasuring:
+            return True
+        if not self.model.training:  # evaluation passes inside training are not the run's
+            return False
+        return self._recording or self._tracking()
+
+    def _fold(self, module: str, peaks: Tensor) -> None:
+        if module not in self.sites:
+            return
+        peaks = peaks.detach().to(device="cpu", dtype=torch.float64)
+        old = self._s_max.get(module)
+        self._s_max[module] = peaks if old is None else torch.maximum(old, peaks)
+
+    def _keep_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and not self._remeasuring:
+            self._batches.append((args, kwargs))
+
+    # -- the clip ----------------------------------------------------------------------------
+    def _after_step(self, *_) -> None:
+        """After ``optimizer.step()``: the clip; in strict mode measured on the stepped weights.
+
+        Strict mode measures and clips again until no head is over τ: clipping layer l changes
+        what reaches the layers above it, so one pass bounds layer 0 only.  Layer l's inputs stop
+        changing once the layers below it are bounded, so at most one pass per layer is needed
+        (usually one or two in all)."""
+        self._last_clip.clear()
+        if not self.strict:
+            self._clip()
+        else:
+            for _ in range(len(self.sites) + 1):
+                self._remeasure()
+                if not self._clip():
+                    break
+        self._s_max.clear()
+        self._batches.clear()
+
+    @torch.no_grad()
+    def _remeasure(self) -> None:
+        self._s_max.clear()
+        training = self.model.training
+        self._remeasuring = True
+        try:
+            self.model.eval()
+            for args, kwargs in self._batches:
+                self.model(*args, **kwargs)
+        finally:
+            self._remeasuring = False
+            self.model.train(training)
+
+    def _clip(self) -> bool:
+        """One all-reduced S_max vector for every layer, then each layer's factors; whether any
+        head was over τ."""
+        sites = list(self.sites.values())
+        if not sites or not self._s_max:
+            return False
+        s = torch.cat([self._s_max.get(site.name, torch.full((site.n_heads,), -math.inf,
+                                                             dtype=torch.float64))
+                       for site in sites])
+        s = all_reduce_max(s)
+        offset = 0
+        for site in sites:
+            s_site = s[offset:offset + site.n_heads]
+            offset += site.n_heads
+            eta_q, eta_k = site.factors(s_site, self.qk_clip)
+            site.apply(eta_q, eta_k, self.alpha)
+            if site.name in self._last_clip:  # strict passes: the factors compose
+                first_s, first_eta = self._last_clip[site.name]
+                self._last_clip[site.name] = (first_s, first_eta * eta_q)
+            else:
+                self._last_clip[site.name] = (s_site, eta_q)
+        self._s_max.clear()
+        return bool((s > self.qk_clip).any())
+
+    # -- the training loop's call ------------------------------------------------------------
+    def step(self, step: int) -> list[dict]:
+        """Call after each optimizer step with its label ``step``; returns this step's records
+        (empty on a step not recorded).  Without an optimizer, the clip runs here."""
+        step = check_int("step", step, minimum=0)
+        if self._observer is None:
+            raise RuntimeError("guard.step() outside the guard's with block")
+        if self.qk_clip is not None and self.optimizer is None:
+            self._after_step()
+        rows = self._emit(step) if self._recording else []
+        self._recording = (step + 1) % self.every == 0
+        if self.optimizer is None or self.qk_clip is None:
+            self._batches.clear()
+        return rows
+
+    def _emit(self, step: int) -> list[dict]:
+        observer = self._observer
+        rows, alarms = [], []
+        for site, stats in observer._totals.items():
+            module = site.split("#")[0]
+            layer = self._layers.setdefault(site, len(self._layers))
+            means = stats.means()
+            clip = self._last_clip.get(module)
+            for head in range(len(means["queries"])):
+                row = {"step": step, "layer": layer, "head": head, "module": site,
+                       "queries": int(means["queries"][head]), "n_keys": self._keys[site],
+                       **{key: means[key][head] for key in
+                          ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
+                           "max_weight_mean", "logit_std")}}
+                first = self._first.setdefault((site, head), dict(row))
+                std0 = first["logit_std"]
+                row["logit_std_ratio"] = row["logit_std"] / std0 if std0 > 0 else math.nan
+                row["s_max"] = float(clip[0][head]) if clip is not None else None
+                row["clip_gamma"] = float(clip[1][head]) if clip is not None else None
+                fired = self._alarms(row, first)
+                row["alarm"] = ",".join(fired)
+                alarms += [self._alarm(name, row) for name in fired
+                           if (name, site, head) not in self._active]
+                self._active -= {(n, site, head) for n in ALARMS if n not in fired}
+                self._active |= {(n, site, head) for n in fired}
+                rows.append(row)
+        observer.reset()
+        self._last_clip.clear()
+        self.records += rows
+        self.latest = _latest(rows)
+        self._write(step, rows)
+        for alarm in alarms:
+            self._act(alarm)
+        return rows
+
+    def _alarms(self, row: dict, first: dict) -> list[str]:
+        fired = []
+        if self.alarm_logit is not None and row["logit_max"] > self.alarm_logit:
+            fired.append("max_logit")
+        ent = row["entropy_mean"]
+        if self.alarm_entropy_floor is not None and ent < self.alarm_entropy_floor:
+            fired.append("entropy_floor")
+        if (self.alarm_entropy_fraction is not None
+                and ent < self.alarm_entropy_fraction * first["entropy_mean"]):
+            fired.append("entropy_collapse")
+        return fired
+
+    def _alarm(self, name: str, row: dict) -> dict:
+        if name == "max_logit":
+            what = f"max logit {row['logit_max']:.4g} > alarm_logit {self.alarm_logit:g}"
+        elif name == "entropy_floor":
+            what = (f"mean entropy {row['entropy_mean']:.4g} nats < alarm_entropy_floor "
+                    f"{self.alarm_entropy_floor:g}")
+        else:
+            first = self._first[(row["module"], row["head"])]["entropy_mean"]
+            what = (f"mean entropy {row['entropy_mean']:.4g} nats < alarm_entropy_fraction "
+                    f"{self.alarm_entropy_fraction:g} x its first {first:.4g}")
+        message = (f"attnscale.guard: {name} in layer {row['layer']} ({row['module']}) head "
+                   f"{row['head']} at step {row['step']}: {what}")
+        return {"alarm": name, "step": row["step"], "layer": row["layer"], "head": row["head"],
+                "module": row["module"], "value": row["logit_max" if name == "max_logit"
+                                                     else "entropy_mean"],
+                "message": message}
+
+    def _act(self, alarm: dict) -> None:
+        if self.on_alarm == "warn":
+            warnings.warn(alarm["message"], RuntimeWarning, stacklevel=4)
+        elif self.on_alarm == "raise":
+            raise GuardAlarm(alarm["message"], alarm)
+        elif self.on_alarm == "stop":
+            self.should_stop = True
+        else:
+            self.on_alarm(alarm)
+
+    def _write(self, step: int, rows: list[dict]) -> None:
+        if self._file is not None:
+            self._file.writelines(json.dumps(json_safe(r)) + "\n" for r in rows)
+            self._file.flush()
+        if self.writer is not None:
+            for r in rows:
+                for key in ("logit_max", "entropy_min", "entropy_mean", "max_weight_mean",
+                            "logit_std_ratio"):
+                    self.writer.add_scalar(f"attnscale/{key}/layer{r['layer']}/head{r['head']}",
+                                           r[key], step)
+            for tag, value in self.latest.items():
+                self.writer.add_scalar(tag, value, step)
+
+    # -- results -----------------------------------------------------------------------------
+    def to_frame(self):
+        """The records as a pandas DataFrame, columns in :data:`GUARD_KEYS` order."""
+        return to_frame(self.records)
+
+
+def _latest(rows: list[dict]) -> dict[str, float]:
+    """Per-layer scalars of one step's rows, keyed ``attnscale/<stat>/layer<L>``."""
+    out = {}
+    for r in layer_rows(rows):
+        for key in ("logit_max", "logit_max_spread", "entropy_mean_min", "entropy_mean_spread",
+                    "logit_std_ratio_max"):
+            out[f"attnscale/{key}/layer{r['layer']}"] = r[key]
+    return out
+
+
+def layer_rows(records: list[dict]) -> list[dict]:
+    """One row per (step, layer): the spread over heads.  ``logit_max`` (largest over heads) and
+    ``logit_max_spread`` (largest - smallest), ``entropy_mean_min`` (the lowest head's mean
+    entropy) and ``entropy_mean_spread``, ``logit_std_ratio_max``, ``alarms`` (heads alarmed)."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["step"], r["layer"]), []).append(r)
+    out = []
+    for (step, layer), heads in sorted(groups.items()):
+        def col(key: str) -> list[float]:
+            return [h[key] for h in heads]
+        out.append({"step": step, "layer": layer, "module": heads[0]["module"],
+                    "heads": len(heads),
+                    "logit_max": max(col("logit_max")),
+                    "logit_max_spread": max(col("logit_max")) - min(col("logit_max")),
+                    "entropy_mean_min": min(col("entropy_mean")),
+                    "entropy_mean_spread": max(col("entropy_mean")) - min(col("entropy_mean")),
+                    "logit_std_ratio_max": max(col("logit_std_ratio")),
+                    "alarms": sum(1 for h in heads if h["alarm"])})
+    return out
+
+
+def read_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a guard JSONL log; ConfigError naming the file and line when one is not a
+    record."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"log {str(path)!r} is not a file.")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{str(path)!r} line {n} is not JSON ({err.msg}).") from None
+            if not isinstance(row, dict) or any(key not in row for key in GUARD_KEYS):
+                missing = [k for k in GUARD_KEYS if not isinstance(row, dict) or k not in row]
+                raise ConfigError(f"{str(path)!r} line {n} is not a guard record (missing "
+                                  f"{', '.join(missing[:3])}).")
+            rows.append({k: (math.nan if row[k] is None and k not in ("s_max", "clip_gamma")
+                             else row[k]) for k in GUARD_KEYS})
+    if not rows:
+        raise ConfigError(f"{str(path)!r} holds no guard records.")
+    return rows
+
+
+def to_frame(records: list[dict] | str | os.PathLike):
+    """Records (a list, or the path of a JSONL log) as a pandas DataFrame in GUARD_KEYS order."""
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("to_frame() needs pandas (pip install pandas); the records are plain "
+                          "dicts as well.") from None
+    if not isinstance(records, list):
+        records = read_log(records)
+    return pd.DataFrame(records, columns=list(GUARD_KEYS))
+
+
+def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, every: int = 10,
+          log: str | os.PathLike | None = None, writer=None, qk_clip: float | None = None,
+          alpha: float = K2_ALPHA, strict: bool = False,
+          alarm_logit: float | None = DEFAULT_ALARM_LOGIT,
+          alarm_entropy_floor: float | None = None,
+          alarm_entropy_fraction: float | None = DEFAULT_ALARM_ENTROPY_FRACTION,
+          on_alarm: str | Callable[[dict], None] = "warn", block: int = DEFAULT_BLOCK,
+          force: bool = False) -> Guard:
+    """Watch (and with ``qk_clip`` hold) the attention temperature of ``model`` while it trains.
+
+    Args:
+        model: any ``nn.Module`` the monitor sees (attnscale's attention, HF on ``"sdpa"`` or
+            ``"attnscale"``, anything calling SDPA).
+        optimizer: the optimizer; with ``qk_clip`` the clip runs as its step post-hook.
+        every: record one step in ``every`` (the first always), >= 1.
+        log: JSONL file of the records (``.jsonl``; the io rules: a file attnscale did not
+            write is refused unless ``force``).
+        writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar``).
+        qk_clip: τ of QK-Clip (K2: 100), or None for no clip; finite and > 0.
+        alpha: the query side's share of the factor, in [0, 1] (K2: 0.5).
+        strict: re-measure after each step, then clip (see the module doc).
+        alarm_logit, alarm_entropy_floor, alarm_entropy_fraction: alarm thresholds (None: off).
+        on_alarm: ``"warn"``, ``"raise"``, ``"stop"`` or a callable given the alarm dict.
+        block: queries per statistics block (the monitor's).
+    Returns:
+        a :class:`Guard`, to use as a context manager; call ``g.step(step)`` after each
+        optimizer step.
+    """
+    return Guard(model, optimizer=optimizer, every=every, log=log, writer=writer,
+                 qk_clip=qk_clip, alpha=alpha, strict=strict, alarm_logit=alarm_logit,
+                 alarm_entropy_floor=alarm_entropy_floor,
+                 alarm_entropy_fraction=alarm_entropy_fraction, on_alarm=on_alarm, block=block,
+                 force=force)

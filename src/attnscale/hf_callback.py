@@ -1,0 +1,84 @@
+"""``attnscale.hf.TemperatureCallback``: :func:`attnscale.guard` inside ``transformers.Trainer``.
+
+::
+
+    from attnscale.hf import TemperatureCallback
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[TemperatureCallback(qk_clip=100, every=10)])
+    trainer.train()
+    trainer.state.log_history     # ... {"attnscale/logit_max/layer0": ..., "step": 10} ...
+
+The callback finds the model and the optimizer in the callback arguments when training begins,
+enters a guard with the given options (those of :func:`attnscale.guard`) and calls ``g.step`` with
+``state.global_step`` after every optimizer step.  On a recorded step it asks the Trainer to log
+(``control.should_log``) and adds the guard's per-layer scalars (:attr:`attnscale.guard.Guard.
+latest`) to that log, so they reach ``state.log_history`` and every reporter the user configured
+(``report_to``: TensorBoard, W&B, MLflow...).  For that it runs first among the Trainer's
+callbacks: the Trainer hands one ``logs`` dict to its callbacks in order, reporters first, so the
+callback moves itself to the front of the Trainer's list when training begins.  The per-head records
+stay in ``callback.guard.records`` and the JSONL ``log``.  ``on_alarm="stop"`` ends training
+through ``control.should_training_stop``.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from transformers import TrainerCallback
+
+from attnscale.guard import Guard, guard
+
+
+class TemperatureCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` running :func:`attnscale.guard` over the training loop;
+    keyword options as :func:`attnscale.guard` (``every``, ``log``, ``writer``, ``qk_clip``,
+    ``alpha``, ``strict``, the alarms, ``on_alarm``...)."""
+
+    def __init__(self, **options):
+        for name in ("model", "optimizer"):
+            if name in options:
+                raise TypeError(f"TemperatureCallback finds the {name} itself; do not pass "
+                                f"{name}=.")
+        self.options = options
+        self.guard: Guard | None = None
+        self._pending: dict[str, float] = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        # accelerate wraps the optimizer; its step calls the torch optimizer's, whose hook runs.
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.guard = guard(model, optimizer=inner, **self.options).__enter__()
+        self._run_first()
+
+    def _run_first(self) -> None:
+        """Move this callback to the front of the Trainer's callback list (see the module doc).
+        The list is found as the one holding this callback and the Trainer's flow callback."""
+        for holder in gc.get_referrers(self):
+            if isinstance(holder, list) and any(type(c).__name__ == "DefaultFlowCallback"
+                                                for c in holder):
+                holder.remove(self)
+                holder.insert(0, self)
+                return
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.guard is None:
+            return control
+        if self.guard.step(state.global_step):
+            self._pending.update(self.guard.latest)
+            control.should_log = True
+        if self.guard.should_stop:
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending and logs is not None:
+            logs.update(self._pending)
+            # The Trainer appended its copy of logs to log_history before calling back.
+            if state.log_history and state.log_history[-1] is not logs:
+                state.log_history[-1].update(self._pending)
+            self._pending = {}
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
+        return control

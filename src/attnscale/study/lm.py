@@ -1,0 +1,431 @@
+"""The small-LM stability study: which mechanism keeps a small LM trainable across learning
+rates (Wortsman et al. 2023, arXiv 2309.14322), as LR sensitivity per (variant, width) over seeds,
+its claims, and four figures; one ``lm`` store of every variant x lr x width x seed.
+
+A run record is what :func:`attnscale.experiments.lm.train_lm` returns (its ``config`` inside),
+the ``result`` of an ``lm`` trial.  LR sensitivity is
+:func:`~attnscale.experiments.lm.study.lr_sensitivity` per (variant, width, seed) over the
+learning rates present, reported as the mean over seeds with the seed-to-seed range [min, max].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from attnscale.experiments.lm.study import (
+    DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, WORTSMAN_LRS, lr_sensitivity,
+    normalises_qk, parse_variant, peak_logit, plotted_loss, variant,
+)
+from attnscale.study import claims as claim_rules
+from attnscale.study.registry import register
+from attnscale.study.seeds import spread
+from attnscale.study.spec import Analysis, Option, Study, Trials
+
+SUMMARY = "lm_study.json"
+FIGURES = {"loss_vs_lr": "lm_loss_vs_lr.png", "sensitivity": "lm_lr_sensitivity.png",
+           "logit_growth": "lm_attn_logit_growth.png", "entropy": "lm_attn_entropy.png"}
+COLUMNS = ["mechanism", "width", "seeds", "mean", "min", "max"]
+
+
+def _groups(records: Iterable[dict], *keys) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in records:
+        c = r["config"]
+        key = tuple(variant(r) if k == "variant" else c[k] for k in keys)
+        out.setdefault(key, []).append(r)
+    return out
+
+
+def _order(records: Sequence[dict]) -> list[str]:
+    return list(dict.fromkeys(variant(r) for r in records))
+
+
+def sensitivity_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per (variant, width): LR sensitivity per seed, their mean and [min, max]."""
+    per_seed = {}
+    for (var, width, seed), runs in _groups(records, "variant", "d_model", "seed").items():
+        runs = sorted(runs, key=lambda r: r["config"]["lr"])
+        value = lr_sensitivity([r["final_val_loss"] for r in runs], runs[0]["loss_init"])
+        per_seed.setdefault((var, width), []).append((seed, value, [r["config"]["lr"] for r in runs]))
+    rows = []
+    for var in _order(records):
+        for width in sorted({w for v, w in per_seed if v == var}):
+            seeds = sorted(per_seed[var, width])
+            s = spread([v for _, v, _ in seeds])
+            rows.append({
+                "mechanism": var, "width": width, "seeds": len(seeds),
+                "lrs": seeds[0][2], "per_seed": [v for _, v, _ in seeds],
+                "mean": s["mean"], "min": s["min"], "max": s["max"]})
+    return rows
+
+
+def loss_vs_lr_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per (variant, width, lr): mean plotted loss over seeds, diverged seeds, ℓ0."""
+    rows = []
+    for (var, width, lr), runs in _groups(records, "variant", "d_model", "lr").items():
+        rows.append({"mechanism": var, "width": width, "lr": lr,
+                     "loss": float(np.mean([plotted_loss(r) for r in runs])),
+                     "diverged": sum(bool(r["diverged"]) for r in runs), "seeds": len(runs),
+                     "loss_init": float(np.mean([r["loss_init"] for r in runs]))})
+    return sorted(rows, key=lambda r: (r["width"], r["lr"]))
+
+
+def _range_text(row: dict) -> str:
+    """A sensitivity row's seed spread, as every study writes one."""
+    n = sum(v is not None for v in row["per_seed"])
+    return claim_rules.range_text({**row, "n": n})
+
+
+def _claim(text: str, expected: str, measured: str, verdict: str, agrees: bool | None,
+           ours: float | None = None, ci: list | None = None) -> dict:
+    """A claim row: what is claimed, what the source says, our number (with its seed range) and
+    what we measured in words, the verdict, and ``agrees`` (None: not run)."""
+    return {"claim": text, "expected": expected, "ours": ours, "ci": ci, "measured": measured,
+            "verdict": verdict, "agrees": agrees}
+
+
+def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dict:
+    """A claim comparing the LR sensitivity of variants a and b at every width both ran.
+
+    ``ours`` is the sensitivity of a minus that of b (mean over widths of the seed means), ``ci``
+    its seed-to-seed range (min of a − max of b, max of a − min of b, over widths).
+    """
+    expected = {"lower": f"{a} lower than {b} (difference < 0)",
+                "higher": f"{a} higher than {b} (difference > 0)",
+                "overlap": f"{a} within noise of {b} (seed ranges overlap)"}[expect]
+    cell = {(r["mechanism"], r["width"]): r for r in rows}
+    widths = sorted(w for (m, w) in cell if m == a and (b, w) in cell
+                    and cell[m, w]["mean"] is not None and cell[b, w]["mean"] is not None)
+    if not widths:
+        return _claim(text, expected, f"not run ({a} and {b} at a common width needed)",
+                      claim_rules.NOT_RUN, None)
+    outcomes = [claim_rules.compare(cell[a, w], cell[b, w]) for w in widths]
+    measured = "; ".join(f"width {w}: {a} {_range_text(cell[a, w])} vs {b} "
+                         f"{_range_text(cell[b, w])} ({o})" for w, o in zip(widths, outcomes))
+    one_seed = min(cell[m, w]["seeds"] for w in widths for m in (a, b)) < 2
+    if one_seed:
+        measured += " [one seed: no seed-to-seed interval, so any gap counts]"
+    verdict, agrees = claim_rules.verdict(outcomes, expect)
+    ours = float(np.mean([cell[a, w]["mean"] - cell[b, w]["mean"] for w in widths]))
+    ci = None if one_seed else [min(cell[a, w]["min"] - cell[b, w]["max"] for w in widths),
+                                max(cell[a, w]["max"] - cell[b, w]["min"] for w in widths)]
+    return _claim(text, expected, measured, verdict, agrees, ours, ci)
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    if len(x) < 2 or np.std(rx) == 0 or np.std(ry) == 0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def logit_claims(records: Sequence[dict]) -> list[dict]:
+    """Runs without QK normalisation: (1) the peak attention logit grows with LR (Spearman ρ over
+    the grid, per variant, width and seed); (2) every diverged run's peak logit exceeds that of
+    the highest learning rate the same variant, width and seed survived."""
+    plain = [r for r in records
+             if not normalises_qk(r["config"]["mechanism"], r["config"].get("options"))]
+    rhos, preceded, total = [], 0, 0
+    for key, runs in _groups(plain, "variant", "d_model", "seed").items():
+        runs = sorted(runs, key=lambda r: r["config"]["lr"])
+        pairs = [(r["config"]["lr"], peak_logit(r)) for r in runs if peak_logit(r) is not None]
+        if len(pairs) >= 3:
+            rhos.append(_spearman(*zip(*pairs)))
+        survived = [r for r in runs if not r["diverged"] and peak_logit(r) is not None]
+        for r in runs:
+            if r["diverged"] and survived and peak_logit(r) is not None:
+                total += 1
+                preceded += peak_logit(r) > peak_logit(survived[-1])
+    rhos = [x for x in rhos if math.isfinite(x)]
+    grow_text = "In runs without qk-norm, the max attention logit grows with LR."
+    grow_expected = "Spearman ρ(lr, peak max attention logit) > 0 in every grid (Wortsman et al.)"
+    if not rhos:
+        grow = _claim(grow_text, grow_expected, "not run (needs >= 3 learning rates)",
+                      "not run", None)
+    else:
+        positive = sum(x > 0 for x in rhos)
+        grow = _claim(grow_text, grow_expected,
+                      f"Spearman ρ(lr, peak logit) > 0 in {positive} of {len(rhos)} "
+                      f"(variant, width, seed) grids; median ρ = {np.median(rhos):.2f}",
+                      "agrees" if positive == len(rhos) else
+                      "inconclusive: not in every grid" if positive > len(rhos) / 2 else
+                      "differs", positive == len(rhos), float(np.median(rhos)),
+                      [float(min(rhos)), float(max(rhos))])
+    lead_text = "In runs without qk-norm, divergence is preceded by that growth."
+    lead_expected = ("every diverged run's peak logit exceeds that of the highest learning rate "
+                     "that survived (fraction = 1)")
+    if not total:
+        lead = _claim(lead_text, lead_expected, "no run diverged beside a surviving one",
+                      "not run", None)
+    else:
+        lead = _claim(lead_text, lead_expected,
+                      f"{preceded} of {total} diverged runs reached a higher peak logit than the "
+                      "highest learning rate that survived",
+                      "agrees" if preceded == total else "differs", preceded == total,
+                      preceded / total)
+    return [grow, lead]
+
+
+def claims(records: Sequence[dict]) -> list[dict]:
+    """The study's claims (Wortsman et al. and the essay), each with what we measured and a
+    verdict."""
+    rows = sensitivity_rows(records)
+    return [
+        _pair_claim(rows, "qk-layernorm", "scaled", "lower",
+                    "qk-layernorm has lower LR sensitivity than scaled (Wortsman et al.)."),
+        _pair_claim(rows, "unscaled", "scaled", "higher",
+                    "unscaled has higher LR sensitivity than scaled."),
+        _pair_claim(rows, "softcap", "scaled", "lower",
+                    "softcap lowers LR sensitivity relative to scaled (the essay: it makes the "
+                    "divisor less critical)."),
+        _pair_claim(rows, "qk-layernorm(divisor=False)", "qk-layernorm", "overlap",
+                    "With QK normalisation, removing 1/√d changes LR sensitivity within noise "
+                    "only (the essay)."),
+        *logit_claims(records)]
+
+
+# --- figures --------------------------------------------------------------------------------------
+
+def _cycle(index: int) -> str:
+    import matplotlib.pyplot as plt
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return cycle[index % len(cycle)]
+
+
+def _style(var: str) -> dict:
+    """Line style of a variant: its mechanism's one fixed style (:func:`attnscale.styles.style`),
+    dotted for a variant with options so that it stands apart from its mechanism."""
+    from attnscale.styles import style
+    name = var.split("(")[0]
+    return style(name, linestyle=":") if var != name else style(name)
+
+
+def figure_loss_vs_lr(records: Sequence[dict]):
+    """Final validation loss vs peak LR, one line per variant, one panel per width (Wortsman
+    Fig. 1); diverged runs are drawn at the loss at init and marked with a cross."""
+    from attnscale.plotting import new_figure
+    rows = loss_vs_lr_rows(records)
+    widths = sorted({r["width"] for r in rows})
+    fig, axes = new_figure(len(widths), width=4.2, height=3.4)
+    for ax, width in zip(axes, widths):
+        for var in _order(records):
+            rs = [r for r in rows if r["mechanism"] == var and r["width"] == width]
+            if not rs:
+                continue
+            st = _style(var)
+            ax.plot([r["lr"] for r in rs], [r["loss"] for r in rs], ms=3, label=var, **st)
+            bad = [r for r in rs if r["diverged"]]
+            ax.plot([r["lr"] for r in bad], [r["loss"] for r in bad], "x", color=st["color"],
+                    ms=8, mew=2)
+        init = np.mean([r["loss_init"] for r in rows if r["width"] == width])
+        ax.axhline(init, color="gray", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_title(f"width {width}")
+        ax.set_xlabel("peak learning rate")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("final validation loss (nats/byte)")
+    axes[-1].legend(fontsize=7)
+    return fig
+
+
+def figure_sensitivity(records: Sequence[dict]):
+    """LR sensitivity vs width per variant; bars span the seed-to-seed range."""
+    from attnscale.plotting import new_figure
+    rows = [r for r in sensitivity_rows(records) if r["mean"] is not None]
+    fig, (ax,) = new_figure(1, width=5.0, height=3.6)
+    for var in _order(records):
+        rs = [r for r in rows if r["mechanism"] == var]
+        if not rs:
+            continue
+        x = [r["width"] for r in rs]
+        y = [r["mean"] for r in rs]
+        err = [[r["mean"] - r["min"] for r in rs], [r["max"] - r["mean"] for r in rs]]
+        ax.errorbar(x, y, yerr=err, ms=4, capsize=3, label=var, **_style(var))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("width (d_model)")
+    ax.set_ylabel("LR sensitivity (nats/byte)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _max_over_layers(record: dict, key: str, reduce) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for row in record["trace"]:
+        got = [v for v in row[key] if v is not None and math.isfinite(v)]
+        if got:
+            steps.append(row["step"])
+            values.append(reduce(got))
+    return steps, values
+
+
+def _panels(records: Sequence[dict]):
+    from attnscale.plotting import new_figure
+    names = _order(records)
+    fig, axes = new_figure(len(names), width=3.4, height=3.0)
+    return fig, list(zip(names, axes))
+
+
+def figure_logit_growth(records: Sequence[dict]):
+    """Max attention logit over training (max over layers), one panel per variant: the highest
+    LR it survives (solid) and the lowest it does not (dashed), per width, first seed."""
+    fig, panels = _panels(records)
+    for name, ax in panels:
+        widths = sorted({r["config"]["d_model"] for r in records if variant(r) == name})
+        for j, width in enumerate(widths):
+            runs = [r for r in records if variant(r) == name and r["config"]["d_model"] == width]
+            seed = min(r["config"]["seed"] for r in runs)
+            runs = sorted((r for r in runs if r["config"]["seed"] == seed),
+                          key=lambda r: r["config"]["lr"])
+            ok = [r for r in runs if not r["diverged"]]
+            bad = [r for r in runs if r["diverged"]]
+            c = _cycle(j)
+            for r, ls, what in ((ok[-1] if ok else None, "-", "survives"),
+                                (bad[0] if bad else None, "--", "diverges")):
+                if r is None:
+                    continue
+                ax.plot(*_max_over_layers(r, "attn_logit_max", max), ls, color=c,
+                        label=f"w{width} lr {r['config']['lr']:g} {what}")
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+        ax.grid(True, which="both", alpha=0.3)
+    panels[0][1].set_ylabel("max |attention logit|")
+    return fig
+
+
+def figure_entropy(records: Sequence[dict]):
+    """Min attention entropy over training (min over layers and heads of a head's mean entropy),
+    one panel per variant, one line per LR, largest width, first seed."""
+    import matplotlib.pyplot as plt
+    fig, panels = _panels(records)
+    lrs = sorted({r["config"]["lr"] for r in records})
+    cmap = plt.get_cmap("viridis")
+    for name, ax in panels:
+        runs = [r for r in records if variant(r) == name]
+        width = max(r["config"]["d_model"] for r in runs)
+        seed = min(r["config"]["seed"] for r in runs)
+        for r in sorted(runs, key=lambda r: r["config"]["lr"]):
+            c = r["config"]
+            if c["d_model"] != width or c["seed"] != seed:
+                continue
+            color = cmap(lrs.index(c["lr"]) / max(1, len(lrs) - 1))
+            ax.plot(*_max_over_layers(r, "entropy_min", min), color=color,
+                    ls="--" if r["diverged"] else "-", label=f"lr {c['lr']:g}")
+        ax.set_title(f"{name} (width {width})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+        ax.grid(True, alpha=0.3)
+    panels[0][1].set_ylabel("min attention entropy (nats)")
+    return fig
+
+
+# --- the fragment and the spec --------------------------------------------------------------------
+
+def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
+    """fragment.md: setup, LR sensitivity table, ``claim_rows`` (:func:`claims`) with their
+    verdicts, figures (headings of level 4 and below: the report puts the fragment under its own
+    level-3 title)."""
+    rows = sensitivity_rows(records)
+    widths = sorted({r["width"] for r in rows})
+    cell = {(r["mechanism"], r["width"]): r for r in rows}
+    c0 = records[0]["config"]
+    seeds = max(r["seeds"] for r in rows)
+    lrs = sorted({r["config"]["lr"] for r in records})
+    lines = [
+        f"A causal byte-level LM ({c0['n_layers']} layers, {c0['n_heads']} heads, context "
+        f"{c0['seq_len']}, {c0['steps']} steps of batch {c0['batch_size']}) trained with "
+        "Wortsman et al.'s recipe (AdamW β = (0.9, 0.95), independent weight decay 1e-4, warm-up "
+        "then cosine decay, clipping 1.0, z-loss 1e-4) on the running Python's standard library, "
+        f"at peak learning rates {', '.join(f'{x:g}' for x in lrs)}, {seeds} seed(s) per cell.",
+        "",
+        "#### LR sensitivity",
+        "",
+        "E over η of [min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023), ℓ0 the loss "
+        "at init and ℓ* the best over the grid: mean over seeds [seed-to-seed min, max]; lower "
+        "is more robust.", "",
+        "| mechanism | " + " | ".join(f"width {w}" for w in widths) + " |",
+        "|---|" + "---|" * len(widths)]
+    for var in _order(records):
+        lines.append(f"| {var} | " + " | ".join(
+            _range_text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
+    lines += ["", "#### Claims", "", "| claim | measured | verdict |", "|---|---|---|"]
+    for c in claim_rows:
+        lines.append(f"| {c['claim']} | {c['measured']} | {c['verdict']} |")
+    lines += ["", f"![final validation loss vs learning rate]({FIGURES['loss_vs_lr']})",
+              "", f"![LR sensitivity vs width]({FIGURES['sensitivity']})",
+              "", f"![max attention logit over training]({FIGURES['logit_growth']})",
+              "", f"![min attention entropy over training]({FIGURES['entropy']})", ""]
+    return "\n".join(lines)
+
+
+def fragment_claims(claim_rows: Sequence[dict]) -> list[dict]:
+    """The claim rows of fragment.json (``attnscale reproduce --include``): quantity, expected,
+    ours, ci, verdict, agrees, note; claims that could not be measured are left out."""
+    return [claim_rules.claim(c["claim"], c["expected"], c["ours"], c["ci"], c["verdict"],
+                              c["agrees"], c["measured"])
+            for c in claim_rows if c["agrees"] is not None]
+
+
+def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
+    """LR sensitivity and loss-vs-LR tables, every claim, and the four figures."""
+    records = [r["result"] for r in stores["lm"]]
+    all_claims = claims(records)
+    rows = sensitivity_rows(records)
+    tables = {"sensitivity": rows, "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims}
+    figures = {FIGURES["loss_vs_lr"]: lambda: figure_loss_vs_lr(records),
+               FIGURES["sensitivity"]: lambda: figure_sensitivity(records),
+               FIGURES["logit_growth"]: lambda: figure_logit_growth(records),
+               FIGURES["entropy"]: lambda: figure_entropy(records)}
+    return Analysis(markdown(records, all_claims), fragment_claims(all_claims), tables, figures,
+                    table=rows, columns=COLUMNS, printed={"sensitivity": rows})
+
+
+def _variant(text: str) -> str:
+    parse_variant(text)  # a known mechanism with known options
+    return text
+
+
+def _positive(value: float) -> float:
+    if not value > 0:
+        from attnscale.errors import ConfigError
+        raise ConfigError(f"--lrs must all be > 0, got {value!r}.")
+    return value
+
+
+def _grid(variants, widths, seeds) -> dict:
+    return {"variant": tuple(variants), "lr": WORTSMAN_LRS, "d_model": tuple(widths),
+            "seed": tuple(seeds)}
+
+
+STUDY = register(Study(
+    name="lm",
+    title="Which mechanism keeps a small LM trainable across learning rates",
+    doc="Which mechanism keeps a small byte-level LM trainable across learning rates "
+        "(Wortsman et al. 2023's LR sensitivity): every variant x learning rate x width x seed, "
+        "trained with their recipe; claims on qk-layernorm, unscaled, softcap and the 1/√d "
+        "divisor under QK normalisation, and on the growth of attention logits.",
+    stores={"lm": Trials("lm", _grid(DEFAULT_VARIANTS, DEFAULT_WIDTHS, DEFAULT_SEEDS))},
+    quick={"lm": Trials("lm", _grid(QUICK_VARIANTS, DEFAULT_WIDTHS[:1], DEFAULT_SEEDS[:1]))},
+    quick_doc=f"{', '.join(QUICK_VARIANTS)} x {len(WORTSMAN_LRS)} LRs x width "
+              f"{DEFAULT_WIDTHS[0]} x seed {DEFAULT_SEEDS[0]}",
+    analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),
+    options=(
+        Option("--mechanisms", "variant", "comma-separated variants, e.g. "
+               "'scaled,qk-layernorm(divisor=False)'", check=_variant),
+        Option("--lrs", "lr", "comma-separated peak learning rates (Wortsman et al.'s grid)",
+               check=_positive),
+        Option("--widths", "d_model", "comma-separated widths", minimum=1),
+        Option("--seeds", "seed", "comma-separated seeds", minimum=0),
+        Option("--steps", "steps", "optimiser steps per run", axis=False, minimum=1),
+        Option("--data", "data", "text file or folder", axis=False, metavar="PATH",
+               default_text="the running Python's stdlib .py files"),
+    ),
+    examples="""
+  attnscale study lm --out s/ --mechanisms "scaled,qk-layernorm(divisor=False)" --lrs 1e-3,1e-2
+""",
+))

@@ -1,0 +1,31 @@
+"""The worker of test_guard's data-parallel check: one gloo rank (kept apart from test_guard so a
+spawned process imports torch and attnscale only, not transformers)."""
+
+from __future__ import annotations
+
+import torch
+
+import attnscale
+from attnscale import MultiHeadAttention
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(16, 2)
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(10 + rank))
+        x = x * (3.0 if rank == 1 else 1.0)  # rank 1 sees the larger logits
+        opt = torch.optim.SGD(mha.parameters(), lr=0.0)  # the clip is the only change
+        with attnscale.guard(mha, optimizer=opt, qk_clip=0.5, every=1, alarm_logit=None) as g:
+            mha(x).sum().backward()
+            opt.step()
+            g.step(0)
+        torch.save({"w_q": mha.w_q.weight.detach(), "w_k": mha.w_k.weight.detach(),
+                    "s_max": [r["s_max"] for r in g.records]}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

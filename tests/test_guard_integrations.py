@@ -1,0 +1,188 @@
+"""The guard in a real ``transformers.Trainer`` and in Lightning, on tiny random models."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from attnscale.hf import TemperatureCallback
+from test_guard import VOCAB, SEQ, make_hf, true_max_logits
+
+
+def _data(n: int = 24, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (n, SEQ), generator=g)]
+
+
+def _trainer(model, tmp_path, callbacks, steps: int = 6, report_to=()):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=0.05,
+        max_steps=steps, logging_steps=1000, report_to=list(report_to), save_strategy="no",
+        use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0, seed=0,
+        dataloader_drop_last=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_data(),
+                                callbacks=callbacks)
+
+
+def _last_batch(model):
+    """A forward pre-hook keeping the last training batch the model saw."""
+    kept = {}
+
+    def keep(module, args, kwargs):
+        if module.training:
+            kept["batch"] = {k: v for k, v in kwargs.items()
+                             if k in ("input_ids", "labels", "attention_mask")}
+    model.register_forward_pre_hook(keep, with_kwargs=True)
+    return kept
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_trainer_with_strict_clip_bounds_every_head(family, tmp_path):
+    tau = 3.0
+    unclipped = make_hf(family)
+    kept = _last_batch(unclipped)
+    _trainer(unclipped, tmp_path, []).train()
+    assert float(true_max_logits(unclipped, kept["batch"]).max()) > tau
+
+    model = make_hf(family)
+    kept = _last_batch(model)
+    callback = TemperatureCallback(qk_clip=tau, strict=True, every=2, alarm_logit=None)
+    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"])
+    trainer.train()
+    assert float(true_max_logits(model, kept["batch"]).max()) <= tau * (1 + 1e-5)
+    # the per-layer scalars are in the Trainer's own logs, at the recorded steps
+    logged = [h for h in trainer.state.log_history if "attnscale/logit_max/layer0" in h]
+    assert [h["step"] for h in logged] == [1, 2, 4, 6]
+    assert all("attnscale/entropy_mean_min/layer1" in h for h in logged)
+    assert sorted({r["step"] for r in callback.guard.records}) == [1, 2, 4, 6]
+    assert any(r["clip_gamma"] < 1 for r in callback.guard.records)
+    # ... and so in the TensorBoard reporter's event file
+    events = list((tmp_path / "out").rglob("events.out.tfevents.*"))
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert any("attnscale/logit_max/layer0" in tag for tag in acc.Tags()["scalars"])
+
+
+def test_trainer_k2_mode_runs_and_the_guard_alone_changes_nothing(tmp_path):
+    plain = make_hf("llama")
+    _trainer(plain, tmp_path, []).train()
+    watched = make_hf("llama")
+    callback = TemperatureCallback(every=1, alarm_logit=None)
+    trainer = _trainer(watched, tmp_path, [callback])
+    trainer.train()
+    for (name, a), (_, b) in zip(plain.named_parameters(), watched.named_parameters()):
+        assert torch.equal(a, b), name
+    assert len(callback.guard.records) == 6 * 2 * 4
+
+
+def test_trainer_stops_on_alarm(tmp_path):
+    callback = TemperatureCallback(every=1, alarm_logit=0.5, on_alarm="stop")
+    trainer = _trainer(make_hf("llama"), tmp_path, [callback], steps=20)
+    trainer.train()
+    assert callback.guard.should_stop
+    assert trainer.state.global_step < 20
+
+
+def test_callback_refuses_a_model_argument():
+    with pytest.raises(TypeError, match="finds the model itself"):
+        TemperatureCallback(model=torch.nn.Linear(2, 2))
+
+
+def test_lightning_module_records(tmp_path):
+    import lightning
+
+    from attnscale import MultiHeadAttention
+    from attnscale.lightning import TemperatureCallback as LightningCallback
+
+    class Tiny(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(16, 32)
+            self.attn = MultiHeadAttention(32, 4)
+            self.head = torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.head(self.attn(self.embed(x), causal=True))
+
+        def training_step(self, batch, index):
+            (x,) = batch
+            logits = self(x)[:, :-1]
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    x = torch.randint(0, 16, (32, 12), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+    callback = LightningCallback(every=2, qk_clip=5.0, log=tmp_path / "guard.jsonl")
+    trainer = lightning.Trainer(max_steps=6, callbacks=[callback], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, accelerator="cpu",
+                                default_root_dir=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), loader)
+    steps = sorted({r["step"] for r in callback.guard.records})
+    assert steps == [1, 2, 4, 6]
+    assert len(callback.guard.records) == 4 * 4  # steps x heads, one layer
+    assert all(r["s_max"] is not None for r in callback.guard.records)
+    assert len((tmp_path / "guard.jsonl").read_text().splitlines()) == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# attnscale guard plot
+
+
+@pytest.fixture(scope="module")
+def guard_log(tmp_path_factory):
+    from test_guard import batches, train
+
+    log = tmp_path_factory.mktemp("guard") / "run.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(make_hf("llama"), batches(6), lr=0.05, every=2, log=log, alarm_logit=1.0)
+    return log
+
+
+def test_cli_plot_writes_a_figure(cli, guard_log, tmp_path):
+    out = tmp_path / "fig.png"
+    code, stdout, _ = cli("guard", "plot", str(guard_log), "--out", str(out))
+    assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, _ = cli("guard", "plot", str(guard_log), "--out", str(out))  # ours: replaced
+    assert code == 0
+
+
+@pytest.mark.parametrize("make, extra, match", [
+    (lambda p: None, [], "is not a file"),
+    (lambda p: p.write_text("{not json\n"), [], "line 1 is not JSON"),
+    (lambda p: p.write_text('{"step": 0}\n'), [], "line 1 is not a guard record"),
+    (lambda p: p.write_text(""), [], "holds no guard records"),
+])
+def test_cli_plot_bad_logs_exit_2(cli, tmp_path, make, extra, match):
+    log = tmp_path / "bad.jsonl"
+    make(log)
+    code, _, err = cli("guard", "plot", str(log), "--out", str(tmp_path / "f.png"), *extra)
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_cli_plot_output_rules(cli, guard_log, tmp_path):
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", str(tmp_path / "f.txt"))
+    assert code == 2 and "must end in one of" in err
+    theirs = tmp_path / "theirs.png"
+    theirs.write_bytes(b"user data")
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", str(theirs))
+    assert code == 2 and "attnscale did not write it" in err
+    assert theirs.read_bytes() == b"user data"
+    code, _, err = cli("guard", "plot", str(guard_log), "--out", "")
+    assert code == 2 and "must be a path" in err
+    code, _, err = cli("guard", "plot", str(guard_log), str(guard_log), "--out",
+                       str(tmp_path / "g.png"))
+    assert code == 2 and "two logs are named" in err
