@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.precision import work_dtype
+
 # SDPA's fused CUDA kernels need the head size to be a multiple of 8.
 HEAD_MULTIPLE = 8
 
@@ -122,7 +124,7 @@ class _SinkFlashCPU(torch.autograd.Function):
                 lse[:, heads], 0.0, causal, attn_mask=_with_sink(base, sink, heads),
                 scale=scale))
         dq, dk, dv = (torch.cat(parts, 1) for parts in zip(*grads))
-        work = torch.promote_types(out.dtype, torch.float32)                 # float32 for halves
+        work = work_dtype(out.dtype)                                         # float32 for halves
         delta = (g.to(work) * out.to(work)).sum(-1)                          # dO·o, (B, H, Nq')
         p_sink = torch.exp(sink.detach().to(work).view(1, -1, 1) - lse.to(work))
         d_sink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)            # (H,)
