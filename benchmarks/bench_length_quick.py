@@ -1,5 +1,5 @@
-"""Wall time of ``attnscale study length --quick`` on this machine (issue 13: within 15 minutes on
-2 cores), and of each of its trials.
+"""Wall time of ``attnscale study length --quick`` on this machine (goal: within 15 minutes on
+2 cores, so the quick study fits a coffee break on a laptop), and of each of its trials.
 
     python benchmarks/bench_length_quick.py                  # --workers 2 into a fresh tmp folder
     taskset -c 0,1 python benchmarks/bench_length_quick.py   # pinned to 2 cores

@@ -9,10 +9,10 @@ biases, 4x GELU MLP, tied embeddings) calling ``F.scaled_dot_product_attention(i
 it loads attnscale's weights, and its logits are checked against attnscale's before timing.  Each
 round times ``--steps`` training steps (forward, backward, clipping, AdamW) of each model,
 alternating which goes first, so machine load hits both alike.  Reported per thread count: the
-median over rounds of attnscale ÷ reference tokens/s, and best ÷ best.  Goal (issue 12): >= 0.9.
+median over rounds of attnscale ÷ reference tokens/s, and best ÷ best.  Goal: >= 0.9.
 
 Quick study (``--quick-study``): the wall time of ``attnscale study lm --quick --workers 2`` in a
-fresh folder, in a subprocess.  Goal (issue 12): <= 10 minutes on a 2-core machine.
+fresh folder, in a subprocess.  Goal: <= 10 minutes on a 2-core machine.
 
 Monitor: the same rounds time attnscale's model with ``attnscale.monitor(model, every=k)`` around
 the loop (k = ``LMRunConfig.monitor_every``, the default of ``attnscale lm``); the cost is the median

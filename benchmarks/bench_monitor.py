@@ -5,7 +5,7 @@
 
 Time: each round runs one forward of the same ``attn_implementation="attnscale"`` model without
 and with the monitor, interleaved so machine load hits both alike; the ratio is the median over
-rounds of monitored ÷ unmonitored.  Goal (issue 5): <= 1.5.  The monitor computes its statistics
+rounds of monitored ÷ unmonitored.  Goal: <= 1.5.  The monitor computes its statistics
 in attnscale's compiled row-statistics kernel (:mod:`attnscale.kernels.rowstats`); the same rounds also
 time it on the PyTorch formulation (what runs where the kernel could not be built), for context.
 
@@ -37,7 +37,7 @@ TORCH_STATS = "attnscale+monitor, PyTorch stats"
 
 
 def build(seq_len: int, attn: str, seed: int = 0):
-    """The tiny random Llama of issue 5 and (1, N) token ids."""
+    """A tiny random Llama (the monitor tests' model) and (1, N) token ids."""
     import transformers
 
     from attnscale import hf

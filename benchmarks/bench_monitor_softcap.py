@@ -13,7 +13,7 @@ one-module model three ways, interleaved so machine load hits all alike:
   forced by refusing ``request_rows``.
 
 It prints the median seconds of each and the ratios to ``plain`` (medians over rounds, and
-best ÷ best).  The issue-10 goal for the monitored forward is <= 1.5x unmonitored at N = 2048 on
+best ÷ best).  The goal for the monitored forward is <= 1.5x unmonitored at N = 2048 on
 2 threads.
 """
 

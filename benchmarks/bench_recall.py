@@ -1,6 +1,6 @@
 """Recall training throughput: attnscale's trainer vs a straightforward PyTorch loop, side by side.
 
-Goals (issue 4): training throughput >= 5x a straightforward implementation of the same model at
+Goals: training throughput >= 5x a straightforward implementation of the same model at
 the same batch size and number of steps, and the essay's scaled-vs-unscaled comparison at default
 settings in <= 15 s on a 2-core CPU.
 

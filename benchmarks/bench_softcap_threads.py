@@ -3,8 +3,8 @@
     python benchmarks/bench_softcap_threads.py                  # B=4, H=8, N=1024, d=64, 7 rounds
     python benchmarks/bench_softcap_threads.py --rounds 15 --threads 1,2,4
 
-The blockwise soft-cap kernel runs its head groups on worker threads (attnscale.workers).  Issue 9
-found soft-cap on 2 threads no faster than on 1, while SDPA gained 1.4x; the cause was each
+The blockwise soft-cap kernel runs its head groups on worker threads (attnscale.workers).  Soft-cap on
+2 threads was once no faster than on 1, while SDPA gained 1.4x; the cause was each
 worker's torch ops opening an OpenMP team of torch.get_num_threads() threads, so 2 workers ran 4
 spinning threads on 2 cores.  The variants, timed interleaved in one process, round by round:
 
@@ -14,7 +14,7 @@ spinning threads on 2 cores.  The variants, timed interleaved in one process, ro
 * ``serial``: no workers; the blocks run one after another, each torch op on all threads.
 
 Each row gives the best and median time, best ÷ best SDPA at the same thread count, and the
-median over rounds of time ÷ that round's SDPA time.  The goal (issue 9): ``workers`` on 2 threads
+median over rounds of time ÷ that round's SDPA time.  The goal: ``workers`` on 2 threads
 at least as fast as on 1, and <= 1.5x SDPA.  Run it on an otherwise idle machine: on a loaded one,
 a variant with more threads wins a larger share of the cores from other processes.
 """

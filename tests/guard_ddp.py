@@ -29,3 +29,29 @@ def worker(rank: int, port: int, out: str) -> None:
                     "s_max": [r["s_max"] for r in g.records]}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_worker(rank: int, port: int, out: str) -> None:
+    """FSDP2 (fully_shard) on gloo: each rank holds half of W_Q's and W_K's rows, so with 3
+    heads of 4 channels (12 rows) rank 0 holds heads 0 and half of 1, rank 1 the rest."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(12, 3, bias=True)
+        fully_shard(mha)
+        x = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(10 + rank)) * 3
+        opt = torch.optim.SGD(mha.parameters(), lr=0.0)
+        with attnscale.guard(mha, optimizer=opt, qk_clip=0.5, every=1, alarm_logit=None) as g:
+            mha(x).sum().backward()
+            opt.step()
+            g.step(0)
+        full = {name: p.full_tensor().detach() for name, p in mha.named_parameters()}
+        if rank == 0:
+            torch.save(full, f"{out}/fsdp.pt")
+    finally:
+        dist.destroy_process_group()

@@ -254,6 +254,49 @@ def test_tracked_maximum_is_found_in_the_registry():
     assert "qk-clip" in TRACKERS
 
 
+def _guarded(name: str, q, k, v, keep, causal):
+    """The guard's records of one training forward of a bare mechanism, step 0."""
+    model = _Wrap(build_mechanism(name, D, H).to(q.dtype)).train()
+    with attnscale.guard(model, every=1) as g:
+        model(q, k, v, mask=keep, causal=causal)
+        g.step(0)
+    return g.records
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_guard_records_count_only_attended_keys(name, causal):
+    """The guard's per-head records (largest signed and absolute logit, entropies, max weight,
+    logit std) equal the float64 reference over the attended keys."""
+    n = 7
+    keep = padded_mask(n, n)
+    q, k, v = _inputs(n, n, keep)
+    records = _guarded(name, q, k, v, keep, causal)
+    z, full = _logits_and_keep(build_mechanism(name, D, H), q, k, keep, causal)
+    want = reference_heads(z, full)
+    want["logit_max"] = z.masked_fill(~full, -math.inf).amax(dim=(0, 2, 3)).tolist()
+    for key, expected in want.items():
+        if key == "jacobian_fro_mean":  # not a guard record
+            continue
+        torch.testing.assert_close(torch.tensor([r[key] for r in records], dtype=torch.float64),
+                                   torch.tensor(expected, dtype=torch.float64),
+                                   msg=lambda m, key=key: f"{name} {key}: {m}")
+
+
+@pytest.mark.xfail(strict=True, reason="the guard's n_keys is the call's key count "
+                                       "(k.shape[-2]), hidden keys included, not the most keys "
+                                       "a query attends")
+def test_guard_n_keys_is_the_most_keys_a_query_attends():
+    """n_keys (the n of the entropy's range [0, ln n]) when a mask hides the same keys from
+    every query, as a static KV cache's unused slots are: 5 of 7 keys, not 7."""
+    n = 7
+    keep = torch.ones(B, 1, n, n, dtype=torch.bool)
+    keep[..., -2:] = False
+    q, k, v = _inputs(n, n, keep)
+    records = _guarded("scaled", q, k, v, keep, False)
+    assert [r["n_keys"] for r in records] == [n - 2] * H
+
+
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 def test_monitor_of_a_foreign_sdpa_call_counts_only_attended_keys(additive):
     """The monitor's SDPA tap (foreign models): a boolean mask, or an additive one whose hidden
@@ -502,9 +545,14 @@ def test_multi_head_attention_keywords(name):
         MultiHeadAttention(16, 2, name, dropout=0.1)
     import inspect
     params = inspect.signature(MECHANISMS[name].__init__).parameters
+    mha_keywords = set(inspect.signature(MultiHeadAttention.__init__).parameters)
     own = {option: params[option].default for option in mechanism_options(name)
-           if params[option].default is not inspect.Parameter.empty}
+           if params[option].default is not inspect.Parameter.empty
+           and option not in mha_keywords}  # a clash is refused, below
     assert type(MultiHeadAttention(16, 2, name, **own).mechanism) is MECHANISMS[name]
+    with pytest.raises(ConfigError, match="bias must be True or False, got 0.5") as err:
+        MultiHeadAttention(16, 2, name, bias=0.5)  # never read as "projection biases on"
+    assert ("not" in _one_line(err.value)) == ("bias" in mechanism_options(name))
 
 
 # --- 4. devices by kind, checked up front -----------------------------------------------------
@@ -564,6 +612,19 @@ def test_every_device_option_refuses_an_unusable_device(cli, words, device):
     code, out, err = cli(*words, "--device", device, "--steps", "1")
     assert code == 2 and not out and "Traceback" not in err, err
     assert _one_line(err).startswith(f"attnscale {' '.join(words)}: error: ")
+
+
+@pytest.mark.parametrize("device, match", [(torch.device("cpu"), "must be a string"),
+                                           ("meta", "holds no data"), ("xla", "not available")])
+def test_lm_api_checks_the_device_up_front(text_dir, device, match):
+    """train_lm's config refuses an unusable device, or one its JSON record cannot hold, before
+    reading any data."""
+    from attnscale.experiments.lm.train import LMRunConfig
+    if isinstance(device, str) and device in _usable_kinds():
+        pytest.skip(f"{device} is usable on this machine")
+    with pytest.raises(ConfigError, match=match) as err:
+        LMRunConfig(data=str(text_dir / "missing"), device=device).validated()
+    _one_line(err.value)
 
 
 def test_lm_threads_bind_any_cpu_spelling(text_dir):
@@ -734,3 +795,30 @@ def test_hf_config_naming_a_missing_mechanism_is_refused(tmp_path):
     restored = hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(restored(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": torch.int64}, "dtype must be a floating torch.dtype"),
+    ({"dtype": "float32"}, "dtype must be a floating torch.dtype"),
+    ({"device": "gpu"}, "device: 'gpu' is not a torch device"),
+    ({"bias": "yes"}, "bias must be True or False")])
+def test_multi_head_attention_construction_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        MultiHeadAttention(16, 2, **kwargs)
+    _one_line(err.value)
+
+
+def test_multi_head_attention_on_meta_builds_for_its_shapes():
+    """device='meta' stays allowed for a module: it holds no data but has every shape."""
+    mha = MultiHeadAttention(16, 2, device="meta")
+    assert mha.w_q.weight.is_meta and mha.w_q.weight.shape == (16, 16)
+
+
+@pytest.mark.parametrize("causal", ["no", 1, None])
+def test_causal_must_be_a_boolean(causal):
+    """causal="no" would be truthy: refused in the API and in MultiHeadAttention."""
+    x = torch.randn(1, H, 3, D)
+    with pytest.raises(ConfigError, match="causal must be True or False"):
+        attnscale.attention(x, x, x, causal=causal)
+    with pytest.raises(ConfigError, match="causal must be True or False"):
+        MultiHeadAttention(16, 2)(torch.randn(1, 3, 16), causal=causal)

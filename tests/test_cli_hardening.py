@@ -256,7 +256,7 @@ def test_every_output_option_is_checked_before_any_work(cli, tmp_path, monkeypat
     (("study", "recall", "--out", ""), "--out must be a path"),
     (("monitor", "{tmp}", "--out", ""), "--out must be a path"),
 ])
-def test_the_issues_examples(cli, tmp_path, no_work, argv, fragment):
+def test_bad_output_paths_are_refused_before_any_work(cli, tmp_path, no_work, argv, fragment):
     code, out, err = cli(*(a.format(tmp=tmp_path) for a in argv))
     assert code == 2 and out == "" and no_work == [] and fragment in err, err
     assert not (tmp_path / "z.json").exists()

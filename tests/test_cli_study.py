@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnscale import sweep
+from attnscale.errors import ConfigError
 from attnscale.io import folder_marks, mark_folder
 from attnscale.report.include import load_study
 from attnscale.study import STUDIES, Analysis, Option, Study, Trials, launcher, register
@@ -104,8 +105,25 @@ def test_quick_and_explicit_options(cli, tiny, tmp_path):
     spec = sweep.load(out).spec
     assert spec.grid == {"mechanism": ["scaled"], "seed": [0]}
     assert spec.fixed["trials"] == 12
+    lines = (out / "results.jsonl").read_text()
+    # The same settings, one of them written out explicitly: the same study, continued.
+    code, _, err = cli("study", "tiny-test", "--out", str(out), "--quick", "--mechanisms",
+                       "scaled", "--trials", "12", "--set", "n=16", "--workers", "1")
+    assert code == 0 and (out / "results.jsonl").read_text() == lines, err
     code, _, err = cli("study", "tiny-test", "--out", str(out), "--workers", "1")
     assert code == 2 and "holds the quick tiny-test study under other settings" in err
+
+
+@pytest.mark.parametrize("text", ["not json", "[]", "{}", '{"stores": {"saturation": 1}}'])
+def test_a_damaged_study_file_is_a_one_line_error_and_changes_nothing(cli, tiny, tmp_path, text):
+    out = tmp_path / "s"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+    (out / launcher.STUDY_FILE).write_text(text)
+    before = _snapshot(out)
+    for argv in (["--out", str(out), "--force"], ["--resume", str(out)]):
+        code, _, err = cli("study", "tiny-test", *argv, "--workers", "1")
+        assert code == 2 and "study.json" in err and err.count("\n") == 1, err
+    assert _snapshot(out) == before
 
 
 def test_the_registry_refuses_a_second_study_of_one_name(tiny):
@@ -113,7 +131,7 @@ def test_the_registry_refuses_a_second_study_of_one_name(tiny):
         register(dataclasses.replace(TINY, title="another"))
     with pytest.raises(ValueError, match="quick variant lacks"):
         register(dataclasses.replace(TINY, name="tiny-2", quick={}))
-    with pytest.raises(Exception, match="Did you mean"):
+    with pytest.raises(ConfigError, match="Did you mean"):
         get("tiny-tst")
 
 
@@ -231,7 +249,7 @@ def _records_varying(study: Study, key: str, field: str) -> list[dict]:
 def test_no_study_pools_runs_that_differ_outside_its_grid(name):
     study = STUDIES[name]
     for key in study.stores:
-        with pytest.raises(Exception, match="differ in not_an_axis"):
+        with pytest.raises(ConfigError, match="differ in not_an_axis"):
             launcher.check_pooling(study, key, _records_varying(study, key, "not_an_axis"))
         axis = next(iter(study.stores[key].grid))
         launcher.check_pooling(study, key, _records_varying(study, key, axis))  # shown: fine
@@ -285,11 +303,14 @@ def test_one_folder_one_study_even_with_force(cli, tiny, tmp_path, name):
     assert launcher._check_owner(STUDIES[name], empty, "--out") is None
 
 
-@pytest.mark.parametrize("name", [n for n in STUDY_NAMES if STUDIES[n].quick is not None])
+@pytest.mark.parametrize("name", [n for n in STUDY_NAMES if STUDIES[n].quick is not None
+                                  and any(o.axis for o in STUDIES[n].options)])
 def test_explicit_options_win_over_quick(name):
     """``--quick --widths 64,128`` runs widths 64 and 128: what was given, not the default."""
     study = STUDIES[name]
-    for option in (o for o in study.options if o.axis):
+    options = [o for o in study.options if o.axis]
+    assert options
+    for option in options:
         full = study.stores
         key = next(k for k, t in full.items() if option.key in t.grid)
         given = list(full[key].resolved()[0][option.key])

@@ -1,4 +1,4 @@
-"""The length study (issue 13, sections 3 and 4): the recall-length and lm-length trials, YaRN's
+"""The length study (``attnscale study length``): the recall-length and lm-length trials, YaRN's
 NTK-by-parts frequencies, evaluation by position, the temperature fit, and ``study length``."""
 
 from __future__ import annotations

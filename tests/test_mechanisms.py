@@ -51,7 +51,8 @@ def _affine(x, norm):
     return x * norm.weight + norm.bias
 
 
-# Each formula written out in float64 from the issue's table, independently of the modules: one
+# Each formula written out in float64 from the README's mechanism table (each mechanism's paper),
+# independently of the modules: one
 # row per mechanism, the only place a new mechanism's name appears in the tests.
 # ``m`` is the built module, read only for its learned parameters.
 def _dot(q, k):
@@ -138,7 +139,7 @@ def test_mechanism_declares_its_kind_and_cites_its_source(name):
     assert "Source" in doc and "=" in doc, f"{name}: docstring must state formula and source"
 
 
-def test_defaults_match_the_issue():
+def test_defaults_match_their_papers():
     q, k = _qk()
     assert GEMMA2_CAP == 50.0 and GROK1_CAP == 30.0 and S_INIT == 0.43
     assert TAU_INIT == math.log(10) and TAU_MAX == math.log(100) and RMS_EPS == 1e-6

@@ -355,7 +355,7 @@ def test_repeated_list_entries_are_refused(call, param, value):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lists of n (issue 13 section 2)
+# Lists of n (the report's entropy-vs-n section asks for several n in one call)
 
 
 def test_n_list_gives_one_row_per_mechanism_dk_and_n():

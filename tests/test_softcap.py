@@ -153,7 +153,7 @@ def test_logits_are_capped_and_fully_masked_rows_are_zero():
 
 
 # ---------------------------------------------------------------------------------------------
-# Precision at any cap (issue 9 §1): c · tanh(x) → c x as c grows, and the kernel must follow it
+# Precision at any cap: c · tanh(x) → c x as c grows, and the kernel must follow it
 # to the rounding of its dtype.  The old form 2c · σ(2x) - c lost |c| · 2^-24 absolutely
 # (7.6e-4 at c = 1e4, 0.09 at 1e6 in float32).
 
@@ -262,7 +262,7 @@ def test_typed_wrappers_refuse_bad_tensors(bad):
 
 
 # ---------------------------------------------------------------------------------------------
-# NaN inputs (issue 9 §1): a NaN reaches every output that depends on it, on every backend, as
+# NaN inputs: a NaN reaches every output that depends on it, on every backend, as
 # in attention_reference and in SDPA's math backend.  (SDPA's fused CPU kernel returns a finite
 # row for a NaN query; the math backend and the reference do not.  Under causality the math
 # backend also spreads a NaN key to the queries that cannot see it; the reference does not.)
@@ -324,7 +324,7 @@ def test_masked_nan_key_stays_hidden(backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tracing, compiling and export (issue 9 §4): the blockwise kernel hands raw memory to C and
+# Tracing, compiling and export: the blockwise kernel hands raw memory to C and
 # runs blocks on worker threads, which fake tensors cannot do; under a tracer it runs the
 # materialised formulation, which records as plain torch ops.
 
@@ -357,7 +357,7 @@ def test_traced_exported_and_compiled_softcap_equal_eager(backend, recorder):
 
 
 # ---------------------------------------------------------------------------------------------
-# Threads (issue 9 §6): head groups run on worker threads whose torch ops use one intra-op
+# Threads: head groups run on worker threads whose torch ops use one intra-op
 # thread each, so W workers on W cores do not open W OpenMP teams of W threads.
 
 

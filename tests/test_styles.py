@@ -91,7 +91,8 @@ def captured(monkeypatch):
 
 
 def test_every_mechanism_at_init_figure(tmp_path, monkeypatch, captured):
-    """The figure issue 9 found with repeated colours, drawn at a tiny size."""
+    """The every-mechanism figure, where repeated colours once made two lines one, drawn at a
+    tiny size."""
     import attnscale.report.sections.montecarlo as section
     monkeypatch.setattr(section, "ESSAY_D_KS", (4, 16))
     monkeypatch.setattr(section, "MECHANISM_TRIALS", 8)

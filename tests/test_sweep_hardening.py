@@ -81,6 +81,13 @@ def test_the_corpus_experiments_declare_their_data_path():
         assert registry.get(name).params[key].fingerprint is not None
 
 
+def test_a_path_parameter_must_be_a_string():
+    with pytest.raises(ValueError, match="is a path"):
+        registry.experiment("test-bad-path", params={"data": registry.Param(
+            int, 0, path=True)})(lambda **config: {})
+    assert "test-bad-path" not in registry.EXPERIMENTS
+
+
 @pytest.mark.parametrize("name, key", PATHS)
 def test_a_path_is_stored_absolute_and_pinned(tmp_path, monkeypatch, name, key):
     exp = registry.get(name)
@@ -294,7 +301,7 @@ def test_a_run_that_ends_with_trials_pending_exits_non_zero(cli, tmp_path, monke
     monkeypatch.setattr(engine, "run_local",
                         lambda tasks, record, **kw: real(tasks[:-1], record, **kw))
     code, _, err = cli(*SAT, "--out", str(tmp_path / "s"), "--workers", "1")
-    assert code == 1 and "1 trials are still pending" in err and "--resume" in err
+    assert code == 1 and "1 trial is still pending" in err and "--resume" in err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from attnscale.pipeline import (  # noqa: F401  (re-exported: the names in __all
     observers, run,
 )
 from attnscale.precision import HALF_TYPES, upcast
+from attnscale.workers import check_device
 
 __all__ = ["AttentionTrace", "MultiHeadAttention", "Observation", "add_observer", "attention",
            "attention_reference", "causal_counts", "key_mask", "observe", "observers"]
@@ -46,8 +47,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
     ``gate`` (broadcastable to (B, H, Nq, d_v)) multiplies the output: a gating mechanism's
     ``gate_values`` of the layer input.
     """
-    if not isinstance(trace, bool):
-        raise ConfigError(f"trace must be True or False, got {trace!r}.")
+    for name, flag in (("trace", trace), ("causal", causal)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}.")
     check_qkv(q, k, v)  # before a registry name is built for q's dtype and heads
     return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace,
                gate=gate)
@@ -86,6 +88,16 @@ class MultiHeadAttention(nn.Module):
             raise ConfigError(f"mechanism must be a registry name (str), got "
                               f"{type(mechanism).__name__}.")
         _check_options(mechanism, options)
+        if not isinstance(bias, bool):
+            clash = (f"; it is the projections' bias, not {mechanism!r}'s option of the same "
+                     f"name, which MultiHeadAttention cannot pass on"
+                     if "bias" in mechanism_options(mechanism) else "")
+            raise ConfigError(f"bias must be True or False, got {bias!r}{clash}.")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(f"dtype must be a floating torch.dtype (torch.float32, "
+                              f"torch.bfloat16...), got {dtype!r}.")
+        if device is not None:
+            device = check_device("device", device, meta=True)  # meta: a module for its shapes
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
         factory = {"bias": bias, "device": device, "dtype": dtype}
         self.w_q = nn.Linear(d_model, d_model, **factory)

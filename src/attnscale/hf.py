@@ -175,8 +175,8 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     causal = False
     if mask is None:
         # HF's SDPA rule: no mask means causal (when the layer is) unless there is one query.
-        causal = query.shape[2] > 1 and (getattr(module, "is_causal", True)
-                                         if is_causal is None else is_causal)
+        causal = query.shape[2] > 1 and bool(getattr(module, "is_causal", True)
+                                             if is_causal is None else is_causal)
         if causal and key.shape[2] > query.shape[2]:
             # As HF's SDPA path: a causal prefill into a longer, empty static cache.
             key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]

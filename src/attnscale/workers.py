@@ -83,20 +83,21 @@ def _single_threaded() -> None:
         restore.join()
 
 
-def check_device(param: str, device: object) -> torch.device:
+def check_device(param: str, device: object, *, meta: bool = False) -> torch.device:
     """``device`` as a :class:`torch.device` this process can compute on, or a one-line
     :class:`~attnscale.errors.ConfigError` naming ``param``.
 
     Devices are told apart by kind (``torch.device(x).type``), never by their text, so ``"cpu:0"``
-    is the CPU.  ``meta`` holds no data and is refused; CUDA needs a visible device of that
-    index; any other kind (``mps``, ``xla``...) must accept a tensor in this torch build.
+    is the CPU.  ``meta`` holds no data and is refused unless ``meta=True`` (a module built only
+    for its shapes); CUDA needs a visible device of that index; any other kind (``mps``,
+    ``xla``...) must accept a tensor in this torch build.
     """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"{param}: {device!r} is not a torch device (e.g. cpu, cuda, "
                           "cuda:1).") from None
-    if dev.type == "meta":
+    if dev.type == "meta" and not meta:
         raise ConfigError(f"{param}: {device!r} holds no data and cannot train or measure; use "
                           "cpu or cuda.")
     if dev.type == "cuda":
@@ -105,7 +106,7 @@ def check_device(param: str, device: object) -> torch.device:
             raise ConfigError(f"{param}: {device!r}: this torch build sees no CUDA device.")
         if dev.index is not None and dev.index >= count:
             raise ConfigError(f"{param}: {device!r}: only {count} CUDA device(s) visible.")
-    elif dev.type != "cpu":
+    elif dev.type not in ("cpu", "meta"):
         try:
             torch.empty(1, device=dev)
         except (RuntimeError, AssertionError, ValueError):  # backend missing or not built in

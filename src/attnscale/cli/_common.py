@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnscale.errors import ConfigError, split_key_value
+from attnscale.errors import ConfigError
 from attnscale.io import check_output_path
 
 

@@ -64,7 +64,9 @@ def _report(results, args, *, show: bool) -> int:
               f"and rerun them with 'attnscale sweep --resume {results.path} --retry-errors'.",
               file=sys.stderr)
     if results.pending:  # the run ended without an interrupt, yet some trials have no record
-        print(f"{len(results.pending)} trials are still pending; run them with "
+        n = len(results.pending)
+        print(f"{n} {'trial is' if n == 1 else 'trials are'} still pending; run "
+              f"{'it' if n == 1 else 'them'} with "
               f"'attnscale sweep --resume {results.path}'.", file=sys.stderr)
     return 1
 

@@ -215,6 +215,9 @@ def experiment(name: str, *, params: Mapping[str, Param] | None = None,
             if p.type not in PARAM_TYPES:
                 raise ValueError(f"experiment {name!r}: parameter {key} has type {p.type!r}; "
                                  f"supported: {', '.join(t.__name__ for t in PARAM_TYPES)}")
+            if (p.path or p.fingerprint is not None) and (p.type is not str or not p.path):
+                raise ValueError(f"experiment {name!r}: parameter {key} is a path: give it "
+                                 f"type str and path=True (and a fingerprint, if any)")
             if not p.required:
                 p.value(key, p.default)  # a default must be a valid value of its own type
         EXPERIMENTS[name] = Experiment(name, fn, spec, check, threads,

@@ -29,12 +29,15 @@ groups of one, K2's own rule.
 * Refused, each with a one-line :class:`~attnscale.errors.ConfigError`: multi-head latent
   attention (DeepSeek-V3; q and k come from shared latent projections), an attnscale mechanism that
   normalises q and k itself (qknorm, cosine...; its gain owns the temperature), a model that
-  already carries the ``qk-clip`` mechanism (it would clip twice), parametrised weights
-  (sigma-reparam) and sharded DTensor parameters (FSDP2 / tensor parallel: not supported here).
+  already carries the ``qk-clip`` mechanism (it would clip twice) and parametrised weights
+  (sigma-reparam).
 
 **Data parallelism.**  When ``torch.distributed`` is initialised, S_max of every layer is
 all-reduced with MAX (one collective per step) before the factors are formed, so every replica
-applies the same factors and the weights stay identical.
+applies the same factors and the weights stay identical.  Sharded parameters (FSDP2's
+``fully_shard``, DTensor): each rank scales the rows of its local shard by their heads' factors
+(a head's rows may span ranks), after that all-reduce, so the sharded weights equal the unsharded
+clip.
 """
 
 from __future__ import annotations
@@ -92,28 +95,38 @@ class ClipSite:
     @torch.no_grad()
     def apply(self, eta_q: Tensor, eta_k: Tensor, alpha: float) -> None:
         """Multiply the query side by η_q^α and the key side by η_k^(1-α), per head; heads at 1
-        are multiplied by exactly 1.0 (bit for bit unchanged)."""
+        are multiplied by exactly 1.0 (bit for bit unchanged).  A sharded (DTensor) parameter has
+        the factors of the global rows its local shard holds applied to that shard."""
         for targets, eta, power in ((self.q, eta_q, alpha), (self.k, eta_k, 1.0 - alpha)):
             for w, dim, heads, offset in targets:
                 c = eta ** power
                 if self.shared:
                     c = c[:1]
-                per_head = w.unflatten(dim, (len(c), w.shape[dim] // len(c)))
-                shape = [1] * per_head.dim()
-                shape[dim] = len(c)
-                c = c.to(device=w.device, dtype=w.dtype).view(shape)
+                per_row = c.repeat_interleave(w.shape[dim] // len(c))  # (features along dim,)
+                local = w
+                if _is_dtensor(w):
+                    local, (start, size) = w.to_local(), _local_span(w, dim)
+                    per_row = per_row[start:start + size]
+                shape = [1] * local.dim()
+                shape[dim] = len(per_row)
+                f = per_row.to(device=local.device, dtype=local.dtype).view(shape)
                 if offset:
-                    per_head.add_(offset).mul_(c).sub_(offset)
+                    local.add_(offset).mul_(f).sub_(offset)
                 else:
-                    per_head.mul_(c)
+                    local.mul_(f)
 
 
-def _refuse_sharded(name: str, *tensors: Tensor) -> None:
-    for t in tensors:
-        if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
-            raise ConfigError(f"qk_clip: {name} holds sharded DTensor parameters (FSDP2 or tensor "
-                              "parallel); this version clips only whole (replicated) W_Q and W_K "
-                              "— run it without fully_shard, or with DDP.")
+def _is_dtensor(t: Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local_span(w: Tensor, dim: int) -> tuple[int, int]:
+    """(first global index, length) along ``dim`` of the local shard of DTensor ``w``: FSDP2's
+    ``fully_shard`` splits dim 0 across ranks, so a head's rows may lie on two ranks."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return offset[dim], shape[dim]
 
 
 def _gain_offset(norm: nn.Module) -> float:
@@ -142,7 +155,6 @@ def _mechanism_site(name: str, module: nn.Module) -> ClipSite:
         if hasattr(linear, "parametrizations"):
             raise ConfigError(f"qk_clip: {name} has parametrised W_Q/W_K; it cannot rescale "
                               "them in place.")
-    _refuse_sharded(name, module.w_q.weight, module.w_k.weight)
     h, d = module.n_heads, module.d_head
     site = ClipSite(name, h, h, d)
     for side, linear in ((site.q, module.w_q), (site.k, module.w_k)):
@@ -168,7 +180,6 @@ def _hf_site(name: str, module: nn.Module) -> ClipSite:
             and k_proj.weight.shape[0] == hk * d):
         raise ConfigError(f"qk_clip: cannot read {h} query / {hk} key heads of {d} channels off "
                           f"{name} ({family}); the clip cannot handle this layout.")
-    _refuse_sharded(name, q_proj.weight, k_proj.weight)
     site = ClipSite(name, h, hk, d)
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if (q_norm is None) != (k_norm is None):
@@ -192,7 +203,6 @@ def _hf_site(name: str, module: nn.Module) -> ClipSite:
         elif weight.numel() != heads * d:
             raise ConfigError(f"qk_clip: {name} ({family}): a q/k norm gain of "
                               f"{weight.numel()} channels fits neither {d} nor {heads} x {d}.")
-        _refuse_sharded(name, weight)
         side.append((weight, 0, 1 if weight.numel() == d else heads, _gain_offset(norm)))
     site.where = "q_norm, k_norm gains"
     return site
@@ -219,9 +229,9 @@ def clip_sites(model: nn.Module) -> list[ClipSite]:
               and getattr(module, "head_dim", None)):
             sites.append(_hf_site(name, module))
     if not sites:
-        raise ConfigError(f"qk_clip: {type(model).__name__} has no attention layer whose W_Q and "
-                          "W_K the clip can find (attnscale's MultiHeadAttention or LM, or a Hugging "
-                          "Face model with q_proj and k_proj).")
+        raise ConfigError(f"qk_clip: {type(model).__name__} has no attention layer whose W_Q "
+                          "and W_K the clip can find (attnscale's MultiHeadAttention or LM, or a "
+                          "Hugging Face model with q_proj and k_proj).")
     return sites
 
 

@@ -87,9 +87,11 @@ def _block_peak(q: Tensor, kt: Tensor, scale: float | Tensor, mask: Tensor | Non
         return torch.full((heads,), -math.inf, dtype=q.dtype, device=q.device)
 
     def reduce(z: Tensor, lo: int, hi: int, diagonal: bool) -> Tensor:
-        z = z * scale  # scaled after the product, as qk-clip always has (same rounding)
+        # z holds the raw dot products.  Without a bias the scale is applied to the row maxima
+        # instead of to every logit: rounding is monotone, so fl(s · max z) = max fl(s · z)
+        # exactly for s >= 0 (and s · min z for s < 0), and one pass over the block is saved.
         if bias is not None:
-            z = z + (bias[..., lo:hi] if bias.shape[-1] == n_k else bias)
+            z = z * scale + (bias[..., lo:hi] if bias.shape[-1] == n_k else bias)
         hide = None
         if mask is not None:
             hide = ~(mask[..., lo:hi] if mask.shape[-1] == n_k else mask)
@@ -97,9 +99,22 @@ def _block_peak(q: Tensor, kt: Tensor, scale: float | Tensor, mask: Tensor | Non
             above = (torch.arange(lo, hi, device=z.device)
                      > torch.arange(i0, i1, device=z.device).unsqueeze(-1))  # (Nb, W)
             hide = above if hide is None else hide | above
-        if hide is not None:
-            z = z.masked_fill(hide, -math.inf)
-        return z.amax(dim=(0, 2, 3))  # (H,)
+        if bias is not None:
+            if hide is not None:
+                z = z.masked_fill(hide, -math.inf)
+            return z.amax(dim=(0, 2, 3))  # (H,)
+        if not isinstance(scale, Tensor):
+            if hide is not None:
+                z = z.masked_fill(hide, -math.inf)
+            return z.amax(dim=(0, 2, 3)) * scale if scale >= 0 else (
+                z.masked_fill(hide, math.inf) if hide is not None else z).amin(
+                dim=(0, 2, 3)) * scale
+        # per-head or per-row scale: each row's extreme times its own scale
+        top = (z if hide is None else z.masked_fill(hide, -math.inf)).amax(-1, keepdim=True)
+        low = (z if hide is None else z.masked_fill(hide, math.inf)).amin(-1, keepdim=True)
+        rows = torch.where(scale >= 0, top * scale, low * scale)  # (B, H, Nb, 1)
+        rows = torch.where(torch.isneginf(top), -math.inf, rows)  # a row with no key
+        return rows.amax(dim=(0, 2, 3))
 
     # Under causality columns [0, i0] are visible to every row of the block: no mask there.
     split = min(hi, i0 + 1) if causal else hi

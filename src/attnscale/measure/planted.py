@@ -38,11 +38,12 @@ from attnscale.stats import mean_se
 PLANTED_MARGIN = 5.0
 
 
-def planted_frame_qk(d_k: int, n: int, trials: int, margin: float,
-                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def planted_frame_qk(d_k: int, n: int, trials: int, margin: float, gen: torch.Generator, *,
+                     scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated-frame queries (T, 1, 1, d_k) and keys (T, 1, n, d_k), float32, with key 0 planted
-    so that ``q.k_0 = margin * sqrt(d_k)`` (see the module doc)."""
-    q, k = _frame_qk(d_k, n, trials, gen)
+    so that ``q.k_0 = margin * sqrt(d_k)`` (see the module doc); ``scratch`` as in
+    :func:`attnscale.measure.montecarlo._frame_qk`."""
+    q, k = _frame_qk(d_k, n, trials, gen, scratch=scratch)
     # q = |q| e_1, so the raw dot product is |q| times key 0's first coordinate.
     k[:, 0, 0, 0] = margin * math.sqrt(d_k) / q[:, 0, 0, 0]
     return q, k
@@ -87,7 +88,10 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
         for n in ns:
             acc: dict[str, dict] = {name: {} for name in names}
             weights: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-            _module_stats(acc, modules, lambda d, n_, t, g: planted_frame_qk(d, n_, t, margin, g),
+            scratch: dict = {}
+            _module_stats(acc, modules,
+                          lambda d, n_, t, g: planted_frame_qk(d, n_, t, margin, g,
+                                                               scratch=scratch),
                           d_k, n, trials, rng(seed, "planted", d_k, n), advance=bar.update,
                           on_logits=lambda name, z: weights[name].append(
                               planted_weight(z).double()))

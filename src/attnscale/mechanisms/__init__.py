@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from attnscale.errors import ConfigError, did_you_mean, parse_typed
 from attnscale.mechanisms.base import MECHANISMS, Mechanism, register
 
-# Explicit imports, in the order of the table; importing a module registers its mechanism.
+# Explicit imports, in the order of the README's mechanism table; importing a module registers
+# its mechanism.
 from attnscale.mechanisms import scaled, unscaled, init_reparam, qknorm  # noqa: E402,F401
 from attnscale.mechanisms import qk_layernorm, qk_rmsnorm, cosine, learned_temp  # noqa: E402,F401
 from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noqa: E402,F401

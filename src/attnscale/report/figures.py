@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from attnscale.constants import Z95
 from attnscale.plotting import new_figure, save  # noqa: F401  (the sections' helpers)

@@ -117,7 +117,12 @@ def _read_settings(folder: Path) -> dict | None:
         obj = json.loads(file.read_text(encoding="utf-8"))
         if not isinstance(obj, dict) or not isinstance(obj.get("stores"), dict):
             raise ValueError("no 'stores' object")
-    except ValueError as err:
+        for key, entry in obj["stores"].items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("experiment"), str)
+                    and isinstance(entry.get("grid"), dict)
+                    and isinstance(entry.get("fixed"), dict)):
+                raise ValueError(f"store {key!r} needs 'experiment', 'grid' and 'fixed'")
+    except (ValueError, OSError) as err:
         raise ConfigError(f"{str(file)!r} is not a study file attnscale wrote ({err}).") from None
     return obj
 
@@ -259,22 +264,25 @@ def run(study: Study, out: str | os.PathLike, *, quick: bool = False,
     check_executor(workers, ray)
     plan = settings(study, quick=quick, axes=axes, fixed=fixed)
     stored = _read_settings(folder)
-    if stored is not None and stored.get("stores") != plan:
-        kind = "quick" if stored.get("quick") else "full"
-        raise ConfigError(f"--out {str(out)!r} holds the {kind} {study.name} study under other "
-                          "settings; resume it as it is (--resume) or choose another folder.")
+    held = "another" if stored is None else "the quick" if stored.get("quick") else "the full"
     paths = store_paths(study, folder)
     for key, s in plan.items():
         exp = registry.get(s["experiment"])
         spec = SweepSpec.build(exp, s["grid"], s["fixed"])
         store = Store(paths[key])
+        old = None  # what the folder holds for this store, compared by canonical settings
         if store.exists():
-            diffs = differences(store.read_spec(), spec)
+            old = store.read_spec()
+        elif stored is not None and key in stored["stores"]:
+            kept = stored["stores"][key]
+            old = SweepSpec.build(registry.get(kept["experiment"]), kept["grid"], kept["fixed"])
+        if old is not None:
+            diffs = differences(old, spec)
             if diffs:
-                raise ConfigError(f"--out {str(out)!r} holds another {study.name} study "
-                                  f"({'; '.join(diffs)}); resume it as it is (--resume) or "
-                                  "choose another folder.")
-        else:
+                raise ConfigError(f"--out {str(out)!r} holds {held} {study.name} study under "
+                                  f"other settings ({'; '.join(diffs)}); resume it as it is "
+                                  "(--resume) or choose another folder.")
+        if not store.exists():
             check_output_path("--out", paths[key], kind="dir", files=_STORE_FILES, force=force)
             if exp.check is not None:
                 for trial in spec.trials():
@@ -415,4 +423,5 @@ def _draw(study: Study, folder: Path, results: Mapping[str, Any], *, force: bool
         check_pooling(study, key, recs)
     analysis = study.analyse(records)
     files = write_fragment(folder, study, analysis, force=force)
+    mark_folder(folder, command=f"attnscale study {study.name}", study=study.name)
     return Outcome(study, folder, analysis, files, runs)

@@ -146,8 +146,13 @@ class Store:
         self.path.mkdir(parents=True, exist_ok=True)
         # force: the folder passed Store.check, and a sweep.json changed by hand gets here only
         # when the user chose to continue it as it reads (--force); written, it is ours again.
-        atomic_write(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n",
-                     param="out", force=True)
+        try:
+            atomic_write(self.spec_path, json.dumps(obj, indent=1, allow_nan=False) + "\n",
+                         param="out", force=True)
+        except OSError as err:  # before any trial runs: the spec is written first
+            raise ConfigError(f"cannot write {str(self.spec_path)!r} ({err.strerror or err}); "
+                              f"make it and its folder writable (chmod u+w, chattr -i) and run "
+                              f"this again.") from None
 
     # -- results.jsonl ------------------------------------------------------------------------
 

@@ -43,12 +43,12 @@ from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import LMRunConfig, loss_by_position, train_lm
 from attnscale.io import json_safe
 from attnscale.mechanisms.base import Mechanism, Scale
-from attnscale.pipeline import Observation, key_mask, observe
-from attnscale.pipeline import logits as pipeline_logits
-from attnscale.stats import entropy
+from attnscale.measure.monitor.blocks import query_rows
+from attnscale.pipeline import Observation, observe
+from attnscale.stats import columns
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 
-# Evaluation contexts (issue 13, section 4); the model is trained at the first.
+# Evaluation contexts, 1x to 8x the trained one; the model is trained at the first.
 EVAL_LENGTHS = (128, 256, 512, 1024)
 # YaRN's context-extension factors measured.
 YARN_FACTORS = (2, 4, 8)
@@ -58,11 +58,11 @@ YARN_BETA = 32.0
 # Multipliers m = sqrt(1/t) swept at evaluation (logits times m^2): 0.80, 0.85, ..., 1.60.
 M_STEP = 0.05
 M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
-# Logits held at once by entropy_by_position (B x H x N x N floats).
+# Query-key scores per forward of entropy_by_position (B x H x N x N): bounds its batch of windows.
 ENTROPY_FLOATS = 2 ** 24
 # The section's mechanisms.
 MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid")
-# Study defaults for the LM (the issue-12 recipe; more steps than its LR sweep).
+# Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
 
@@ -113,27 +113,35 @@ def tempered(model: LM, m: float) -> Iterator[None]:
 def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor:
     """Mean attention entropy (nats) at each query position, per layer: (layers, N) float64.
 
-    Every call of the one pipeline in the model is observed through its observer hook
-    (:func:`attnscale.pipeline.observe`): the logits are formed from the mechanism-prepared q, k,
-    scale and cap it reports (:func:`attnscale.pipeline.logits`), causally masked, and reduced by
-    :func:`attnscale.stats.entropy`; mean over windows and heads.  The model calls the pipeline
-    once per layer, in layer order.
+    Every call of the one pipeline in the model is observed (:func:`attnscale.pipeline.observe`)
+    and reduced to per-query row statistics the way the monitor does it: the kernel's own rows
+    where the computation forms the logits (``Observation.request_rows``), else the monitor's
+    blockwise rows (:func:`attnscale.measure.monitor.blocks.query_rows`) from the q, k, scale,
+    cap and mask the pipeline reports; their ``entropy`` column is averaged over windows and
+    heads.  A call belongs to the layer whose attention module is running (a forward pre-hook
+    on each block's ``attn``, removed on the way out).
     """
-    per_layer: list[Tensor] = []
-    calls = [0]
+    n_layers = len(model.blocks)
+    per_layer = [None] * n_layers
+    running: list[int | None] = [None]
+
+    def add(layer: int, rows: Tensor) -> None:
+        h = columns(rows)["entropy"].sum((0, 1)).cpu() / rows.shape[1]          # (N,)
+        per_layer[layer] = h if per_layer[layer] is None else per_layer[layer] + h
 
     def observer(obs: Observation) -> None:
-        z = pipeline_logits(obs.q.detach(), obs.k.detach(), obs.scale, obs.cap)  # (B, H, N, N)
-        mask = key_mask(obs.mask, obs.causal, obs.q, obs.k)
-        if mask is not None:
-            z = z.masked_fill(~mask, -math.inf)
-        h = entropy(z).double().sum((0, 1)).cpu() / z.shape[1]                 # (N,)
-        i = calls[0] % len(model.blocks)
-        if len(per_layer) <= i:
-            per_layer.append(torch.zeros_like(h))
-        per_layer[i] += h
-        calls[0] += 1
+        layer = running[0]
+        if layer is None:  # a pipeline call outside the blocks' attention
+            return
+        if not obs.request_rows(lambda rows: add(layer, rows)):
+            add(layer, query_rows(obs.q, obs.k, scale=obs.scale, cap=obs.cap, mask=obs.mask,
+                                  causal=obs.causal))
 
+    def enter(i: int):
+        return lambda module, args: running.__setitem__(0, i)
+
+    hooks = [block.attn.register_forward_pre_hook(enter(i)) for i, block in
+             enumerate(model.blocks)]
     was_training = model.training
     model.eval()
     try:
@@ -142,7 +150,9 @@ def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor
                 model(inputs[lo:lo + batch_size])
     finally:
         model.train(was_training)
-    return torch.stack(per_layer) / len(inputs)
+        for hook in hooks:
+            hook.remove()
+    return torch.stack(per_layer).double() / len(inputs)
 
 
 def entropy_batch(n_heads: int, n: int) -> int:

@@ -28,11 +28,13 @@ from attnscale.experiments.recall.trainer import TRAIN_THREADS, evaluate, train_
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 from attnscale.io import json_safe
 
-# The pair counts the study evaluates (issue 13, section 3); trained at the first.
+# The pair counts the study evaluates, 1x to 32x the trained count; trained at the first.
 EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
 # The length study's config: the essay's demo with a key vocabulary for 512 distinct keys.
 LENGTH_CONFIG = RecallConfig(n_keys=max(EVAL_PAIRS))
-# The issue's mechanisms for this section, in the figure's order.
+# The mechanisms compared: the fixed temperatures, the length-aware ones (ssmax, llama4-temp,
+# logn), the other normalisers (sink, sigmoid) and the normalised and capped ones, in the
+# figure's order.
 MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "qknorm",
               "cosine", "softcap", "learned-temp")
 # Statistics kept per length, from trainer.evaluate.

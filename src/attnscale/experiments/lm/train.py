@@ -100,6 +100,9 @@ class LMRunConfig:
             raise ConfigError("data must be a path to a text file or folder, got ''.")
         if not isinstance(self.bf16, bool):
             raise ConfigError(f"bf16 must be true or false, got {self.bf16!r}.")
+        if not isinstance(self.device, str):  # the record's JSON holds it as text
+            raise ConfigError(f"device must be a string such as 'cpu' or 'cuda:0', got "
+                              f"{self.device!r}.")
         check_device("device", self.device)
         self.model_config().validated()
         check_memory(f"this run (width {self.d_model}, {self.n_layers} layers, batch "

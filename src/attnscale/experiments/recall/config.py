@@ -4,7 +4,7 @@ The defaults are the essay's training demo ("A Training Demo"): 16 key-value pai
 32 value tokens, one attention head with d_k = 256, Adam at 3e-4.  What the essay leaves open is
 chosen here and documented on the field:
 
-* ``d_model = 256`` (the issue's default; the essay gives only d_k);
+* ``d_model = 256`` (equal to d_k, so W_Q and W_K are square; the essay gives only d_k);
 * ``batch_size = 96`` and ``steps = 1200``.  The essay gives neither.  Measured over seeds 0-2
   (``attnscale compare --seed 0,1,2 --batch-size B``), the batch sets how hard the unscaled run
   struggles: at 32 it is 3-6x slower than scaled and one seed never reaches loss 0.1; at 64 it is

@@ -1,6 +1,7 @@
 """The single-head recall model: a plain module, and a fast batched forward over several of them.
 
-Model (the essay's demo; the issue's specification)::
+Model (the essay's training demo, written out; what the essay leaves open is documented on the
+fields of :class:`~attnscale.experiments.recall.config.RecallConfig`)::
 
     x_i = (E[k_i] + E[n_keys + v_i]) / sqrt(2)        pair embedding, (B, P, d_model)
     x_q = E[q]                                          query embedding, (B, d_model)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnscale.columns import MONITOR_SUMMARIES, WEIGHT_DEFAULTS, Summary
+from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
@@ -142,6 +142,48 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
     the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
     (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
+    parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                    causal_offset=causal_offset, block=block, offset=offset,
+                    normaliser=normaliser, sink=sink)
+    kept = [(i0, part) for i0, part in parts if part is not None]
+    if not kept:  # O(B H Nq) rows in all
+        return HeadStats.zeros(q.shape[-3])
+    weights = {}
+    if normaliser == "softmax":
+        stats = torch.cat([part for _, part in kept], dim=-2)          # (B, H, Nq', columns)
+    else:
+        stats = torch.cat([part[0] for _, part in kept], dim=-2)
+        weights["mass"] = torch.cat([part[1] for _, part in kept], dim=-1)  # (B, H, Nq')
+        if normaliser == "sink":
+            weights["sink_mass"] = 1.0 - weights["mass"]
+    if gate is not None:  # the gate's mean per query row, for the rows kept
+        per_row = gate.detach().double().mean(-1).expand(*stats.shape[:2], -1)
+        weights["gate"] = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
+    return HeadStats.from_rows(stats, weights)
+
+
+def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
+               mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
+               block: int = DEFAULT_BLOCK) -> Tensor:
+    """The row statistics of every query, blockwise like :func:`head_stats` (same arguments):
+    float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`, a query
+    with no key to attend all zeros.  For statistics by query position."""
+    parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                    causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+    b, h, n_q = q.shape[0], q.shape[-3], q.shape[-2]
+    return torch.cat([part if part is not None else
+                      torch.zeros(b, h, min(block, n_q - i0), len(ROW_STATS_COLUMNS),
+                                  dtype=torch.float64, device=q.device)
+                      for i0, part in parts], dim=-2)
+
+
+def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
+            mask: Tensor | None, causal: bool, causal_offset: int, block: int,
+            offset: float | Tensor = 0.0, normaliser: str = "softmax",
+            sink: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
+    """``(first query, row statistics)`` of each block of ``block`` queries, in order; None for
+    a block in which no query has a key.  Under another normaliser than softmax the statistics
+    come as ``(rows, key mass per row)``."""
     with torch.no_grad():
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = work_dtype(q.dtype)
@@ -182,21 +224,7 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
                                     offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
                                     sink=sink),
             starts, workers)
-        kept = [(i0, part) for i0, part in zip(starts, blocks) if part is not None]
-        if not kept:  # O(B H Nq) rows in all
-            return HeadStats.zeros(n_heads)
-        weights = {}
-        if normaliser == "softmax":
-            stats = torch.cat([part for _, part in kept], dim=-2)      # (B, H, Nq', columns)
-        else:
-            stats = torch.cat([part[0] for _, part in kept], dim=-2)
-            weights["mass"] = torch.cat([part[1] for _, part in kept], dim=-1)  # (B, H, Nq')
-            if normaliser == "sink":
-                weights["sink_mass"] = 1.0 - weights["mass"]
-        if gate is not None:  # the gate's mean per query row, for the rows kept
-            per_row = gate.detach().double().mean(-1).expand(*stats.shape[:2], -1)
-            weights["gate"] = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
-        return HeadStats.from_rows(stats, weights)
+        return list(zip(starts, blocks))
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,

@@ -33,7 +33,7 @@ from attnscale.study.seeds import spread, standard_error
 from attnscale.study.spec import Trials
 from attnscale.styles import style
 
-SECTION_SEEDS = 3              # seeds seed, seed+1, ...: the ">= 3 seeds"
+SECTION_SEEDS = 3              # seeds seed, seed+1, ...: three, so each ratio has a standard error
 SGD_STEPS = 300                # the SGD pair reaches loss 0.1 by ~200 steps at SGD_LR
 SCALING_D_KS = (16, 64, 256)   # d_k grid of the exponent fit (1024 lives in `study recall`)
 DEMO_MECHANISMS = ("scaled", "unscaled", "init-reparam")
