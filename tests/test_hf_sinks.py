@@ -135,3 +135,22 @@ def test_decoding_with_a_cache_equals_the_full_forward(name):
     with torch.no_grad():
         alone = model(ids[1:, 3:]).logits[:, -1]
     torch.testing.assert_close(full[1:], alone, **TOL)
+
+
+@pytest.mark.parametrize("name,options", [("sink", {}), ("sigmoid", {"bias": -1.5}),
+                                          ("logn", {"train_len": 4})])
+def test_swapped_new_mechanisms_save_and_reload(tmp_path, name, options):
+    model = llama()
+    hf.set_mechanism(model, name, **options)
+    with torch.no_grad():  # trained state that must come back (the sinks' b_h)
+        for key, param in model.named_parameters():
+            if hf.MECHANISM_ATTR in key:
+                param.add_(0.5 * torch.randn_like(param))
+    model.save_pretrained(tmp_path)
+    ids, mask = batch(left_pad=2)
+    again = hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path,
+                               dtype=torch.float64).eval()
+    assert hf.saved_mechanism(tmp_path) == {"name": name, "options": options}
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits,
+                                   model(ids, attention_mask=mask).logits, rtol=0, atol=0)
