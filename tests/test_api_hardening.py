@@ -34,6 +34,7 @@ from attnscale.mechanisms import (MECHANISMS, build_mechanism, check_mechanism, 
 from attnscale.pipeline import MASKED_BIAS
 from attnscale.stats import row_stats
 from attnscale.workers import check_device
+from normalisers import reference_distribution_stats, reference_weights, sink_of
 
 NAMES = list(MECHANISMS)
 B, H, D = 2, 2, 8                     # batch, heads, d_head of the bare-attention cases
@@ -48,26 +49,27 @@ def _one_line(err: BaseException | str) -> str:
 
 # --- a float64 reference that masks by hand -------------------------------------------------------
 
-def reference_rows(z: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-row statistics of softmax over the attended keys of float64 logits z (..., Nq, Nk):
-    written out from the definitions (no stable tricks needed in float64 at these sizes)."""
+def reference_rows(z: torch.Tensor, keep: torch.Tensor, mech=None) -> dict[str, torch.Tensor]:
+    """Per-row statistics of the mechanism's normaliser (softmax when None) over the attended
+    keys of float64 logits z (..., Nq, Nk): written out from the definitions (no stable tricks
+    needed in float64 at these sizes; tests/normalisers.py for the sink and sigmoid)."""
     z = z.double()
     keep = keep.expand_as(z)
     count = keep.sum(-1)
-    p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0)  # (..., Nq, Nk)
-    jac = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)               # (.., Nk, Nk)
     zv = torch.where(keep, z, 0.0)
     mean = zv.sum(-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
     var = (torch.where(keep, z - mean, 0.0) ** 2).sum(-1) / (count - 1).clamp(min=1)
-    return {"count": count, "max_weight": p.amax(-1), "entropy": torch.special.entr(p).sum(-1),
-            "jacobian_fro": jac.pow(2).sum((-2, -1)).sqrt(),
+    weights = reference_distribution_stats(z, keep, "softmax" if mech is None else mech.normaliser,
+                                           None if mech is None else sink_of(mech))
+    return {"count": count, "max_weight": weights["max_weight"], "entropy": weights["entropy"],
+            "jacobian_fro": weights["jacobian_fro"],
             "logit_std": torch.where(count >= 2, var.sqrt(), 0.0),
             "logit_absmax": torch.where(keep, z.abs(), 0.0).amax(-1)}
 
 
-def reference_heads(z: torch.Tensor, keep: torch.Tensor) -> dict[str, list[float]]:
+def reference_heads(z: torch.Tensor, keep: torch.Tensor, mech=None) -> dict[str, list[float]]:
     """The monitor's record statistics per head from :func:`reference_rows`, (B, H, Nq, Nk)."""
-    rows = reference_rows(z, keep)
+    rows = reference_rows(z, keep, mech)
     ok = rows["count"] > 0                                                   # (B, H, Nq)
     n = ok.sum((0, 2)).double()
 
@@ -121,7 +123,7 @@ def _logits_and_keep(mech, q, k, keep, causal):
     was = mech.training
     mech.eval()
     with torch.no_grad():
-        z = mech.double().logits(q.double(), k.double(), full.sum(-1, keepdim=True))
+        z = mech.double().logits(q.double(), k.double(), full.sum(-1, keepdim=True), mask=full)
     mech.train(was)
     return z, full
 
@@ -193,7 +195,7 @@ def test_monitor_counts_only_attended_keys(name, causal, dtype):
     with monitor(model) as mon:
         model(q, k, v, mask=keep, causal=causal)
     z, full = _logits_and_keep(build_mechanism(name, D, H), q, k, keep, causal)
-    want = reference_heads(z, full)
+    want = reference_heads(z, full, mech)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-9}
     for key, expected in want.items():
         got = [r[key] for r in mon.records]
@@ -214,8 +216,8 @@ def test_trace_and_offered_rows_count_only_attended_keys(name):
     with observe(lambda seen: seen.request_rows(got_rows.append)):
         trace = attnscale.attention(q, k, v, mech, mask=keep, trace=True)
     z, full = _logits_and_keep(build_mechanism(name, D, H), q, k, keep, False)
-    want = reference_rows(z, full)
-    p = torch.softmax(z.masked_fill(~full, -math.inf), -1).nan_to_num(0.0)
+    want = reference_rows(z, full, mech)
+    p = reference_weights(z, full, mech.normaliser, sink_of(mech))
     torch.testing.assert_close(trace.weights, p)
     assert (trace.weights[~full] == 0).all()
     torch.testing.assert_close(trace.out, p @ v)
@@ -390,8 +392,8 @@ def test_lm_logit_records_count_only_the_causal_keys(text_dir, name):
         q = apply_rope(heads(block.attn.w_q(h)), cos, sin)
         k = apply_rope(heads(block.attn.w_k(h)), cos, sin)
         causal = torch.ones(n, n, dtype=torch.bool).tril()
-        z = block.attn.mechanism.logits(q, k, causal.sum(-1, keepdim=True))
-    want = reference_heads(z, causal.expand(b, 2, n, n))
+        z = block.attn.mechanism.logits(q, k, causal.sum(-1, keepdim=True), mask=causal)
+    want = reference_heads(z, causal.expand(b, 2, n, n), block.attn.mechanism)
     row = record["trace"][0]
     assert row["attn_logit_max"][0] == pytest.approx(max(want["logit_absmax"]), rel=1e-5)
     assert row["entropy_min"][0] == pytest.approx(min(want["entropy_mean"]), rel=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -9,6 +11,7 @@ from torch.testing import assert_close
 from attnscale.attention import attention, attention_reference
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.stats import row_mass
 
 NAMES = list(MECHANISMS)
 B, H, NQ, NK, D = 2, 3, 6, 8, 8
@@ -71,18 +74,26 @@ def test_fast_path_equals_reference(name, masking):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_rows_sum_to_one(name):
-    # With v = identity over the keys the output is the weight matrix itself.
+    # With v = identity over the keys the output is the weight matrix itself.  Rows sum to the
+    # normaliser's key mass: 1 under softmax, 1 - the sink's weight, Σ σ(z) under sigmoid.
     q, k, _ = _inputs()
     eye = torch.eye(NK, dtype=torch.float64).expand(B, H, NK, NK)
     mech = _mechanism(name)
+    sink = mech.sink_logits() if mech.normaliser == "sink" else None
     for causal in (False, True):
         p = mech(q, k, eye, causal=causal)
         assert (p >= 0).all()
-        assert_close(p.sum(-1), torch.ones(B, H, NQ, dtype=torch.float64))
+        z = attention_reference(q, k, eye, mech, causal=causal).logits
+        if causal:
+            z = z.masked_fill(~torch.ones(NQ, NK, dtype=torch.bool).tril(), -math.inf)
+        assert_close(p.sum(-1), row_mass(z, mech.normaliser, sink))
+        if mech.normaliser == "softmax":
+            assert_close(p.sum(-1), torch.ones(B, H, NQ, dtype=torch.float64))
     trace = attention_reference(q, k, eye, mech, mask=_mask())
     sums = trace.weights.sum(-1)
     assert_close(sums[0, :, 2], torch.zeros(H, dtype=torch.float64))  # the fully masked row
-    assert_close(sums[1], torch.ones(H, NQ, dtype=torch.float64))
+    z = trace.logits.masked_fill(~_mask(), -math.inf)
+    assert_close(sums[1], row_mass(z, mech.normaliser, sink)[1])
 
 
 @pytest.mark.parametrize("name", NAMES)

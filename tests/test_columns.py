@@ -25,7 +25,9 @@ def test_every_row_statistic_has_a_formula_on_every_path():
 def test_the_monitor_and_the_experiments_take_their_keys_from_the_tables():
     assert RECORD_KEYS[4:] == columns.RECORD_STATS
     assert "logit_max" not in RECORD_KEYS                 # kept per head, not recorded
-    assert SATURATION_STATS == columns.MEAN_STATS
+    # Saturation averages the same statistics and the keys' total weight (1 under softmax;
+    # sigmoid and sink rows need it).
+    assert SATURATION_STATS == (*columns.MEAN_STATS, "mass") and "mass" in columns.WEIGHT_COLUMNS
     row = saturation([4], 8, 4, 0, ["scaled"])[0]
     assert {f"{s}_{part}" for s in columns.MEAN_STATS for part in ("mean", "se")} <= set(row)
     stats = head_stats(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8))

@@ -20,11 +20,13 @@ from attnscale.kernels import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
 from attnscale.mechanisms import MECHANISMS
 from attnscale.errors import ConfigError
-from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, Monitor, colour_limits, head_stats,
-                                       layer_summary, monitor, plot_entropy)
+from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, SCALAR_KEYS, Monitor,
+                                       colour_limits, head_stats, layer_summary, monitor,
+                                       plot_entropy)
 from attnscale import pipeline, stats
 from attnscale.kernels import softcap
 from attnscale.stats import logit_std, softmax_stats
+from normalisers import reference_distribution_stats, sink_of
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
 attention_module = importlib.import_module("attnscale.attention")
@@ -32,12 +34,17 @@ ORIGINAL_SDPA = F.scaled_dot_product_attention
 ORIGINAL_ATTENTION = attention_module.attention
 
 
-def reference(z: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-head record statistics from materialised logits z (B, H, Nq, Nk) and a bool mask."""
+def reference(z: torch.Tensor, keep: torch.Tensor, mechanism=None) -> dict[str, torch.Tensor]:
+    """Per-head record statistics from materialised logits z (B, H, Nq, Nk) and a bool mask,
+    under the mechanism's normaliser (softmax when None)."""
     keep = keep.expand(z.shape)
     z = z.double().masked_fill(~keep, -math.inf)
-    s = softmax_stats(z)
+    normaliser = "softmax" if mechanism is None else mechanism.normaliser
     ok = keep.any(-1)                                     # rows with a key, (B, H, Nq)
+    if normaliser == "softmax":  # the stable formulation: near one-hot rows keep their digits
+        s = {**softmax_stats(z), "mass": ok.double()}
+    else:
+        s = reference_distribution_stats(z, keep, normaliser, sink_of(mechanism))
     n = ok.sum((0, 2)).double()
 
     def mean(x):
@@ -47,7 +54,8 @@ def reference(z: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
             "entropy_min": torch.where(ok, s["entropy"], math.inf).amin((0, 2)),
             "max_weight_mean": mean(s["max_weight"]), "logit_std": mean(logit_std(z)),
             "logit_absmax": torch.where(keep, z.abs(), 0.0).amax((0, 2, 3)),
-            "jacobian_fro_mean": mean(s["jacobian_fro"])}
+            "jacobian_fro_mean": mean(s["jacobian_fro"]), "mass_mean": mean(s["mass"]),
+            "sink_mass_mean": mean(1 - s["mass"]) if normaliser == "sink" else 0.0 * n}
 
 
 def assert_records_match(records: list[dict], ref: dict[str, torch.Tensor], atol=1e-5) -> None:
@@ -244,7 +252,7 @@ def test_monitor_on_multi_head_attention_every_mechanism(name):
     trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True)
     keep = key_mask(mask, True, q, k)
     with torch.no_grad():
-        assert_records_match(mon.records, reference(trace.logits, keep))
+        assert_records_match(mon.records, reference(trace.logits, keep, mha.mechanism))
     assert [r["module"] for r in mon.records] == ["MultiHeadAttention"] * 4
     assert [r["head"] for r in mon.records] == [0, 1, 2, 3]
     assert_clean()
@@ -468,7 +476,7 @@ def test_writer_gets_per_layer_and_head_scalars_every_nth_step():
     tags = {tag for tag, _, step in writer.scalars if step == 10}
     assert "attnscale/entropy_mean/layer0/head1" in tags
     assert "attnscale/logit_absmax/layer0" in tags
-    assert len(tags) == 6 * (2 + 1)  # six statistics, two heads plus the layer
+    assert len(tags) == len(SCALAR_KEYS) * (2 + 1)  # every statistic, two heads plus the layer
     assert mon.records[0]["queries"] == 2 * 5  # two of the four forward passes were observed
 
 

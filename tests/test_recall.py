@@ -303,3 +303,11 @@ def test_result_json_schema():
     json.dumps(obj, allow_nan=False)
     assert [row["step"] for row in run.trace] == [0, 2, 4, 5]
     assert math.isfinite(run.eval_stats["qk_std"])
+
+
+def test_fast_model_equals_naive_for_a_gate_per_coordinate():
+    """gated's elementwise gate multiplies the output before the readout (the default gate, per
+    head, is covered by the registry-wide test above)."""
+    options = {"granularity": "element"}
+    _check_against_naive([replace(TINY, mechanism="gated", options=options, seed=s)
+                          for s in (0, 1)])

@@ -10,6 +10,8 @@ Two tables, and everything else derives from them:
 
 Derived: :data:`MEAN_STATS` (the statistics the Monte Carlo saturation and the recall
 evaluation average over rows), :data:`RECORD_STATS` (the monitor's record keys).
+:data:`WEIGHT_COLUMNS` are per-row quantities of other normalisers and of an output gate that the
+monitor summarises beside the row statistics.
 
 Adding a statistic: give it a formula in :func:`attnscale.stats.row_stats` (its PyTorch path
 builds its columns by these names, so a name without a formula fails at the first call; a row
@@ -31,6 +33,15 @@ ROW_STATS_COLUMNS = ("count", "max_weight", "entropy", "jacobian_fro", "logit_st
 # count: unmasked keys of the row; max_weight: max_i p_i; entropy: H(p) in nats; jacobian_fro:
 # ||diag(p) - p p^T||_F; logit_std: std of the unmasked logits; logit_absmax: max |z| and
 # logit_max: max z (QK-Clip's S_max), both over unmasked keys.
+
+# Per-row quantities of the weights beside row_stats' columns (not in the compiled kernel's
+# output, so not in ROW_STATS_COLUMNS): mass, Σ_i p_i over the keys (attnscale.stats.row_mass: 1
+# under softmax, less with a sink, anything in [0, n] under sigmoid); sink_mass, the weight left
+# on a sink (0 without one); gate, the output gate's mean over the row's coordinates (1 without
+# a gate).
+WEIGHT_COLUMNS = ("mass", "sink_mass", "gate")
+# Their value on a row of plain softmax attention without a gate.
+WEIGHT_DEFAULTS = {"mass": 1.0, "sink_mass": 0.0, "gate": 1.0}
 
 REDUCTIONS = ("mean", "min", "max")
 
@@ -68,10 +79,13 @@ MONITOR_SUMMARIES = (
     Summary("jacobian_fro_mean", "jacobian_fro", "mean"),
     # The signed peak logit, for QK-Clip's S_max: kept per head, not in the records.
     Summary("logit_max", "logit_max", "max", recorded=False),
+    Summary("mass_mean", "mass", "mean"),
+    Summary("sink_mass_mean", "sink_mass", "mean"),
+    Summary("gate_mean", "gate", "mean"),
 )
 
 for _s in MONITOR_SUMMARIES:
-    if _s.column not in ROW_STATS_COLUMNS or _s.reduce not in REDUCTIONS:
+    if _s.column not in ROW_STATS_COLUMNS + WEIGHT_COLUMNS or _s.reduce not in REDUCTIONS:
         raise ValueError(f"monitor summary {_s} names an unknown column or reduction")
 if len({s.key for s in MONITOR_SUMMARIES}) != len(MONITOR_SUMMARIES):
     raise ValueError("two monitor summaries share a key")
@@ -86,7 +100,7 @@ MEAN_STATS = tuple(c for c in ROW_STATS_COLUMNS
 def named(*names: str) -> tuple[str, ...]:
     """``names``, each checked to be a row statistic or a monitor key (a ValueError, at import of
     the module that asks, for a name that was renamed or never existed)."""
-    known = set(ROW_STATS_COLUMNS) | {s.key for s in MONITOR_SUMMARIES}
+    known = set(ROW_STATS_COLUMNS) | set(WEIGHT_COLUMNS) | {s.key for s in MONITOR_SUMMARIES}
     for name in names:
         if name not in known:
             raise ValueError(f"{name!r} is not a statistic of attnscale.columns")

@@ -63,8 +63,11 @@ ATTN_IMPLEMENTATION = "attnscale"
 # config attribute that records it ({"name": ..., "options": {...}}) for save_pretrained.
 MECHANISM_ATTR = "attnscale_mechanism"
 # Attention-function arguments that change the softmax and that this implementation lacks:
-# attention sinks (gpt-oss) and T5-style additive position biases.
-UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
+# T5-style additive position biases.
+UNSUPPORTED_KWARGS = ("position_bias",)
+# gpt-oss passes its learned per-head attention sinks (H,) under this name (HF transformers
+# modeling_gpt_oss.py); they are kept, as the pipeline's "sink" normaliser.
+SINK_KWARG = "s_aux"
 # Oldest transformers whose AttentionInterface / AttentionMaskInterface / sdpa_mask this uses.
 MIN_TRANSFORMERS = "4.56"
 
@@ -92,6 +95,28 @@ class NativeTemperature(Mechanism):
 def _native(d_head: int, n_heads: int, scaling: float, cap: float | None) -> NativeTemperature:
     # One parameter-free instance per distinct temperature, instead of one per call.
     return NativeTemperature(d_head, n_heads, scaling=scaling, cap=cap)
+
+
+class WithSinks:
+    """A rule with the model's own attention sinks: ``rule``'s temperature, then the softmax with
+    one sink logit per head (gpt-oss's ``sinks``, passed as ``s_aux``), the pipeline's ``"sink"``
+    normaliser.  Everything but the normaliser is ``rule``'s; not an ``nn.Module``, so the sinks
+    stay the model's parameter (trained and saved as HF's)."""
+
+    normaliser = "sink"
+
+    def __init__(self, rule: Mechanism, sinks: Tensor):
+        if rule.normaliser != "softmax":
+            raise ConfigError(f"mechanism {rule.name or type(rule).__name__!r} brings its own "
+                              f"{rule.normaliser!r} normaliser; it cannot replace the temperature "
+                              "of a model with attention sinks (s_aux).")
+        self.rule, self.sinks = rule, sinks
+
+    def __getattr__(self, name: str):
+        return getattr(self.rule, name)
+
+    def sink_logits(self) -> Tensor:
+        return self.sinks
 
 
 def _bool_mask(mask: Tensor | None) -> Tensor | None:
@@ -139,6 +164,9 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     if mechanism is None:
         mechanism = _native(d_head, n_heads, inv_sqrt(d_head) if scaling is None else scaling,
                             softcap)
+    sinks = kwargs.get(SINK_KWARG)
+    if sinks is not None:  # gpt-oss: keep the model's own learned sinks
+        mechanism = WithSinks(mechanism, sinks)
     groups = n_heads // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)      # (B, H, Nk, d), O(N d) memory
@@ -217,6 +245,10 @@ def check_swappable(name: str, **options) -> None:
 def _check_swappable(name: str, options: dict, param: str) -> None:
     """:func:`check_swappable`, with errors prefixed by ``param``, where the name came from."""
     check_mechanism(name, options, param=param)  # unknown name or option: did-you-mean
+    if MECHANISMS[name].gate:
+        raise ConfigError(f"mechanism {name!r} gates the attention output with the layer's "
+                          "input, which HF's attention function does not see; use "
+                          "attnscale.MultiHeadAttention or attnscale.lm for it.")
     if not MECHANISMS[name].defined_at_init:
         raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the q and "
                           "k HF passes to the attention function; use "

@@ -159,6 +159,7 @@ class Observation:
     offset: float | Tensor = 0.0  # added to the logits before the cap: float or (B|1,H|1,Nq|1,1)
     sink: Tensor | None = None    # per-head sink logit (H,) for the "sink" normaliser
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
+    normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -315,12 +316,18 @@ def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask
     the additive offset.  q and k are already upcast.
     """
     qs, ks, scale = mechanism.prepare(q, k, n_keys)                        # mechanism
-    if not mechanism.per_key:                                              # adapt
+    if not _declares(mechanism, "per_key", True):                          # adapt
         scale = scale * mechanism.row_temperature(qs, ks, scale, mask, causal)
-    offset = mechanism.offset(n_keys) if mechanism.has_offset else 0.0     # offset
-    if isinstance(offset, Tensor):  # in the logits' working dtype: a float64 offset would
-        offset = offset.to(device=qs.device, dtype=qs.dtype)  # promote float32 logits
+    offset = mechanism.offset(n_keys) if _declares(mechanism, "has_offset", False) else 0.0
+    if isinstance(offset, Tensor):  # in the logits' dtype (float32 for half inputs)
+        offset = offset.to(device=qs.device, dtype=qs.dtype)
     return qs, ks, scale, offset
+
+
+def _declares(mechanism: Rule, attribute: str, default):
+    """A :class:`Rule` attribute; a rule that only has ``prepare`` and ``cap`` (a duck-typed
+    rule of one's own) gets the plain pipeline's value: per key, no offset, softmax, v as is."""
+    return getattr(mechanism, attribute, default)
 
 
 def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
@@ -365,9 +372,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     track = getattr(mechanism, "track_logits", None)  # qk-clip's S_max, over the attended keys
     if track is not None:
         track(qs, ks, scale, full_mask, causal and full_mask is None)
-    if mechanism.acts_on_values:
+    if _declares(mechanism, "acts_on_values", False):
         v = mechanism.prepare_values(v)                                    # values
-    cap, normaliser = mechanism.cap, mechanism.normaliser
+    cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
     if normaliser not in NORMALISERS:
         raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got "
                           f"{normaliser!r}.")
@@ -382,7 +389,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
         seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate)
+                           offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate,
+                           normaliser=normaliser)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below

@@ -52,6 +52,16 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "ssmax": ("#000000", "-", "p"),
     "llama4-temp": ("#e6ab02", "-", "H"),
     "qk-clip": ("#800000", "--", "8"),
+    # The mechanisms of 2024-2026, in colours outside PALETTE (so no fallback takes them).
+    # Another normaliser (sink, sigmoid) is dotted, a rule on top of scaled attention
+    # (adaptive-temp, gated) dash-dotted, and siblings (logn of ssmax, clip-qkv of softcap) dashed
+    # in a colour near theirs.
+    "logn": ("#556b2f", "--", "p"),
+    "sink": ("#4682b4", ":", "s"),
+    "sigmoid": ("#ff1493", ":", "o"),
+    "adaptive-temp": ("#4b0082", "-.", "^"),
+    "gated": ("#b8860b", "-.", "D"),
+    "clip-qkv": ("#a9a9a9", "--", "X"),
 }
 
 

@@ -25,7 +25,7 @@ def _run(args) -> int:
         return 0
     print(format_table(rows, ["mechanism", "d_k", "n", "max_weight_mean", "max_weight_se",
                               "entropy_mean", "entropy_se", "jacobian_fro_mean",
-                              "jacobian_fro_se", "logit_std_mean"]))
+                              "jacobian_fro_se", "logit_std_mean", "mass_mean"]))
     return 0
 
 

@@ -1,9 +1,9 @@
 """Row entropies of softmax(q kᵀ) over the keys each query attends, blockwise and differentiable,
 without the (B, H, Nq, Nk) logits: the statistics pass of adaptive temperature.
 
-Forward: each block of logits goes through the caller's ``row_stats`` reducer
-(:func:`attnscale.stats.row_stats`, attnscale's row kernel for float32 CPU logits; the kernels sit
-below the statistics module, which runs this package's row kernel, so they are handed it).  Backward, recomputing each block: with p = softmax(z) and
+Forward: each block of logits is reduced around its row maximum m, H = ln Σ e^{z - m} -
+Σ p_i (z_i - m), in the dtype of q (float32 for half inputs).  Backward, recomputing each block:
+with p = softmax(z) and
 H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
 dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel.
 """
@@ -13,32 +13,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnscale.kernels.native import ROW_STATS_COLUMNS
-from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, RowStats, _Tiles
+from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
 from attnscale.workers import parallel_map, workers_for
 
-ENTROPY = ROW_STATS_COLUMNS.index("entropy")
 
-
-def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, *,
-                row_stats: RowStats) -> Tensor:
+def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
     """H(softmax(q kᵀ)) per query, nats: (B, H, Nq, 1) in q's dtype.
 
     q (B, H, Nq, d) already carries the scale; k (B, H, Nk, d); ``mask`` boolean (True = attend)
     broadcastable to (B, H, Nq, Nk); ``causal`` top-left.  A query with no key gets 0; a row
-    holding NaN gets NaN.  ``row_stats``: :func:`attnscale.stats.row_stats`.
+    holding NaN gets NaN.
     """
     if q.shape[-2] == 0 or k.shape[-2] == 0:  # no query, or no key: every entropy is 0
-        return q.new_zeros(*q.shape[:-1], 1)
-    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS,
-                             row_stats)
+        return q.new_zeros(*q.shape[:-1], 1) + 0.0 * (q.sum() + k.sum())
+    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS)
+
+
+def _entropy(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(H, lse) of softmax over the last dimension of masked logits z (h, r, n), each (h, r, 1):
+    0 and 0 for a row without keys, NaN for a row holding NaN."""
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), 0.0, m)                     # rows without keys
+    d = z - m
+    e = d.exp()
+    s = e.sum(dim=-1, keepdim=True)
+    log_s = torch.log(torch.where(s > 0, s, 1.0))
+    terms = torch.where(e > 0, e * d, 0.0)                         # 0 at masked keys
+    ent = log_s - terms.sum(dim=-1, keepdim=True) / torch.where(s > 0, s, 1.0)
+    return ent, log_s + m
 
 
 class _RowEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-                block_elements: int, row_stats: RowStats) -> Tensor:
+                block_elements: int) -> Tensor:
         ent = q.new_empty(*q.shape[:-1], 1)                               # (B, H, Nq, 1)
+        lse = q.new_empty(*q.shape[:-1], 1)                               # kept for backward
         tiles = _Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
         workers = workers_for(q.device, len(groups))
@@ -46,22 +56,24 @@ class _RowEntropy(torch.autograd.Function):
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g = k[b, heads]
-            for i, (q_blk, ent_blk) in enumerate(zip(*tiles.split(b, heads, q, ent))):
+            for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent,
+                                                                           lse))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                rows = row_stats(z, threads=1 if workers > 1 else None)
-                ent_blk.copy_(rows[..., ENTROPY].unsqueeze(-1))
+                h_blk, l_blk = _entropy(z)
+                ent_blk.copy_(h_blk)
+                lse_blk.copy_(l_blk)
 
         with torch.no_grad():
             parallel_map(group, groups, workers)
-        ctx.save_for_backward(q, k, ent, mask)
+        ctx.save_for_backward(q, k, ent, lse, mask)
         ctx.args = (causal, block_elements)
         return ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        q, k, ent, mask = ctx.saved_tensors
+        q, k, ent, lse, mask = ctx.saved_tensors
         causal, block_elements = ctx.args
         g = g.contiguous()
         dq = torch.empty_like(q)
@@ -71,18 +83,17 @@ class _RowEntropy(torch.autograd.Function):
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, dk_g = k[b, heads], dk_t[b, heads]
-            for i, (q_blk, ent_blk, g_blk, dq_blk) in enumerate(
-                    zip(*tiles.split(b, heads, q, ent, g, dq))):
+            for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
+                    zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
                 n_k = tiles.n_keys(i)
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)            # (h, r, 1)
-                lse = torch.where(torch.isneginf(lse), 0.0, lse)          # rows without keys
-                p = torch.exp(z - lse)                                    # 0 at masked keys
-                z = torch.where(torch.isneginf(z), 0.0, z)
-                dz = p * (z - lse + ent_blk) * (-g_blk)                   # g ∘ ∂H/∂z
+                z.sub_(lse_blk)                                           # ln p, -inf if masked
+                p = torch.exp(z)                                          # 0 at masked keys
+                # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0
+                dz = torch.where(p > 0, z.add_(ent_blk).mul_(p), 0.0).mul_(-g_blk)
                 torch.bmm(dz, k_g[:, :n_k], out=dq_blk)                   # dQ = dZ K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)       # dKᵀ += Qᵀ dZ
 
         groups = list(tiles.groups())
         parallel_map(group, groups, workers_for(q.device, len(groups)))
-        return dq, dk_t.transpose(-2, -1), None, None, None, None
+        return dq, dk_t.transpose(-2, -1), None, None, None

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from attnscale.columns import MEAN_STATS
+from attnscale.columns import MEAN_STATS, named
 from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_name_list,
@@ -44,7 +44,8 @@ from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_in
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
-from attnscale.stats import Moments, columns, mean_se_from_sums, row_stats, std_ci, std_se
+from attnscale.stats import (Moments, columns, mean_se_from_sums, row_mass, row_stats, std_ci,
+                             std_se)
 from attnscale.workers import num_threads
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
@@ -76,8 +77,10 @@ ESSAY_D_KS = tuple(2 ** i for i in range(2, 11))
 ESSAY_N = 256          # keys per query in Figures 1-2
 ESSAY_TRIALS = 2000    # trials per d_k in Figures 1-2
 ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
-# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order.
-SATURATION_STATS = MEAN_STATS
+# Statistics of :func:`attnscale.stats.row_stats` that saturation averages, in its row order, and
+# the keys' total weight (attnscale.columns.WEIGHT_COLUMNS' mass: 1 under softmax, less with a
+# sink, anything in [0, n] under sigmoid).
+SATURATION_STATS = (*MEAN_STATS, *named("mass"))
 
 
 def check_time(what: str, seconds: float) -> None:
@@ -167,6 +170,7 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
     normaliser = "softmax" if mech is None else mech.normaliser
     sink = mech.sink_logits().detach() if normaliser == "sink" else None
     stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink))
+    stats["mass"] = row_mass(z, normaliser, sink)
     for key in SATURATION_STATS:
         v = stats[key]
         s = acc.setdefault(key, [0.0, 0.0])

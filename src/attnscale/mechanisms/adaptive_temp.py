@@ -26,7 +26,6 @@ from torch import Tensor
 
 from attnscale.kernels.entropy import row_entropy
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
-from attnscale.stats import row_stats
 
 # β(H)'s polynomial, highest power first (jnp.polyval order), from the paper's listing.
 POLY_FIT = (-0.037, 0.481, -2.3, 4.917, -1.791)
@@ -57,4 +56,4 @@ class AdaptiveTemp(Mechanism):
 
     def row_temperature(self, q: Tensor, k: Tensor, scale: Scale, mask: Tensor | None,
                         causal: bool) -> Tensor:
-        return beta(row_entropy(q * scale, k, mask, causal, row_stats=row_stats))  # (B,H,Nq,1)
+        return beta(row_entropy(q * scale, k, mask, causal))   # (B, H, Nq, 1)

@@ -137,15 +137,21 @@ class Mechanism(nn.Module):
         """σ(x W_g) for a gating mechanism: x (B, N, d_model) -> (B, H, N, 1 or d_head)."""
         raise NotImplementedError(f"{self.name or type(self).__name__} has no output gate")
 
-    def logits(self, q: Tensor, k: Tensor, n_keys: int | Tensor | None = None) -> Tensor:
+    def logits(self, q: Tensor, k: Tensor, n_keys: int | Tensor | None = None, *,
+               mask: Tensor | None = None) -> Tensor:
         """Logits after the mechanism (offset and cap included), before the mask: (B, H, Nq, Nk).
 
-        fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to every key (Nk).
+        fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to the keys of ``mask`` (a
+        boolean mask, True = attend, broadcastable to (B, H, Nq, Nk)), or to every key (Nk).  The
+        mask itself is only read by a rule that is not ``per_key`` (adaptive-temp's row entropy
+        covers the attended keys); the logits of masked keys are returned like the others.
         """
         pipeline.check_qkv(q, k, k, self)  # shapes, dtypes and this mechanism's heads (k as v)
         q, k = upcast(q), upcast(k)
-        q, k, scale, offset = pipeline.apply_rule(self, q, k, k.shape[-2] if n_keys is None
-                                                  else n_keys, None, False)
+        if n_keys is None:
+            n_keys = k.shape[-2] if mask is None else pipeline.key_counts(mask, False, q, k)
+        full = None if mask is None else pipeline.key_mask(mask, False, q, k)
+        q, k, scale, offset = pipeline.apply_rule(self, q, k, n_keys, full, False)
         return pipeline.logits(q, k, scale, self.cap, offset)  # (B, H, Nq, Nk)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,

@@ -11,7 +11,8 @@ fine-tuning:
   i sees the same prefix in a window of any length, so the mean loss over the first L positions
   of these windows is the validation loss at context L;
 * ``llama4-temp`` uses ``floor_scale = seq_len``: Llama 4's 8192 is the span of its chunked
-  RoPE layers, so the temperature steps up where the trained context ends;
+  RoPE layers, so the temperature steps up where the trained context ends; ``logn`` likewise
+  ``train_len = seq_len`` (Qwen's L is its training context);
 * for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
   by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
   sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
@@ -60,7 +61,7 @@ M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
 # Query-key scores per forward of entropy_by_position (B x H x N x N): bounds its batch of windows.
 ENTROPY_FLOATS = 2 ** 24
 # The section's mechanisms.
-MECHANISMS = ("scaled", "ssmax", "llama4-temp")
+MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid")
 # Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
@@ -197,8 +198,9 @@ def _split(config: dict) -> tuple[LMRunConfig, list[int], list[int] | None]:
     lengths = parse_int_list("lengths", config.pop("lengths"), minimum=1)
     factors = parse_int_list("yarn_factors", config.pop("yarn_factors"), minimum=2)
     yarn = config.pop("yarn") and config["mechanism"] == "scaled"  # YaRN extends scaled only
-    options = {"floor_scale": float(config["seq_len"])} if config["mechanism"] == "llama4-temp" \
-        else {}
+    # The length rules start at the training context: llama4-temp's floor_scale, logn's train_len.
+    options = {"llama4-temp": {"floor_scale": float(config["seq_len"])},
+               "logn": {"train_len": int(config["seq_len"])}}.get(config["mechanism"], {})
     # Built and validated at the training context (the memory estimate is for training); the
     # trained model is extended to the evaluation lengths afterwards (LM.set_rope).
     run = LMRunConfig(**config, options=options, monitor_every=max(1, config["steps"] // 10))

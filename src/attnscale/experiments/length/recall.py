@@ -12,7 +12,8 @@ own config :data:`LENGTH_CONFIG` with 512 keys; the essay-demo config is unchang
 ``attention_chunk_size`` (HF ``Llama4TextConfig``), the span its RoPE layers attend, so the
 temperature takes its first step where a local layer's context ends.  Here that span is the
 training length, so ``floor_scale = pairs`` (16) unless given: τ(n) = 0.1 ln(1 + ⌊n/16⌋) + 1
-is 1.07 at 16 keys and 1.35 at 512.
+is 1.07 at 16 keys and 1.35 at 512.  ``logn`` gets the training length as its ``train_len`` (Qwen's
+L is its training context), so max(1, log_16 n) is 1 up to 16 keys and 2.25 at 512.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from attnscale.io import json_safe
 EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
 # The length study's config: the essay's demo with a key vocabulary for 512 distinct keys.
 LENGTH_CONFIG = RecallConfig(n_keys=max(EVAL_PAIRS))
-# The mechanisms compared: the fixed temperatures, the length-aware ones (ssmax, llama4-temp) and
-# the normalised and capped ones, in the figure's order.
-MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "qknorm", "cosine", "softcap",
-              "learned-temp")
+# The mechanisms compared: the fixed temperatures, the length-aware ones (ssmax, llama4-temp,
+# logn), the other normalisers (sink, sigmoid) and the normalised and capped ones, in the
+# figure's order.
+MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "qknorm",
+              "cosine", "softcap", "learned-temp")
 # Statistics kept per length, from trainer.evaluate.
 STATS = ("accuracy", *named("entropy", "max_weight"))
 
@@ -45,11 +47,14 @@ def lengths_text(lengths) -> str:
 
 
 def mechanism_options(mechanism: str, pairs: int, floor_scale: float | None) -> dict:
-    """The mechanism's options in this study: llama4-temp's floor_scale (default: ``pairs``)."""
+    """The mechanism's options in this study: llama4-temp's floor_scale (default: ``pairs``),
+    logn's train_len (``pairs``, the training length)."""
     if mechanism == "llama4-temp":
         return {"floor_scale": float(pairs if floor_scale is None else floor_scale)}
     if floor_scale is not None:
         raise ConfigError(f"floor_scale applies to llama4-temp only, not {mechanism!r}.")
+    if mechanism == "logn":
+        return {"train_len": pairs}
     return {}
 
 

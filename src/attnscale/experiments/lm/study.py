@@ -25,7 +25,8 @@ from attnscale.mechanisms import MECHANISMS, canonical_options, check_mechanism
 WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 # The default study: these variants x WORTSMAN_LRS x DEFAULT_WIDTHS x DEFAULT_SEEDS.
 DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=False)",
-                    "qk-rmsnorm", "cosine", "softcap", "sigma-reparam", "mup")
+                    "qk-rmsnorm", "cosine", "softcap", "sigma-reparam", "mup", "sink", "sigmoid",
+                    "gated", "adaptive-temp")
 DEFAULT_WIDTHS = (64, 128)
 DEFAULT_SEEDS = (0, 1)
 # --quick: these x WORTSMAN_LRS x the smallest width x one seed.

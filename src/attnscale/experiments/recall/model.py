@@ -86,9 +86,13 @@ class RecallNet(nn.Module):
         """Loss on ``batch`` of shape (B,), embedding and projecting every token."""
         nk = self.config.n_keys
         x = (self.embed(batch.keys) + self.embed(nk + batch.values)) * PAIR_NORM  # (B, P, d_model)
-        q = self.w_q(self.embed(batch.query))                                   # (B, d_k)
+        x_q = self.embed(batch.query)                                           # (B, d_model)
+        q = self.w_q(x_q)                                                       # (B, d_k)
         k, v = self.w_k(x), self.w_v(x)                                         # (B, P, d_k)
-        trace = attention(q[:, None, None, :], k[:, None], v[:, None], self.mechanism, trace=True)
+        # A gating mechanism's output gate σ(x W_g) reads the query's embedding, the layer input.
+        gate = self.mechanism.gate_values(x_q[:, None, :]) if self.mechanism.gate else None
+        trace = attention(q[:, None, None, :], k[:, None], v[:, None], self.mechanism, trace=True,
+                          gate=gate)
         z, o = trace.logits[:, 0, 0], trace.out[:, 0, 0]                       # (B, P), (B, d_k)
         logits = self.readout(o)                                                # (B, n_values)
         return RecallOutput(F.cross_entropy(logits, batch.target), z, logits)
@@ -201,8 +205,27 @@ class StackedRecall(nn.Module):
         # replace gathering (B, P, n_values) readout rows, whose backward is a slow index_put.
         mass = p.new_zeros(M, B, T_r.shape[1]).scatter_add(-1, idx.tokens, p.repeat(1, 1, 2))
         logits = (mass * PAIR_NORM) @ T_r                                    # (M, B, n_values)
+        if any(mech.gate for mech in self.mechanisms):
+            logits = self._gated(logits, mass, idx)
         loss = F.cross_entropy(logits.flatten(0, 1), idx.target.flatten(), reduction="none")
         return RecallOutput(loss.view(M, B).mean(-1), z, logits)
+
+    def _gated(self, logits: Tensor, mass: Tensor, idx: BatchIndex) -> Tensor:
+        """The readout of gating models with their output gate σ(x_q W_g) (x_q the query's
+        embedding): a gate per head scales the readout logits, which are linear in the output;
+        a gate per coordinate multiplies the output itself, formed from the value table."""
+        out = list(logits.unbind(0))
+        for m, mech in enumerate(self.mechanisms):
+            if not mech.gate:
+                continue
+            x_q = self.embed[m][idx.query[m]]                                # (B, d_model)
+            g = mech.gate_values(x_q[:, None, :])[:, 0, 0, :]                # (B, 1 or d_k)
+            if g.shape[-1] == 1:
+                out[m] = g * out[m]
+            else:
+                o = (mass[m] * PAIR_NORM) @ (self.embed[m] @ self.w_v_t[m])   # (B, d_k)
+                out[m] = (g * o) @ self.readout_t[m]
+        return torch.stack(out)
 
     @torch.no_grad()
     def qk_dots(self, idx: BatchIndex) -> Tensor:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, Summary
+from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import MASKED_BIAS, Scale
 from attnscale.precision import work_dtype
-from attnscale.stats import columns, row_stats
+from attnscale.stats import columns, row_mass, row_stats
 from attnscale.workers import parallel_map, workers_for
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
@@ -36,7 +36,7 @@ class HeadStats:
     :data:`attnscale.columns.MONITOR_SUMMARIES` (a sum for a mean, the extreme for a min or a
     max), read as attributes by :attr:`~attnscale.columns.Summary.field`: ``entropy_sum``,
     ``entropy_min``, ``max_weight_sum``, ``logit_std_sum``, ``logit_absmax``,
-    ``jacobian_fro_sum``, ``logit_max``.
+    ``jacobian_fro_sum``, ``logit_max``, ``mass_sum``, ``sink_mass_sum``, ``gate_sum``.
 
     Sums rather than means, so that blocks, calls and forward passes merge exactly.
     """
@@ -56,11 +56,18 @@ class HeadStats:
         return cls(z, {s.field: torch.full_like(z, s.start) for s in MONITOR_SUMMARIES})
 
     @classmethod
-    def from_rows(cls, rows: Tensor) -> HeadStats:
+    def from_rows(cls, rows: Tensor, weights: dict[str, Tensor] | None = None) -> HeadStats:
         """Per-head totals of per-row statistics (B, H, Nq, len(ROW_STATS_COLUMNS)) of
-        :func:`attnscale.stats.row_stats`; rows whose count is 0 (no key to attend) are left out."""
+        :func:`attnscale.stats.row_stats`; rows whose count is 0 (no key to attend) are left out.
+        ``weights``: per-row (B, H, Nq) values of :data:`attnscale.columns.WEIGHT_COLUMNS`
+        (``mass``, ``sink_mass``, ``gate``); a missing one takes its softmax value
+        (:data:`~attnscale.columns.WEIGHT_DEFAULTS`)."""
         col = columns(rows)
         ok = col["count"] > 0
+        for name, default in WEIGHT_DEFAULTS.items():
+            given = (weights or {}).get(name)
+            col[name] = (torch.full_like(col["count"], default) if given is None
+                         else given.to(col["count"].device, torch.float64).expand_as(ok))
 
         def reduce(s: Summary) -> Tensor:
             x = col[s.column]
@@ -129,12 +136,30 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
 
 def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                 mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-                block: int) -> HeadStats:
-    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered)."""
+                block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
+                sink: Tensor | None = None, gate: Tensor | None = None) -> HeadStats:
+    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
+    ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
+    the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
+    (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
     parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
-                    causal_offset=causal_offset, block=block)
-    rows = [part for _, part in parts if part is not None]  # O(B H Nq) in all
-    return HeadStats.from_rows(torch.cat(rows, dim=-2)) if rows else HeadStats.zeros(q.shape[-3])
+                    causal_offset=causal_offset, block=block, offset=offset,
+                    normaliser=normaliser, sink=sink)
+    kept = [(i0, part) for i0, part in parts if part is not None]
+    if not kept:  # O(B H Nq) rows in all
+        return HeadStats.zeros(q.shape[-3])
+    weights = {}
+    if normaliser == "softmax":
+        stats = torch.cat([part for _, part in kept], dim=-2)          # (B, H, Nq', columns)
+    else:
+        stats = torch.cat([part[0] for _, part in kept], dim=-2)
+        weights["mass"] = torch.cat([part[1] for _, part in kept], dim=-1)  # (B, H, Nq')
+        if normaliser == "sink":
+            weights["sink_mass"] = 1.0 - weights["mass"]
+    if gate is not None:  # the gate's mean per query row, for the rows kept
+        per_row = gate.detach().double().mean(-1).expand(*stats.shape[:2], -1)
+        weights["gate"] = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
+    return HeadStats.from_rows(stats, weights)
 
 
 def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
@@ -153,10 +178,12 @@ def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float |
 
 
 def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
-            mask: Tensor | None, causal: bool, causal_offset: int,
-            block: int) -> list[tuple[int, Tensor | None]]:
+            mask: Tensor | None, causal: bool, causal_offset: int, block: int,
+            offset: float | Tensor = 0.0, normaliser: str = "softmax",
+            sink: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
     """``(first query, row statistics)`` of each block of ``block`` queries, in order; None for
-    a block in which no query has a key."""
+    a block in which no query has a key.  Under another normaliser than softmax the statistics
+    come as ``(rows, key mass per row)``."""
     with torch.no_grad():
         # float32 at least, like SDPA's accumulation; float64 inputs stay float64.
         work = work_dtype(q.dtype)
@@ -178,6 +205,12 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
             bias = torch.where(mask, bias, 0.0)
             if not bool(bias.any()):
                 bias = None
+        if isinstance(offset, Tensor):
+            offset = offset.detach().to(work)
+        if cap is not None and (isinstance(offset, Tensor) or offset != 0.0):
+            offset = offset / cap  # it joins the scaled logits inside tanh
+        if sink is not None:
+            sink = sink.detach().to(work)
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
@@ -187,14 +220,17 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
         blocks = parallel_map(
             lambda i0: _block_stats(q[..., i0:i0 + block, :], kt, cap,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
-                                    causal, causal_offset, i0, threads=1 if workers > 1 else None),
+                                    causal, causal_offset, i0, threads=1 if workers > 1 else None,
+                                    offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
+                                    sink=sink),
             starts, workers)
         return list(zip(starts, blocks))
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
-                 threads: int | None = None) -> Tensor | None:
+                 threads: int | None = None, offset: float | Tensor = 0.0,
+                 normaliser: str = "softmax", sink: Tensor | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
@@ -218,6 +254,8 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         return t[..., lo:hi] if t.shape[-1] == n_k else t
 
     z = q @ kt[..., lo:hi]                                   # (B, H, Nb, W), scaled logits
+    if isinstance(offset, Tensor) or offset != 0.0:
+        z = z + offset                                       # sigmoid attention's bias
     if cap is not None:
         z = z.tanh_().mul_(cap)                              # the soft-cap, before the mask
     if bias is not None:
@@ -234,4 +272,11 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     limit = None
     if causal and first_hidden < hi - lo:
         limit = torch.arange(first_hidden, first_hidden + n_b, dtype=torch.int64, device=z.device)
-    return row_stats(z, limit=limit, threads=threads)
+    if normaliser == "softmax":
+        return row_stats(z, limit=limit, threads=threads)
+    if limit is not None:  # the key mass needs the hidden keys written out
+        cols = torch.arange(hi - lo, device=z.device)
+        z = z.masked_fill(cols >= limit.view(-1, 1), -math.inf)
+    # Another normaliser: its statistics (attnscale.stats) and each row's key mass.
+    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink),
+            row_mass(z, normaliser, sink))

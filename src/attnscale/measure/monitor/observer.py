@@ -213,7 +213,8 @@ class Monitor:
         if self._watching():
             # Rows with no key to attend are excluded here; the pipeline zeroes their output.
             self._add(seen.q, seen.k, seen=seen, scale=seen.scale, cap=seen.cap, mask=seen.mask,
-                      causal=seen.causal)
+                      causal=seen.causal, offset=seen.offset,
+                      normaliser=seen.normaliser, sink=seen.sink)
 
     def _observe_sdpa(self, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -238,10 +239,16 @@ class Monitor:
         self._seen += 1
         # From the kernel that forms the logits, when the pipeline's path has one; the
         # statistics then arrive once the call's output is computed.
-        if seen is not None and seen.request_rows(
-                lambda rows: self._merge(site, HeadStats.from_rows(rows))):
+        gate = None if seen is None else seen.gate  # the output gate, where there is one
+
+        def from_kernel(rows: Tensor) -> None:
+            weights = {} if gate is None else {"gate": gate.detach().double().mean(-1)}
+            self._merge(site, HeadStats.from_rows(rows, weights))
+
+        if (seen is not None and how.get("normaliser", "softmax") == "softmax"
+                and seen.request_rows(from_kernel)):
             return
-        self._merge(site, _head_stats(q, k, block=self.block, **how))
+        self._merge(site, _head_stats(q, k, block=self.block, gate=gate, **how))
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):
