@@ -283,9 +283,6 @@ def test_guard_records_count_only_attended_keys(name, causal):
                                    msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason="the guard's n_keys is the call's key count "
-                                       "(k.shape[-2]), hidden keys included, not the most keys "
-                                       "a query attends")
 def test_guard_n_keys_is_the_most_keys_a_query_attends():
     """n_keys (the n of the entropy's range [0, ln n]) when a mask hides the same keys from
     every query, as a static KV cache's unused slots are: 5 of 7 keys, not 7."""

@@ -82,6 +82,7 @@ from attnscale.measure.monitor.observer import Monitor
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
+from attnscale.pipeline import MASKED_BIAS
 
 # The keys of every record, in order (the columns of to_frame() and of the JSONL log).
 GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
@@ -140,7 +141,8 @@ class _Observer(Monitor):
                                        mask=how.get("mask"), causal=how.get("causal", False)))
         if not record:
             return
-        g._keys[site] = max(g._keys.get(site, 0), k.shape[-2])
+        g._keys[site] = max(g._keys.get(site, 0),
+                            _most_keys(q, k, how.get("mask"), how.get("causal", False)))
 
         def take(stats: HeadStats) -> None:
             self._merge(site, stats)
@@ -150,6 +152,19 @@ class _Observer(Monitor):
         if seen is not None and seen.request_rows(lambda rows: take(HeadStats.from_rows(rows))):
             return
         take(_head_stats(q, k, block=self.block, **how))
+
+
+def _most_keys(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> int:
+    """The most keys one query of this call attends (the n of the entropy's range [0, ln n]):
+    Nk, less the keys a boolean mask (True = attend) or an additive one (entries at or below
+    :data:`attnscale.pipeline.MASKED_BIAS`) hides, and top-left causality."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if mask is None:
+        return min(n_q, n_k) if causal else n_k
+    keep = mask if mask.dtype == torch.bool else mask > MASKED_BIAS
+    if causal:
+        keep = keep & torch.ones(n_q, n_k, dtype=torch.bool, device=keep.device).tril()
+    return int(keep.sum(-1).max()) if keep.numel() else 0
 
 
 class Guard:
