@@ -186,3 +186,16 @@ def test_cli_plot_output_rules(cli, guard_log, tmp_path):
     code, _, err = cli("guard", "plot", str(guard_log), str(guard_log), "--out",
                        str(tmp_path / "g.png"))
     assert code == 2 and "two logs are named" in err
+
+
+def test_trainer_raise_on_alarm_detaches_the_guard(tmp_path):
+    import torch.nn.functional as F
+
+    from attnscale.guard import GuardAlarm
+
+    sdpa = F.scaled_dot_product_attention
+    callback = TemperatureCallback(every=1, alarm_logit=0.5, on_alarm="raise")
+    with pytest.raises(GuardAlarm, match="max_logit"):
+        _trainer(make_hf("llama"), tmp_path, [callback], steps=20).train()
+    assert not callback.guard.active
+    assert F.scaled_dot_product_attention is sdpa  # the SDPA tap is gone with it

@@ -46,6 +46,7 @@ class TemperatureCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         # accelerate wraps the optimizer; its step calls the torch optimizer's, whose hook runs.
         inner = getattr(optimizer, "optimizer", optimizer)
+        self.on_train_end(args, state, control)  # a run that raised earlier left its guard on
         self.guard = guard(model, optimizer=inner, **self.options).__enter__()
         self._run_first()
 
@@ -62,7 +63,12 @@ class TemperatureCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.guard is None:
             return control
-        if self.guard.step(state.global_step):
+        try:
+            recorded = self.guard.step(state.global_step)
+        except BaseException:  # on_alarm="raise": detach before the Trainer unwinds
+            self.on_train_end(args, state, control)
+            raise
+        if recorded:
             self._pending.update(self.guard.latest)
             control.should_log = True
         if self.guard.should_stop:
@@ -79,6 +85,6 @@ class TemperatureCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.guard is not None:
+        if self.guard is not None and self.guard.active:
             self.guard.__exit__(None, None, None)
         return control

@@ -56,7 +56,7 @@ class TemperatureCallback(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.guard is not None:
+        if self.guard is not None and self.guard.active:
             self.guard.__exit__(None, None, None)
 
     def on_exception(self, trainer, pl_module, exception) -> None:

@@ -246,6 +246,11 @@ class Guard:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._detach()
 
+    @property
+    def active(self) -> bool:
+        """Whether the guard is attached (inside its ``with`` block)."""
+        return self._observer is not None
+
     def _detach(self) -> None:
         for handle in reversed(self._handles):
             handle.remove()
