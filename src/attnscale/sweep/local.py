@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing.forkserver
+from multiprocessing import resource_tracker
 import os
 import signal
 import threading
@@ -79,13 +80,24 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in the block (main thread only): a process spawned here inherits it."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+    """SIGINT blocked for a process started in the block (main thread only).
+
+    The child inherits the signal mask (multiprocessing's fork-and-exec restores the caller's),
+    so a Ctrl-C sent to the whole process group never reaches the fork server while it imports
+    (no traceback there), nor any worker forked from it.  The driver blocks it rather than
+    ignoring it, so that it loses no Ctrl-C that arrives inside the block: another of its threads
+    takes it, or it stays pending until the block ends, and either way it reaches the driver's
+    own handler (a KeyboardInterrupt); an ignored signal would be discarded.  multiprocessing's
+    resource tracker unblocks SIGINT after starting itself, so it is started before the block."""
+    if not _main_thread():
+        yield
+        return
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class _Worker:
