@@ -504,6 +504,8 @@ def layer_rows(records: list[dict]) -> list[dict]:
 def read_log(path: str | os.PathLike) -> list[dict]:
     """The records of a guard JSONL log; ConfigError naming the file and line when one is not a
     record."""
+    if not str(os.fspath(path)).strip():  # Path("") is the working folder
+        raise ConfigError("log must be a path, got an empty string.")
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"log {str(path)!r} is not a file.")
