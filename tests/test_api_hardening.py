@@ -731,7 +731,8 @@ def test_train_records_a_false_boolean_option(cli):
 # --- 6. Hugging Face: a swapped mechanism never runs on another implementation --------------
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra has it: a missing one fails, never skips
+
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)
