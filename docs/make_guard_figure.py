@@ -52,7 +52,7 @@ def main() -> None:
         run(clipped, qk_clip=TAU)
         fig = plot_guard({path.stem: read_log(path) for path in (plain, clipped)})
     fig.suptitle(f"tiny Llama, Adam lr {LR}: the guard alone and with QK-Clip (τ = {TAU:g}, "
-                 f"K2 mode); x = alarm: max logit > {ALARM:g} (left), mean entropy under a "
+                 f"K2 mode)\nx = alarm: max logit > {ALARM:g} (left), mean entropy under a "
                  "tenth of its first value (right)", fontsize=9)
     fig.tight_layout()
     # A file of the repository, not a run's output: replaced atomically, no manifest beside it.

@@ -1,7 +1,9 @@
 """Row entropies of softmax(q kᵀ) over the keys each query attends, blockwise and differentiable,
 without the (B, H, Nq, Nk) logits: the statistics pass of adaptive temperature.
 
-Forward: each block of logits is reduced around its row maximum m, H = ln Σ e^{z - m} -
+Forward: each block of float32 CPU logits goes through attnscale's compiled row kernel
+(:mod:`attnscale.kernels.rowstats`) for H, and the log-sum-exp is kept for the backward; other
+dtypes and devices reduce each block around its row maximum m, H = ln Σ e^{z - m} -
 Σ p_i (z_i - m), in the dtype of q (float32 for half inputs).  Backward, recomputing each block:
 with p = softmax(z) and
 H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
@@ -13,8 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnscale.kernels import native, rowstats
+from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
 from attnscale.workers import parallel_map, workers_for
+
+
+# The entropy's column in the row kernel's output.
+ENTROPY = ROW_STATS_COLUMNS.index("entropy")
 
 
 def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -52,6 +60,7 @@ class _RowEntropy(torch.autograd.Function):
         tiles = _Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
         workers = workers_for(q.device, len(groups))
+        native_rows = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -60,9 +69,15 @@ class _RowEntropy(torch.autograd.Function):
                                                                            lse))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                h_blk, l_blk = _entropy(z)
-                ent_blk.copy_(h_blk)
-                lse_blk.copy_(l_blk)
+                if native_rows:  # the compiled row kernel, then the log-sum-exp alone
+                    rows = rowstats.row_stats(z, threads=1 if workers > 1 else None)
+                    ent_blk.copy_(rows[..., ENTROPY:ENTROPY + 1])
+                    row_lse = torch.logsumexp(z, dim=-1, keepdim=True)
+                    lse_blk.copy_(torch.where(torch.isneginf(row_lse), 0.0, row_lse))
+                else:
+                    h_blk, l_blk = _entropy(z)
+                    ent_blk.copy_(h_blk)
+                    lse_blk.copy_(l_blk)
 
         with torch.no_grad():
             parallel_map(group, groups, workers)

@@ -158,11 +158,16 @@ def report_section_mechanisms(fig_dir: Path, *, seed: int) -> Section:
     ax2.legend(fontsize=7, ncol=2)
     save(fig, fig_dir / "figure_mechanisms_at_init.png")
     skipped = [name for name in MECHANISMS if name not in at_init]
+    # An output gate (gated) is a weight of its own, W_g, not a temperature in W_Q and W_K.
+    in_weights = [name for name in skipped if not MECHANISMS[name].gate]
+    gated = [name for name in skipped if MECHANISMS[name].gate]
 
     md = (f"Each mechanism defined at init is applied to N(0, I) queries and keys (n = {ESSAY_N}, "
           f"{MECHANISM_TRIALS} trials per d_k) with its default options. Not shown: "
-          f"{', '.join(skipped)}, whose temperature lives in the weights of W_Q and W_K rather "
-          "than in a rule on q and k.")
+          f"{', '.join(in_weights)}, whose temperature lives in the weights of W_Q and W_K rather "
+          "than in a rule on q and k"
+          + (f"; {', '.join(gated)}, whose output gate σ(x W_g) needs a layer's own input and "
+             "weights" if gated else "") + ".")
     return Section(
         name="Saturation at init, every mechanism",
         rows=[dict(r, experiment="saturation_by_mechanism") for r in mech_rows],
