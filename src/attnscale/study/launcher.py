@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnscale.errors import ConfigError, split_key_value
+from attnscale.errors import ConfigError, check_int, split_key_value
 from attnscale.io import atomic_write, check_output_path, folder_marks, mark_folder
 from attnscale.study.fragment import fragment_files, write_fragment
 from attnscale.study.registry import STUDIES
@@ -232,10 +232,14 @@ def settings(study: Study, *, quick: bool = False, axes: Mapping[str, Sequence] 
 
 
 def check_executor(workers: int | None, ray: str | None) -> None:
-    """``workers`` and ``ray`` before anything is written: the engine's rules
-    (:func:`attnscale.sweep.engine.check_executor`), in the CLI's words."""
-    from attnscale.sweep.engine import check_executor as check
-    check(workers, ray, workers_param="--workers", ray_param="--ray")
+    """``workers`` and ``ray`` before anything is written (the engine's own rules)."""
+    if workers is not None:
+        check_int("--workers", workers, minimum=1)
+        if ray is not None:
+            raise ConfigError("--workers applies to the local executor; with --ray, each trial "
+                              "takes its share of the cluster.")
+    if ray is not None and (not isinstance(ray, str) or not ray.strip()):
+        raise ConfigError(f"--ray must be an address, 'local' or 'auto', got {ray!r}.")
 
 
 # --- run, resume, redraw ----------------------------------------------------------------------

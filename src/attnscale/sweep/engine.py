@@ -185,35 +185,26 @@ def _connected(executor: dict) -> Iterator[None]:
         yield
 
 
-def check_executor(workers: object, ray_address: object, *, workers_param: str = "workers",
-                   ray_param: str = "ray_address") -> None:
-    """The local executor's ``workers`` (>= 1) or Ray's ``ray_address`` (an address, 'local' or
-    'auto'), not both; ``*_param`` name them in the error (the CLI's ``--workers``, ``--ray``)."""
-    if workers is not None:
-        check_int(workers_param, workers, minimum=1)
-        if ray_address is not None:
-            raise ConfigError(f"{workers_param} applies to the local executor; with {ray_param}, "
-                              "each trial takes its share of the cluster.")
-    if ray_address is not None and (not isinstance(ray_address, str) or not ray_address.strip()):
-        raise ConfigError(f"{ray_param} must be an address, 'local' or 'auto', "
-                          f"got {ray_address!r}.")
-
-
 def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
               gpus_per_trial) -> dict:
     """Check the executor options; return how to run tasks."""
     gpus = check_float("gpus_per_trial", gpus_per_trial)
     if gpus < 0:
         raise ConfigError(f"gpus_per_trial must be >= 0, got {gpus_per_trial!r}.")
-    check_executor(workers, ray_address)
     if ray_address is None:
         if gpus:
             raise ConfigError("gpus_per_trial needs the Ray executor (ray_address / --ray).")
         if cpus_per_trial is not None:
             raise ConfigError("cpus_per_trial applies to the Ray executor; locally, --workers "
                               "sets the processes and each gets cores / workers threads.")
-        workers = cpu_count() if workers is None else workers
+        workers = cpu_count() if workers is None else check_int("workers", workers, minimum=1)
         return {"kind": "local", "workers": workers, "threads": threads_per_worker(workers)}
+    if workers is not None:
+        raise ConfigError("workers applies to the local executor; with Ray, cpus_per_trial "
+                          "sets each trial's share of the cluster.")
+    if not isinstance(ray_address, str) or not ray_address:
+        raise ConfigError(f"ray_address must be an address, 'local' or 'auto', "
+                          f"got {ray_address!r}.")
     cpus = exp.threads or 1 if cpus_per_trial is None else \
         check_float("cpus_per_trial", cpus_per_trial, positive=True)
     from attnscale.sweep.ray_exec import import_ray
