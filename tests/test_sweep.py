@@ -22,7 +22,7 @@ from attnscale.errors import ConfigError
 from attnscale.io import LOCK, MANIFEST
 from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
-from attnscale.workers import threads_per_worker
+from attnscale.sweep.local import threads_per_worker
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 from attnscale.sweep.trial import Task, canonical_json, run_trial, trial_id
 

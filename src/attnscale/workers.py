@@ -47,19 +47,6 @@ FORKSERVER_PRELOAD = ("__main__", "attnscale.sweep", "attnscale.report.reproduce
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def cpu_count() -> int:
-    """Cores this process may run on (the affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def threads_per_worker(workers: int) -> int:
-    """torch threads per worker process so that workers x threads <= cores (at least 1)."""
-    return max(1, cpu_count() // workers)
-
-
 def worker_pool(workers: int) -> ThreadPoolExecutor:
     """A process-wide pool of ``workers`` threads (one per size), each running torch ops on one
     intra-op thread.

@@ -22,6 +22,7 @@ in list order is raised.
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import signal
 import threading
@@ -33,7 +34,7 @@ import torch
 
 from attnscale.errors import check_int
 from attnscale.report.model import Section
-from attnscale.workers import die_with_parent, process_context, threads_per_worker
+from attnscale.workers import die_with_parent, process_context
 
 SectionFn = Callable[[Path], Section]  # receives the folder for its figures
 # Seconds an idle worker gets to exit when asked, before it is terminated.
@@ -68,7 +69,7 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
     clean = False
     try:  # everything started inside: Ctrl-C at any point stops what has started
         for _ in range(n_workers):
-            pool.append(_Worker(fig_dir, threads_per_worker(workers)))
+            pool.append(_Worker(fig_dir, _threads(workers)))
             feeders.append(threading.Thread(target=pool[-1].feed, daemon=True,
                                             args=(fns, take, results, errors),
                                             name="attnscale-report-feeder"))
@@ -92,6 +93,15 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
     if errors:
         raise errors[min(errors)]
     return results  # type: ignore[return-value]
+
+
+def _threads(workers: int) -> int:
+    """Intra-op threads of one worker: its share of the cores, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
 
 
 def _picklable(fn: SectionFn) -> bool:

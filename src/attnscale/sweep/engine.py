@@ -33,8 +33,7 @@ from attnscale.io import owned, sigterm_as_exit
 from attnscale.progress import progress
 from attnscale.experiments import registry
 from attnscale.sweep.grid import SweepSpec, check_grid, check_pins, differences, extended
-from attnscale.sweep.local import run_local
-from attnscale.workers import cpu_count, threads_per_worker
+from attnscale.sweep.local import cpu_count, run_local, threads_per_worker
 from attnscale.sweep.results import SweepResults, load
 from attnscale.sweep.store import Store
 from attnscale.sweep.trial import Task, Trial

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing.forkserver
+import os
 import signal
 import threading
 import time
@@ -35,6 +36,18 @@ from attnscale.workers import process_context as _context
 # Seconds a stopping worker gets to exit after SIGTERM before it is killed.
 STOP_GRACE = 5.0
 
+
+def cpu_count() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """torch threads per worker so that workers x threads <= cores (at least 1)."""
+    return max(1, cpu_count() // workers)
 
 
 
