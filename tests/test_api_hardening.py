@@ -367,27 +367,15 @@ def text_dir(tmp_path, monkeypatch) -> Path:
 def test_lm_logit_records_count_only_the_causal_keys(text_dir, name):
     """The LM's step-0 records (max |logit|, min and mean over heads of the mean entropy) in
     layer 0 equal the reference over each query's causal prefix, from the same init and batch."""
-    from attnscale.experiments.lm.data import load_corpus, sample_batch
-    from attnscale.experiments.lm.model import apply_rope, build_lm
+    from lm_reference import first_layer_qk
+
     from attnscale.experiments.lm.train import LMRunConfig, train_lm
-    from attnscale.rng import rng
     config = LMRunConfig(d_model=16, n_layers=1, n_heads=2, seq_len=12, batch_size=2, steps=1,
                        eval_windows=2, monitor_every=1, data=str(text_dir), mechanism=name)
     record = train_lm(config)
-    model = build_lm(config.model_config(), seed=config.seed)
-    x, _ = sample_batch(load_corpus(text_dir).train, config.batch_size, config.seq_len,
-                        rng(config.seed, "lm-batches"))
-    block = model.blocks[0]
+    block, q, k = first_layer_qk(config, text_dir)
+    b, _, n, _ = q.shape
     with torch.no_grad():
-        h = block.ln_attn(model.embed(x))                                   # (B, N, d)
-        b, n, d = h.shape
-
-        def heads(t):
-            return t.view(b, n, 2, d // 2).transpose(1, 2)                  # (B, H, N, d_head)
-
-        cos, sin = model.rope_cos[:n], model.rope_sin[:n]
-        q = apply_rope(heads(block.attn.w_q(h)), cos, sin)
-        k = apply_rope(heads(block.attn.w_k(h)), cos, sin)
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         z = block.attn.mechanism.logits(q, k, causal.sum(-1, keepdim=True), mask=causal)
     want = reference_heads(z, causal.expand(b, 2, n, n), block.attn.mechanism)
@@ -731,7 +719,8 @@ def test_train_records_a_false_boolean_option(cli):
 # --- 6. Hugging Face: a swapped mechanism never runs on another implementation --------------
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra has it: a missing one fails, never skips
+
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)

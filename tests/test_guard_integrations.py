@@ -183,6 +183,8 @@ def test_cli_plot_output_rules(cli, guard_log, tmp_path):
     assert theirs.read_bytes() == b"user data"
     code, _, err = cli("guard", "plot", str(guard_log), "--out", "")
     assert code == 2 and "must be a path" in err
+    code, _, err = cli("guard", "plot", "", "--out", str(tmp_path / "g.png"))
+    assert code == 2 and "log must be a path" in err and len(err.strip().splitlines()) == 1
     code, _, err = cli("guard", "plot", str(guard_log), str(guard_log), "--out",
                        str(tmp_path / "g.png"))
     assert code == 2 and "two logs are named" in err

@@ -246,25 +246,12 @@ def test_schedule():
 def test_trace_logit_max_is_what_enters_the_softmax(text_dir, mechanism):
     """Step 0's max |attention logit| in layer 0, recomputed by hand from the same init and batch:
     embed, LayerNorm, W_Q / W_K, RoPE, then the mechanism's logits over the causal keys."""
-    from attnscale.experiments.lm.data import load_corpus, sample_batch
-    from attnscale.experiments.lm.model import apply_rope
-    from attnscale.rng import rng
+    from lm_reference import first_layer_qk
     config = tiny(text_dir, steps=1, monitor_every=1, mechanism=mechanism)
     r = train_lm(config)
-    model = build_lm(config.model_config(), seed=config.seed)
-    x, _ = sample_batch(load_corpus(text_dir).train, config.batch_size, config.seq_len,
-                        rng(config.seed, "lm-batches"))
-    block = model.blocks[0]
+    block, q, k = first_layer_qk(config, text_dir)
+    n = q.shape[-2]
     with torch.no_grad():
-        h = block.ln_attn(model.embed(x))                                   # (B, N, d)
-        b, n, d = h.shape
-
-        def heads(t):
-            return t.view(b, n, 2, d // 2).transpose(1, 2)                  # (B, H, N, d_head)
-
-        cos, sin = model.rope_cos[:n], model.rope_sin[:n]
-        q = apply_rope(heads(block.attn.w_q(h)), cos, sin)
-        k = apply_rope(heads(block.attn.w_k(h)), cos, sin)
         z = block.attn.mechanism.logits(q, k, torch.arange(1, n + 1).unsqueeze(-1))
         z = z.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), 0.0)
     assert r["trace"][0]["attn_logit_max"][0] == pytest.approx(float(z.abs().max()), rel=1e-5)

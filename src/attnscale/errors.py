@@ -113,6 +113,13 @@ def check_int_list(param: str, values: object, minimum: int | None = None) -> li
     return check_unique(param, out)
 
 
+def check_int_or_list(param: str, values: object, minimum: int | None = None) -> list[int]:
+    """An int or a non-empty list of distinct ints (as :func:`check_int_list`), as a list."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        return [check_int(param, values, minimum)]
+    return check_int_list(param, values, minimum)
+
+
 def check_unique(param: str, values: Sequence) -> list:
     """Require every entry of a list to be distinct: a repeated entry would merge two requests
     into one statistic (or count one run twice), so it is an error, never deduplicated."""

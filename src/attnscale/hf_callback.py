@@ -26,28 +26,21 @@ import gc
 
 from transformers import TrainerCallback
 
-from attnscale.guard import Guard, guard
+from attnscale.guard.core import GuardCallback
 
 
-class TemperatureCallback(TrainerCallback):
+class TemperatureCallback(GuardCallback, TrainerCallback):
     """A ``transformers.TrainerCallback`` running :func:`attnscale.guard` over the training loop;
     keyword options as :func:`attnscale.guard` (``every``, ``log``, ``writer``, ``qk_clip``,
     ``alpha``, ``strict``, the alarms, ``on_alarm``...)."""
 
     def __init__(self, **options):
-        for name in ("model", "optimizer"):
-            if name in options:
-                raise TypeError(f"TemperatureCallback finds the {name} itself; do not pass "
-                                f"{name}=.")
-        self.options = options
-        self.guard: Guard | None = None
+        super().__init__(**options)
         self._pending: dict[str, float] = {}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        # accelerate wraps the optimizer; its step calls the torch optimizer's, whose hook runs.
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self.on_train_end(args, state, control)  # a run that raised earlier left its guard on
-        self.guard = guard(model, optimizer=inner, **self.options).__enter__()
+        self._leave()  # a run that raised earlier left its guard on
+        self._enter(model, optimizer)
         self._run_first()
 
     def _run_first(self) -> None:
@@ -85,6 +78,5 @@ class TemperatureCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.guard is not None and self.guard.active:
-            self.guard.__exit__(None, None, None)
+        self._leave()
         return control

@@ -24,26 +24,20 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("attnscale.lightning needs Lightning: pip install 'attnscale[lightning]'"
                       ) from err
 
-from attnscale.guard import Guard, guard
+from attnscale.guard.core import GuardCallback
 
 
-class TemperatureCallback(Callback):
+class TemperatureCallback(GuardCallback, Callback):
     """A Lightning ``Callback`` running :func:`attnscale.guard` over ``trainer.fit``."""
 
     def __init__(self, **options):
-        for name in ("model", "optimizer"):
-            if name in options:
-                raise TypeError(f"TemperatureCallback finds the {name} itself; do not pass "
-                                f"{name}=.")
-        self.options = options
-        self.guard: Guard | None = None
+        super().__init__(**options)
         self._last_step: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if optimizers else None
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps it
-        self.guard = guard(pl_module, optimizer=optimizer, **self.options).__enter__()
+        self._enter(pl_module, optimizer)
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -56,8 +50,7 @@ class TemperatureCallback(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.guard is not None and self.guard.active:
-            self.guard.__exit__(None, None, None)
+        self._leave()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.on_train_end(trainer, pl_module)

@@ -504,6 +504,8 @@ def layer_rows(records: list[dict]) -> list[dict]:
 def read_log(path: str | os.PathLike) -> list[dict]:
     """The records of a guard JSONL log; ConfigError naming the file and line when one is not a
     record."""
+    if not str(os.fspath(path)).strip():  # Path("") is the working folder
+        raise ConfigError("log must be a path, got an empty string.")
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"log {str(path)!r} is not a file.")
@@ -572,3 +574,29 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
                  alarm_entropy_floor=alarm_entropy_floor,
                  alarm_entropy_fraction=alarm_entropy_fraction, on_alarm=on_alarm, block=block,
                  force=force)
+
+
+class GuardCallback:
+    """What every training-loop callback over :func:`guard` shares: the options (those of
+    :func:`guard`; the loop supplies the model and the optimizer, so passing either is a
+    TypeError), entering the guard when training starts and leaving it when training ends."""
+
+    def __init__(self, **options):
+        for name in ("model", "optimizer"):
+            if name in options:
+                raise TypeError(f"{type(self).__name__} finds the {name} itself; do not pass "
+                                f"{name}=.")
+        self.options = options
+        self.guard: Guard | None = None
+
+    def _enter(self, model: nn.Module, optimizer) -> None:
+        """Enter a guard on ``model``; ``optimizer`` may be a trainer's wrapper (accelerate's,
+        Lightning's), whose step calls the torch optimizer's, where the clip hook runs."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.guard = guard(model, optimizer=inner, **self.options).__enter__()
+
+    def _leave(self) -> None:
+        """Leave the guard, if one is active (idempotent: training's end and an exception may
+        both call it)."""
+        if self.guard is not None and self.guard.active:
+            self.guard.__exit__(None, None, None)

@@ -25,7 +25,8 @@ from attnscale.attention import MultiHeadAttention
 from attnscale.errors import (
     check_choice, check_float, check_int, check_int_list, check_name_list, check_unique,
 )
-from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_memory, check_time
+from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_time
+from attnscale.memory import check_memory
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
 from attnscale.rng import cell_seed, rng

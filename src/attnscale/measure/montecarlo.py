@@ -30,14 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from attnscale.columns import MEAN_STATS, named
 from attnscale.constants import Z95
 from attnscale.errors import (
-    ConfigError, check_int, check_int_list, check_name_list,
+    ConfigError, check_int, check_int_list, check_int_or_list, check_name_list,
 )
 from attnscale.memory import check_memory
 from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
@@ -178,7 +178,7 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
         s[1] += float(torch.linalg.vecdot(v, v))
 
 
-def _summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
+def summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
     """Mean and standard error of the mean from accumulated sums."""
     out = {}
     for key in SATURATION_STATS:
@@ -213,13 +213,6 @@ def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]
                 f"weights of W_Q and W_K, not in a rule on q and k. Mechanisms defined at init: "
                 f"{', '.join(at_init)}.")
     return names
-
-
-def _int_list(param: str, values: object, minimum: int) -> list[int]:
-    """An int or a list of distinct ints, as a list."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        return [check_int(param, values, minimum)]
-    return check_int_list(param, values, minimum)
 
 
 def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) -> dict:
@@ -262,7 +255,7 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     row are averaged over ``trials``.  ``n`` is one key count or a list of them, as ``d_ks`` is a
     list of head sizes.  Mechanisms whose logits are a constant times ``q.k`` use the chi-square
     shortcut; every other mechanism defined at init applies its own ``logits`` to queries and
-    keys in a rotated frame (:func:`_frame_qk`), or sampled directly when its rule is not rotation
+    keys in a rotated frame (:func:`frame_qk`), or sampled directly when its rule is not rotation
     invariant.  Mechanisms sampled the same way share samples (common random numbers), so their
     differences are measured with less noise than their levels.
 
@@ -272,7 +265,7 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     is a request whose working set would not fit in memory; a progress bar counts the trials.
     """
     d_ks = check_int_list("d_ks", d_ks, minimum=1)
-    ns = _int_list("n", n, minimum=1)
+    ns = check_int_or_list("n", n, minimum=1)
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     mechanisms = check_mechanisms(mechanisms)
@@ -296,11 +289,11 @@ def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[
         if how == "chi2-shortcut":
             _shortcut_stats(acc, group, d_k, n, trials, gen, advance)
         else:
-            sample = (functools.partial(_frame_qk, scratch={}) if how == "rotation-frame"
+            sample = (functools.partial(frame_qk, scratch={}) if how == "rotation-frame"
                       else _direct_qk)
-            _module_stats(acc, group, sample, d_k, n, trials, gen, advance)
+            module_stats(acc, group, sample, d_k, n, trials, gen, advance)
     return [{"mechanism": name, "d_k": d_k, "n": n, "trials": trials, "seed": seed,
-             "method": method[name], **_summarise(acc[name], trials)} for name in mechanisms]
+             "method": method[name], **summarise(acc[name], trials)} for name in mechanisms]
 
 
 def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trials: int,
@@ -315,7 +308,7 @@ def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trial
         advance(size)
 
 
-def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: int,
+def module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: int,
                   gen: torch.Generator, advance=lambda k: None, on_logits=None) -> None:
     """Accumulate statistics of each module's ``logits`` on q, k drawn by ``sample`` in chunks;
     ``on_logits(name, z)``, when given, also sees every chunk's logits."""
@@ -330,7 +323,7 @@ def _module_stats(acc: dict, modules: dict, sample, d_k: int, n: int, trials: in
         advance(size)
 
 
-def _frame_qk(d_k: int, n: int, trials: int, gen: torch.Generator, *,
+def frame_qk(d_k: int, n: int, trials: int, gen: torch.Generator, *,
               scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys in a rotated frame, exact in distribution for rotation-invariant rules.
 
@@ -384,9 +377,9 @@ def saturation_direct(d_k: int, n: int, trials: int, seed: int,
     check_time(f"trials={trials}", trials * n * d_k * SECONDS_PER_KEY_COORDINATE)
     acc: dict[str, dict[str, list[float]]] = {name: {}}
     with num_threads(MONTE_CARLO_THREADS):
-        _module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
+        module_stats(acc, {name: build_mechanism(name, d_k, 1)}, _direct_qk, d_k, n, trials,
                       rng(seed, "saturation-reference", d_k, n))
-    return _summarise(acc[name], trials)
+    return summarise(acc[name], trials)
 
 
 # ---------------------------------------------------------------------------------------------

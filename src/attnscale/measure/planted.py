@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
-from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.errors import ConfigError, check_float, check_int, check_int_or_list
 from attnscale.measure.montecarlo import (
-    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, check_mechanisms, _frame_qk, _int_list,
-    _module_stats, _summarise, check_memory,
+    BYTES_PER_KEY_COORDINATE, DIRECT_CHUNK_ELEMENTS, check_mechanisms, frame_qk, module_stats,
+    summarise,
 )
+from attnscale.memory import check_memory
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
@@ -42,8 +43,8 @@ def planted_frame_qk(d_k: int, n: int, trials: int, margin: float, gen: torch.Ge
                      scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated-frame queries (T, 1, 1, d_k) and keys (T, 1, n, d_k), float32, with key 0 planted
     so that ``q.k_0 = margin * sqrt(d_k)`` (see the module doc); ``scratch`` as in
-    :func:`attnscale.measure.montecarlo._frame_qk`."""
-    q, k = _frame_qk(d_k, n, trials, gen, scratch=scratch)
+    :func:`attnscale.measure.montecarlo.frame_qk`."""
+    q, k = frame_qk(d_k, n, trials, gen, scratch=scratch)
     # q = |q| e_1, so the raw dot product is |q| times key 0's first coordinate.
     k[:, 0, 0, 0] = margin * math.sqrt(d_k) / q[:, 0, 0, 0]
     return q, k
@@ -67,7 +68,7 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
     rotation-invariant mechanisms defined at init are accepted (the frame is exact for them); a
     repeated entry, or a request too large for memory, is a ConfigError.
     """
-    ns = _int_list("n", ns, minimum=2)
+    ns = check_int_or_list("n", ns, minimum=2)
     d_k = check_int("d_k", d_k, minimum=2)
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
@@ -89,7 +90,7 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
             acc: dict[str, dict] = {name: {} for name in names}
             weights: dict[str, list[torch.Tensor]] = {name: [] for name in names}
             scratch: dict = {}
-            _module_stats(acc, modules,
+            module_stats(acc, modules,
                           lambda d, n_, t, g: planted_frame_qk(d, n_, t, margin, g,
                                                                scratch=scratch),
                           d_k, n, trials, rng(seed, "planted", d_k, n), advance=bar.update,
@@ -99,5 +100,5 @@ def planted_key(ns: int | Sequence[int], d_k: int = 64, trials: int = 200, seed:
                 mean, se = mean_se(torch.cat(weights[name]))
                 rows.append({"mechanism": name, "d_k": d_k, "n": n, "trials": trials,
                              "seed": seed, "margin": margin, "planted_weight_mean": mean,
-                             "planted_weight_se": se, **_summarise(acc[name], trials)})
+                             "planted_weight_se": se, **summarise(acc[name], trials)})
     return rows

@@ -42,10 +42,6 @@ def _by_mechanism(records: Sequence[dict], mechanism: str) -> list[dict]:
                   key=lambda r: r["config"]["seed"])
 
 
-def _spread(values) -> dict:
-    return spread(values)
-
-
 def recall_rows(records: Sequence[dict]) -> list[dict]:
     """One row per (mechanism, pairs): accuracy, entropy and max weight over seeds (mean, std,
     min, max, n), and ln(pairs), entropy's ceiling."""
@@ -56,7 +52,7 @@ def recall_rows(records: Sequence[dict]) -> list[dict]:
             row = {"mechanism": mech, "pairs": n, "log_pairs": math.log(n),
                    "train_pairs": runs[0]["config"]["pairs"], "seeds": len(runs)}
             for stat in ("accuracy", "entropy", "max_weight"):
-                row[stat] = _spread([r["result"][stat][i] for r in runs])
+                row[stat] = spread([r["result"][stat][i] for r in runs])
             rows.append(row)
     return rows
 
@@ -70,7 +66,7 @@ def lm_rows(records: Sequence[dict]) -> list[dict]:
         for i, n in enumerate(runs[0]["result"]["lengths"]):
             rows.append({"mechanism": mech, "context": n, "train_context":
                          runs[0]["config"]["seq_len"], "seeds": len(runs),
-                         "loss": _spread([r["result"]["loss_at_length"][i] for r in runs])})
+                         "loss": spread([r["result"]["loss_at_length"][i] for r in runs])})
     return rows
 
 
@@ -89,7 +85,7 @@ def yarn_rows(records: Sequence[dict]) -> list[dict]:
                      "loss_at_fit": [y["fit"]["y"] for _, y in per_seed],
                      "loss_at_1": [y["loss"][y["m"].index(1.0)] if 1.0 in y["m"] else None
                                    for _, y in per_seed],
-                     "fit": _spread(fits)})
+                     "fit": spread(fits)})
     return rows
 
 
@@ -103,7 +99,7 @@ def yarn_slope(records: Sequence[dict]) -> dict | None:
         if len(fits) >= 2:
             per_seed.append(float(np.polyfit(*zip(*fits), 1)[0]))
             span = max(x for x, _ in fits) - min(x for x, _ in fits)
-    return {"per_seed": per_seed, "span": span, **_spread(per_seed)} if per_seed else None
+    return {"per_seed": per_seed, "span": span, **spread(per_seed)} if per_seed else None
 
 
 _interval = claim_rules.interval
@@ -371,8 +367,8 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
                       "| s | context | fitted √(1/t) | 0.1·ln s + 1 | loss at fit | loss at 1 "
                       "| plain RoPE |", "|---|---|---|---|---|---|---|"]
             for r in yrows:
-                at_fit = _spread(r["loss_at_fit"])
-                at_1 = _spread([v for v in r["loss_at_1"] if v is not None])
+                at_fit = spread(r["loss_at_fit"])
+                at_1 = spread([v for v in r["loss_at_1"] if v is not None])
                 plain = cell.get(("scaled", r["context"]))
                 lines.append(f"| {r['factor']} | {r['context']} | {_text(r['fit'])} | "
                              f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} | "

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from attnscale.experiments.recall import RecallConfig
 from attnscale.experiments.recall import metrics
@@ -29,7 +30,8 @@ from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.plotting import new_figure, save
 from attnscale.report import Measurement, Section
 from attnscale.report.claims import essay
-from attnscale.study.seeds import spread, standard_error
+from attnscale.stats import mean_se
+from attnscale.study.seeds import finite, spread
 from attnscale.study.spec import Trials
 from attnscale.styles import style
 
@@ -42,11 +44,12 @@ DEMO_MECHANISMS = ("scaled", "unscaled", "init-reparam")
 def _over_seeds(values: list[float | None], fmt: str = "{:.3g}") -> Measurement | None:
     """Mean over seeds with the standard error of the mean and the per-seed values in the note;
     None (no measurement) when no seed has a value, e.g. a milestone no run reached."""
-    s = spread(values)
+    got = finite(values)
     shown = ", ".join("never" if v is None else fmt.format(v) for v in values)
-    if s["mean"] is None:
+    if not got:
         return None
-    return Measurement(s["mean"], se=standard_error(s), note=f"seeds: {shown}")
+    mean, se = mean_se(torch.tensor(got))
+    return Measurement(mean, se=se if len(got) > 1 else None, note=f"seeds: {shown}")
 
 
 def _mid_plateaus(run: RunResult) -> list[dict]:

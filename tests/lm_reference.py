@@ -1,0 +1,32 @@
+"""The small LM's first-layer queries and keys at init, recomputed by hand for the tests that
+check the LM's step-0 records: embed, LayerNorm, W_Q / W_K, then RoPE, on the batch the run draws
+first."""
+
+from __future__ import annotations
+
+import torch
+
+from attnscale.experiments.lm.data import load_corpus, sample_batch
+from attnscale.experiments.lm.model import apply_rope, build_lm
+from attnscale.rng import rng
+
+
+def first_layer_qk(config, text_dir):
+    """``(block, q, k)``: layer 0 of the LM ``config`` builds at its seed, and its RoPE'd
+    queries and keys (B, H, N, d_head) on the run's first training batch, without gradients."""
+    model = build_lm(config.model_config(), seed=config.seed)
+    x, _ = sample_batch(load_corpus(text_dir).train, config.batch_size, config.seq_len,
+                        rng(config.seed, "lm-batches"))
+    block = model.blocks[0]
+    with torch.no_grad():
+        h = block.ln_attn(model.embed(x))                                   # (B, N, d)
+        b, n, d = h.shape
+        heads = config.n_heads
+
+        def split(t):
+            return t.view(b, n, heads, d // heads).transpose(1, 2)          # (B, H, N, d_head)
+
+        cos, sin = model.rope_cos[:n], model.rope_sin[:n]
+        q = apply_rope(split(block.attn.w_q(h)), cos, sin)
+        k = apply_rope(split(block.attn.w_k(h)), cos, sin)
+    return block, q, k
