@@ -9,17 +9,30 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 
 class ConfigError(ValueError):
     """Bad user input (an API argument or a CLI option)."""
 
 
+T = TypeVar("T")
+
+
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """Return ``" Did you mean: x?"`` for the closest choice, or ``""`` when none is close."""
     close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
     return f" Did you mean: {close[0]}?" if close else ""
+
+
+def lookup(table: Mapping[str, T], name: str, kind: str, plural: str) -> T:
+    """``table[name]``; an unknown name is a :class:`ConfigError` that suggests the closest entry
+    and lists them all: "Unknown {kind} 'x'. Did you mean: y? {plural}: a, b."."""
+    if name not in table:
+        raise ConfigError(f"Unknown {kind} {name!r}.{did_you_mean(name, table)} "
+                          f"{plural}: {', '.join(table)}.")
+    return table[name]
 
 
 def check_choice(param: str, value: str, choices: Sequence[str], what: str | None = None) -> str:

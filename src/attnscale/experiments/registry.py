@@ -50,7 +50,7 @@ from typing import Any
 
 from pathlib import Path
 
-from attnscale.errors import ConfigError, did_you_mean, parse_json
+from attnscale.errors import ConfigError, did_you_mean, lookup, parse_json
 
 # Parameter types a grid may hold; dict is a JSON object (a mechanism's options).
 PARAM_TYPES = (int, float, str, bool, dict)
@@ -228,10 +228,7 @@ def experiment(name: str, *, params: Mapping[str, Param] | None = None,
 
 def get(name: str) -> Experiment:
     """The experiment registered as ``name``; unknown names get a "did you mean"."""
-    if name not in EXPERIMENTS:
-        raise ConfigError(f"Unknown experiment {name!r}.{did_you_mean(name, EXPERIMENTS)} "
-                          f"Experiments: {', '.join(EXPERIMENTS)}.")
-    return EXPERIMENTS[name]
+    return lookup(EXPERIMENTS, name, "experiment", "Experiments")
 
 
 def _param(annotation: Any, default: Any, where: str) -> Param:

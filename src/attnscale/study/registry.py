@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnscale.errors import ConfigError, did_you_mean
+from attnscale.errors import lookup
 from attnscale.study.spec import Study
 
 STUDIES: dict[str, Study] = {}
@@ -28,7 +28,4 @@ def register(study: Study) -> Study:
 
 def get(name: str) -> Study:
     """The study registered as ``name``; an unknown name gets a "did you mean"."""
-    if name not in STUDIES:
-        raise ConfigError(f"Unknown study {name!r}.{did_you_mean(name, STUDIES)} "
-                          f"Studies: {', '.join(STUDIES)}.")
-    return STUDIES[name]
+    return lookup(STUDIES, name, "study", "Studies")
