@@ -96,7 +96,7 @@ from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
 from attnscale.kernels.softcap import capped_attention, forms_logits
 from attnscale.precision import upcast
-from attnscale.stats import row_stats
+from attnscale.stats import NORMALISERS, check_normaliser, row_stats
 
 # Scale: a Python float (passed straight to SDPA), or a tensor broadcastable to (B, H, Nq, 1):
 # one value per head (H, 1, 1), or per query row when it depends on the keys attended (ssmax).
@@ -105,8 +105,6 @@ Scale = float | Tensor
 # float dtype for any sane logit z, and HF (finfo.min), PyTorch (-inf) and BERT-era code (-1e4)
 # all use values at or below it.  Finite entries above it are biases that belong to the logits.
 MASKED_BIAS = -1e4
-# The normalisers a mechanism can name (see the module doc).
-NORMALISERS = ("softmax", "sink", "sigmoid")
 
 
 class Rule(Protocol):
@@ -375,9 +373,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if _declares(mechanism, "acts_on_values", False):
         v = mechanism.prepare_values(v)                                    # values
     cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
-    if normaliser not in NORMALISERS:
-        raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got "
-                          f"{normaliser!r}.")
+    check_normaliser(normaliser)
     sink = mechanism.sink_logits() if normaliser == "sink" else None
     how = _How(scale, cap, offset, normaliser, sink)
     if torch.compiler.is_compiling():

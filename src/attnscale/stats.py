@@ -59,7 +59,7 @@ __all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "entropy", 
            "mean_se_from_sums", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats",
            "std_ci", "std_se", "t975"]
 
-# The normalisers the statistics are defined for (attnscale.pipeline.NORMALISERS names the same).
+# The normalisers a mechanism can name, and the statistics are defined for (the pipeline reads it).
 NORMALISERS = ("softmax", "sink", "sigmoid")
 
 
@@ -211,11 +211,12 @@ def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None)
         lse = torch.logsumexp(z, dim=-1)                          # -inf for a row without keys
         b = _sink_column(z, sink)[..., 0]
         return torch.sigmoid(lse - b).double()                    # e^lse / (e^lse + e^b)
-    _check_normaliser(normaliser)
+    check_normaliser(normaliser)
     return _special_rows(zmax, torch.ones_like(zmax)).double()
 
 
-def _check_normaliser(normaliser: str) -> None:
+def check_normaliser(normaliser: str) -> None:
+    """ConfigError unless ``normaliser`` is one of :data:`NORMALISERS`."""
     if normaliser not in NORMALISERS:
         raise ConfigError(f"normaliser must be one of {', '.join(NORMALISERS)}, got "
                           f"{normaliser!r}.")
@@ -257,7 +258,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
     formulation, which is differentiable.  The two agree to float32 rounding.
     """
     z = _logits(z)
-    _check_normaliser(normaliser)
+    check_normaliser(normaliser)
     if limit is not None:
         if not isinstance(limit, Tensor) or limit.dtype != torch.int64 or limit.numel() < 1:
             raise ConfigError(f"limit must be a non-empty int64 tensor, got {limit!r}.")
