@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "attnscale.cli.train",
     "attnscale.cli.compare",
     "attnscale.cli.study",
+    "attnscale.cli.results",
     "attnscale.cli.monitor",
     "attnscale.cli.sweep",
     "attnscale.cli.lm",

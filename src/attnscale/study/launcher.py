@@ -55,12 +55,15 @@ class Outcome:
 # --- the folder -------------------------------------------------------------------------------
 
 def store_paths(study: Study, folder: str | os.PathLike) -> dict[str, Path]:
-    """Where each store of ``study`` lives in ``folder``: the folder itself for a study of one
-    store, else a subfolder named by the store's key."""
+    """Where each store of ``study`` lives in ``folder``: its :attr:`Trials.folder`, else the
+    folder itself for a study of one store and a subfolder named by the store's key for more."""
     folder = Path(folder)
-    if len(study.stores) == 1:
-        return {key: folder for key in study.stores}
-    return {key: folder / key for key in study.stores}
+    out = {}
+    for key, trials in study.stores.items():
+        sub = trials.folder if trials.folder is not None else \
+            "" if len(study.stores) == 1 else key
+        out[key] = folder / sub if sub else folder
+    return out
 
 
 def _experiment_in(path: Path) -> str | None:
@@ -214,6 +217,8 @@ def settings(study: Study, *, quick: bool = False, axes: Mapping[str, Sequence] 
     axes, fixed = dict(axes or {}), {k: dict(v) for k, v in (fixed or {}).items()}
     out, used = {}, set()
     for key, trials in study.trials(quick).items():
+        if axes and trials.default_only:
+            continue
         grid, fx = trials.resolved()
         for axis, values in axes.items():
             if axis in grid:
@@ -309,9 +314,10 @@ def _check_holds(study: Study, folder: Path, param: str) -> None:
     other = owner(folder)
     if other is not None and other != study.name:
         raise ConfigError(f"{param} {shown!r} holds the {other} study, not a {study.name} study.")
-    if len(study.stores) == 1:  # a plain sweep folder names its experiment
+    at_top = [k for k, p in store_paths(study, folder).items() if p == folder]
+    if at_top:  # a plain sweep folder names its experiment
         found = _experiment_in(folder)
-        want = next(iter(study.stores.values())).experiment
+        want = study.stores[at_top[0]].experiment
         if found is not None and found != want:
             raise ConfigError(f"{param} {shown!r} holds a {found!r} sweep, not a {study.name} "
                               "study.")

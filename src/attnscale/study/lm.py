@@ -1,6 +1,7 @@
 """The small-LM stability study: which mechanism keeps a small LM trainable across learning
 rates (Wortsman et al. 2023, arXiv 2309.14322), as LR sensitivity per (variant, width) over seeds,
-its claims, and four figures; one ``lm`` store of every variant x lr x width x seed.
+its claims, and four figures; an ``lm`` store of every variant x lr x width x seed, and a
+``wide`` store of a few variants at a larger width on one seed (the default study only).
 
 A run record is what :func:`attnscale.experiments.lm.train_lm` returns (its ``config`` inside),
 the ``result`` of an ``lm`` trial.  LR sensitivity is
@@ -16,8 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from attnscale.experiments.lm.study import (
-    DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, WORTSMAN_LRS, lr_sensitivity,
-    normalises_qk, parse_variant, peak_logit, plotted_loss, variant,
+    DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, WIDE_SEEDS, WIDE_VARIANTS,
+    WIDE_WIDTHS, WORTSMAN_LRS, lr_sensitivity, normalises_qk, parse_variant, peak_logit,
+    plotted_loss, variant,
 )
 from attnscale.study import claims as claim_rules
 from attnscale.study.registry import register
@@ -99,6 +101,10 @@ def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dic
     cell = {(r["mechanism"], r["width"]): r for r in rows}
     widths = sorted(w for (m, w) in cell if m == a and (b, w) in cell
                     and cell[m, w]["mean"] is not None and cell[b, w]["mean"] is not None)
+    # Compare where both ran the most seeds: a width run on one seed (the wide store) has no
+    # seed range, and would take the seed range away from the whole claim.
+    most = max((min(cell[a, w]["seeds"], cell[b, w]["seeds"]) for w in widths), default=0)
+    widths = [w for w in widths if min(cell[a, w]["seeds"], cell[b, w]["seeds"]) == most]
     if not widths:
         return _claim(text, expected, f"not run ({a} and {b} at a common width needed)",
                       claim_rules.NOT_RUN, None)
@@ -113,6 +119,102 @@ def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dic
     ci = None if one_seed else [min(cell[a, w]["min"] - cell[b, w]["max"] for w in widths),
                                 max(cell[a, w]["max"] - cell[b, w]["min"] for w in widths)]
     return _claim(text, expected, measured, verdict, agrees, ours, ci)
+
+
+def _growth(cell: dict, name: str, widths: Sequence[int]) -> dict:
+    """LR sensitivity at the widest of ``widths`` minus at the narrowest, as a spread: its mean,
+    and the range [min at widest − max at narrowest, max at widest − min at narrowest]."""
+    hi, lo = cell[name, widths[-1]], cell[name, widths[0]]
+    return {"mean": hi["mean"] - lo["mean"], "min": hi["min"] - lo["max"],
+            "max": hi["max"] - lo["min"]}
+
+
+def width_claims(rows: Sequence[dict]) -> list[dict]:
+    """Wortsman et al. (2023, Fig. 1): with width, the default's LR sensitivity grows and
+    qk-layernorm's does not.  (1) scaled at its widest width is higher than at its narrowest;
+    (2) qk-layernorm's growth over the same widths is lower than scaled's."""
+    cell = {(r["mechanism"], r["width"]): r for r in rows if r["mean"] is not None}
+
+    def widths_of(*names):
+        return sorted(w for (m, w) in cell if m == names[0]
+                      and all((n, w) in cell for n in names))
+
+    def one_seed(names, widths):
+        return min(cell[n, w]["seeds"] for n in names for w in widths) < 2
+
+    out = []
+    text = "scaled's LR sensitivity grows with width (Wortsman et al.)."
+    expected = "scaled higher at the widest width than at the narrowest (difference > 0)"
+    widths = widths_of("scaled")
+    if len(widths) < 2:
+        out.append(_claim(text, expected, "not run (scaled at >= 2 widths needed)",
+                          claim_rules.NOT_RUN, None))
+    else:
+        g = _growth(cell, "scaled", widths)
+        outcome = claim_rules.compare(cell["scaled", widths[-1]], cell["scaled", widths[0]])
+        verdict, agrees = claim_rules.verdict([outcome], "higher")
+        measured = ", ".join(f"width {w}: {_range_text(cell['scaled', w])}" for w in widths)
+        if one_seed(["scaled"], widths):
+            measured += " [a width on one seed: its value has no seed range]"
+        out.append(_claim(text, expected, measured, verdict, agrees, g["mean"],
+                          [g["min"], g["max"]]))
+    text = ("qk-layernorm's LR sensitivity grows less with width than scaled's "
+            "(Wortsman et al.).")
+    expected = ("growth from the narrowest to the widest width: qk-layernorm lower than scaled "
+                "(difference < 0)")
+    widths = widths_of("qk-layernorm", "scaled")
+    if len(widths) < 2:
+        out.append(_claim(text, expected, "not run (qk-layernorm and scaled at >= 2 common "
+                          "widths needed)", claim_rules.NOT_RUN, None))
+    else:
+        ga, gb = _growth(cell, "qk-layernorm", widths), _growth(cell, "scaled", widths)
+        verdict, agrees = claim_rules.verdict([claim_rules.compare(ga, gb)], "lower")
+        fmt = claim_rules.FMT
+        measured = (f"width {widths[0]} to {widths[-1]}: qk-layernorm "
+                    f"{fmt.format(ga['mean'])} [{fmt.format(ga['min'])}, {fmt.format(ga['max'])}]"
+                    f" vs scaled {fmt.format(gb['mean'])} [{fmt.format(gb['min'])}, "
+                    f"{fmt.format(gb['max'])}]")
+        if one_seed(["qk-layernorm", "scaled"], widths):
+            measured += " [a width on one seed: its value has no seed range]"
+        out.append(_claim(text, expected, measured, verdict, agrees, ga["mean"] - gb["mean"],
+                          [ga["min"] - gb["max"], ga["max"] - gb["min"]]))
+    return out
+
+
+# A learning rate "still trains" when its final loss (mean over seeds) is within this fraction
+# of the best over the LR grid for that variant and width, and no seed diverged.  attnscale's
+# own threshold: in the small LM no run diverges outright, even at LR 0.3, so "below the loss
+# at init" would call every LR trainable; 10% separates the basin from the slope beyond it.
+TRAINS_WITHIN = 0.10
+
+
+def highest_lr_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per (variant, width): the highest learning rate that still trains (mean final
+    validation loss over seeds within :data:`TRAINS_WITHIN` of the best over the grid, no seed
+    diverged), that mean loss, and the peak max attention logit there (the largest over seeds);
+    ``lr`` None when no learning rate has a finite loss."""
+    rows = []
+    groups = _groups(records, "variant", "d_model")
+    for var in _order(records):
+        for width in sorted(w for v, w in groups if v == var):
+            by_lr = _groups(groups[var, width], "lr")
+            losses = {}
+            for (lr,), runs in by_lr.items():
+                got = [r["final_val_loss"] for r in runs]
+                if all(x is not None and math.isfinite(x) for x in got) and \
+                        not any(r["diverged"] for r in runs):
+                    losses[lr] = float(np.mean(got))
+            row = {"mechanism": var, "width": width, "lr": None, "loss": None, "best_loss": None,
+                   "peak_logit": None, "within": TRAINS_WITHIN,
+                   "seeds": len({r["config"]["seed"] for r in groups[var, width]})}
+            if losses:
+                best = min(losses.values())
+                lr = max(x for x, v in losses.items() if v <= (1 + TRAINS_WITHIN) * best)
+                peaks = [p for p in map(peak_logit, by_lr[lr,]) if p is not None]
+                row.update(lr=lr, loss=losses[lr], best_loss=best,
+                           peak_logit=max(peaks) if peaks else None)
+            rows.append(row)
+    return rows
 
 
 def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
@@ -174,6 +276,7 @@ def claims(records: Sequence[dict]) -> list[dict]:
     verdict."""
     rows = sensitivity_rows(records)
     return [
+        *width_claims(rows),
         _pair_claim(rows, "qk-layernorm", "scaled", "lower",
                     "qk-layernorm has lower LR sensitivity than scaled (Wortsman et al.)."),
         _pair_claim(rows, "unscaled", "scaled", "higher",
@@ -347,12 +450,17 @@ def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
         "",
         "E over η of [min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023), ℓ0 the loss "
         "at init and ℓ* the best over the grid: mean over seeds [seed-to-seed min, max]; lower "
-        "is more robust.", "",
-        "| mechanism | " + " | ".join(f"width {w}" for w in widths) + " |",
-        "|---|" + "---|" * len(widths)]
-    for var in _order(records):
-        lines.append(f"| {var} | " + " | ".join(
-            _range_text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
+        "is more robust.", "", *_width_table(records, widths, cell, _range_text)]
+    thin = sorted({r["width"] for r in rows if r["seeds"] < seeds})
+    if thin:
+        lines += ["", f"Width {', '.join(map(str, thin))} ran on fewer seeds (a blank cell: that "
+                  "variant did not run there); a single seed has no seed range."]
+    best = {(r["mechanism"], r["width"]): r for r in highest_lr_rows(records)}
+    lines += ["", "#### Highest learning rate that trains", "",
+              f"The highest peak LR whose final validation loss (mean over seeds) is within "
+              f"{TRAINS_WITHIN:.0%} of the best over the grid, no seed diverging: the LR, that "
+              "loss (nats/byte) and the peak max attention logit over training (largest over "
+              "seeds).", "", *_width_table(records, widths, best, _best_text)]
     lines += ["", "#### Claims", "", "| claim | measured | verdict |", "|---|---|---|"]
     for c in claim_rows:
         lines.append(f"| {c['claim']} | {c['measured']} | {c['verdict']} |")
@@ -363,6 +471,26 @@ def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _width_table(records: Sequence[dict], widths: Sequence[int], cell: Mapping[tuple, dict],
+                 text) -> list[str]:
+    """A markdown table of one row per variant and one column per width, ``text(cell)`` in each
+    (blank where the variant did not run at that width)."""
+    lines = ["| mechanism | " + " | ".join(f"width {w}" for w in widths) + " |",
+             "|---|" + "---|" * len(widths)]
+    for var in _order(records):
+        lines.append(f"| {var} | " + " | ".join(
+            text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
+    return lines
+
+
+def _best_text(row: dict) -> str:
+    """A highest-LR cell: ``lr 0.01: loss 1.234, logit 56.7``, or ``none`` when no LR trains."""
+    if row["lr"] is None:
+        return "none"
+    logit = "n/a" if row["peak_logit"] is None else f"{row['peak_logit']:.1f}"
+    return f"lr {row['lr']:g}: loss {row['loss']:.3f}, logit {logit}"
+
+
 def fragment_claims(claim_rows: Sequence[dict]) -> list[dict]:
     """The claim rows of fragment.json (``attnscale reproduce --include``): quantity, expected,
     ours, ci, verdict, agrees, note; claims that could not be measured are left out."""
@@ -371,12 +499,19 @@ def fragment_claims(claim_rows: Sequence[dict]) -> list[dict]:
             for c in claim_rows if c["agrees"] is not None]
 
 
+def study_records(stores: Mapping[str, list[dict]]) -> list[dict]:
+    """The run records of every store of the study (the ``lm`` grid, then the ``wide`` one)."""
+    return [r["result"] for key in ("lm", "wide") for r in stores.get(key, [])]
+
+
 def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
-    """LR sensitivity and loss-vs-LR tables, every claim, and the four figures."""
-    records = [r["result"] for r in stores["lm"]]
+    """LR sensitivity, highest-trainable-LR and loss-vs-LR tables, every claim, and the four
+    figures."""
+    records = study_records(stores)
     all_claims = claims(records)
     rows = sensitivity_rows(records)
-    tables = {"sensitivity": rows, "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims}
+    tables = {"sensitivity": rows, "highest_lr": highest_lr_rows(records),
+              "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims}
     figures = {FIGURES["loss_vs_lr"]: lambda: figure_loss_vs_lr(records),
                FIGURES["sensitivity"]: lambda: figure_sensitivity(records),
                FIGURES["logit_growth"]: lambda: figure_logit_growth(records),
@@ -398,8 +533,11 @@ def _positive(value: float) -> float:
 
 
 def _grid(variants, widths, seeds) -> dict:
-    return {"variant": tuple(variants), "lr": WORTSMAN_LRS, "d_model": tuple(widths),
-            "seed": tuple(seeds)}
+    # Width, then seed, slowest: the trials run in this product order, so a study stopped part
+    # way holds every variant's whole LR grid at the narrower widths and first seeds, each of
+    # which is an LR sensitivity, rather than some variants at every width and none of the rest.
+    return {"d_model": tuple(widths), "seed": tuple(seeds), "variant": tuple(variants),
+            "lr": WORTSMAN_LRS}
 
 
 STUDY = register(Study(
@@ -407,10 +545,14 @@ STUDY = register(Study(
     title="Which mechanism keeps a small LM trainable across learning rates",
     doc="Which mechanism keeps a small byte-level LM trainable across learning rates "
         "(Wortsman et al. 2023's LR sensitivity): every variant x learning rate x width x seed, "
-        "trained with their recipe; claims on qk-layernorm, unscaled, softcap and the 1/√d "
+        "trained with their recipe, and a few variants at a wider width on one seed; claims on "
+        "the growth of LR sensitivity with width, on qk-layernorm, unscaled, softcap and the 1/√d "
         "divisor under QK normalisation, and on the growth of attention logits.",
-    stores={"lm": Trials("lm", _grid(DEFAULT_VARIANTS, DEFAULT_WIDTHS, DEFAULT_SEEDS))},
-    quick={"lm": Trials("lm", _grid(QUICK_VARIANTS, DEFAULT_WIDTHS[:1], DEFAULT_SEEDS[:1]))},
+    stores={"lm": Trials("lm", _grid(DEFAULT_VARIANTS, DEFAULT_WIDTHS, DEFAULT_SEEDS), folder=""),
+            "wide": Trials("lm", _grid(WIDE_VARIANTS, WIDE_WIDTHS, WIDE_SEEDS), folder="wide",
+                           default_only=True)},
+    quick={"lm": Trials("lm", _grid(QUICK_VARIANTS, DEFAULT_WIDTHS[:1], DEFAULT_SEEDS[:1]),
+                        folder="")},
     quick_doc=f"{', '.join(QUICK_VARIANTS)} x {len(WORTSMAN_LRS)} LRs x width "
               f"{DEFAULT_WIDTHS[0]} x seed {DEFAULT_SEEDS[0]}",
     analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),

@@ -17,11 +17,18 @@ def register(study: Study) -> Study:
         raise ValueError(f"study {study.name!r} is already registered")
     for key, trials in study.stores.items():
         quick = (study.quick or {}).get(key)
-        if study.quick is not None and quick is None:
+        if study.quick is not None and quick is None and not trials.default_only:
             raise ValueError(f"study {study.name!r}: its quick variant lacks store {key!r}")
         if quick is not None and set(quick.grid) != set(trials.grid):
             raise ValueError(f"study {study.name!r}: store {key!r} has other grid axes when "
                              "quick; the analysis shows the same axes in both")
+    for key in (study.quick or {}):
+        if key not in study.stores:
+            raise ValueError(f"study {study.name!r}: its quick variant has store {key!r}, which "
+                             "the full study lacks")
+        if study.quick[key].folder != study.stores[key].folder:
+            raise ValueError(f"study {study.name!r}: store {key!r} lives in another folder when "
+                             "quick")
     STUDIES[study.name] = study
     return study
 

@@ -20,6 +20,12 @@ class Trials:
     experiment: str                       # a name in attnscale.experiments.registry
     grid: Mapping[str, Values]            # axis -> values; their product is the trials
     fixed: Mapping[str, Any] = field(default_factory=dict)   # other settings (else defaults)
+    # Where the store lives in the study folder: "" the folder itself, else that subfolder.
+    # None: the folder itself for a study of one store, else a subfolder named by its key.
+    folder: str | None = None
+    # A store that extends the study's default grid (a wider model on fewer seeds, say): run
+    # only when no grid axis is given, since a grid of the user's own choosing is that grid.
+    default_only: bool = False
 
     def resolved(self) -> tuple[dict[str, list], dict[str, Any]]:
         """The grid (callables called) and the fixed settings, as plain dicts."""

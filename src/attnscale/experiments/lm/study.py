@@ -29,6 +29,12 @@ DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=
                     "gated", "adaptive-temp")
 DEFAULT_WIDTHS = (64, 128)
 DEFAULT_SEEDS = (0, 1)
+# The default study also runs these variants at WIDE_WIDTHS on WIDE_SEEDS, so that LR sensitivity
+# vs width has three points for the variants Wortsman et al. (2023, Fig. 1) contrast: the default
+# grows more sensitive with width, qk-layernorm does not.
+WIDE_VARIANTS = ("scaled", "qk-layernorm", "softcap", "sink")
+WIDE_WIDTHS = (256,)
+WIDE_SEEDS = (0,)
 # --quick: these x WORTSMAN_LRS x the smallest width x one seed.
 QUICK_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "softcap")
 

@@ -1,0 +1,353 @@
+"""The results page: one markdown page that answers "which mechanism should my model use?" from the
+study folders beside it (``DIR/lm``, ``DIR/length``, ``DIR/recall``), every number read from their
+stores by the studies' own analysis functions, so the page is redrawn, never typed.
+
+``attnscale results DIR`` writes ``DIR/README.md``; ``--check`` says whether it is up to date with
+the stores.  A study folder that is missing or still running is shown as such (k of n runs), and
+the page says where the evidence is one width or fewer seeds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnscale.errors import ConfigError
+from attnscale.formatting import number, with_interval
+from attnscale.study import claims as claim_rules
+
+PAGE = "README.md"
+# The study folders the page reads, in the order it shows them.
+STUDY_FOLDERS = ("lm", "length", "recall")
+# The length study's two columns: recall scored at this many pairs, the LM at this multiple of
+# its trained context.
+RECALL_PAIRS = 512
+LM_CONTEXT_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One study folder: its records per store (ok runs only) and its run counts."""
+    name: str
+    records: Mapping[str, list[dict]]
+    ok: int
+    total: int
+    wall_seconds: float
+
+
+def load(root: str | os.PathLike) -> dict[str, Loaded]:
+    """Every study folder of :data:`STUDY_FOLDERS` under ``root`` that holds its study."""
+    from attnscale import sweep
+    from attnscale.study import get
+    from attnscale.study.launcher import owner, store_paths
+    from attnscale.sweep.store import Store
+    root = Path(root)
+    out = {}
+    for name in STUDY_FOLDERS:
+        folder = root / name
+        if not folder.is_dir() or owner(folder) != name:
+            continue
+        records, ok, total, wall = {}, 0, 0, 0.0
+        for key, path in store_paths(get(name), folder).items():
+            if not Store(path).exists():
+                records[key] = []
+                continue
+            res = sweep.load(path)
+            records[key] = list(res.ok)
+            ok += len(res.ok)
+            total += len(res.ok) + len(res.failed) + len(res.pending)
+            wall += sum(r.get("wall_seconds") or 0.0 for r in res.ok)
+        out[name] = Loaded(name, records, ok, total, wall)
+    return out
+
+
+# --- cells ----------------------------------------------------------------------------------------
+
+def _spread_text(s: dict | None, fmt: str = claim_rules.FMT) -> str:
+    if s is None or s.get("mean") is None:
+        return ""
+    if s.get("n", 2) <= 1 or s["min"] == s["max"]:
+        return number(s["mean"], fmt)
+    return with_interval(s["mean"], [s["min"], s["max"]], fmt)
+
+
+def _lm_tables(loaded: Loaded | None) -> dict:
+    if loaded is None:
+        return {}
+    from attnscale.study import lm
+    records = lm.study_records(loaded.records)
+    if not records:
+        return {}
+    rows = lm.sensitivity_rows(records)
+    return {"records": records, "sensitivity": rows, "highest": lm.highest_lr_rows(records),
+            "claims": lm.claims(records), "widths": sorted({r["width"] for r in rows}),
+            "order": list(dict.fromkeys(r["mechanism"] for r in rows))}
+
+
+def _length_tables(loaded: Loaded | None) -> dict:
+    if loaded is None:
+        return {}
+    from attnscale.study import length
+    recall, lm_runs = loaded.records.get("recall-length", []), loaded.records.get("lm-length", [])
+    out = {"claims": length.claims(recall, lm_runs), "recall": {}, "lm": {}}
+    for row in length.recall_rows(recall) if recall else []:
+        if row["pairs"] == RECALL_PAIRS:
+            out["recall"][row["mechanism"]] = {**row["accuracy"], "train": row["train_pairs"]}
+    for row in length.lm_rows(lm_runs) if lm_runs else []:
+        if row["context"] == LM_CONTEXT_FACTOR * row["train_context"]:
+            out["lm"][row["mechanism"]] = {**row["loss"], "train": row["train_context"]}
+    return out
+
+
+def _recall_tables(loaded: Loaded | None) -> dict:
+    if loaded is None or not loaded.records.get("recall"):
+        return {}
+    from attnscale.study import recall
+    rows = recall.summary_rows(loaded.records["recall"])
+    widest = max(r["d_k"] for r in rows)
+    return {"d_k": widest, "rows": {r["mechanism"]: r for r in rows if r["d_k"] == widest}}
+
+
+# --- the page -------------------------------------------------------------------------------------
+
+def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
+    lines = []
+    for name in STUDY_FOLDERS:
+        got = loaded.get(name)
+        if got is None:
+            lines.append(f"- **{name}**: not run yet (`attnscale study {name} --out {name}`).")
+            continue
+        state = "complete" if got.ok == got.total else \
+            f"still running: resume with `attnscale study {name} --resume {name}`"
+        lines.append(f"- **{name}**: {got.ok} of {got.total} runs, {state}; "
+                     f"{got.wall_seconds / 3600:.1f} h of trial time. "
+                     f"Details: [{name}/fragment.md]({name}/fragment.md).")
+    return lines
+
+
+def _lm_setup(lm: dict) -> str:
+    if not lm:
+        return ""
+    c = lm["records"][0]["config"]
+    seeds = {}
+    for r in lm["sensitivity"]:
+        seeds.setdefault(r["width"], set()).add(r["seeds"])
+    per_width = ", ".join(f"width {w}: {_seeds(max(s))}" for w, s in sorted(seeds.items()))
+    device = c.get("device", "cpu") + (" bf16" if c.get("bf16") else " float32")
+    return (f"The LM columns come from a byte-level LM of {c['n_layers']} layers and "
+            f"{c['n_heads']} heads, context {c['seq_len']}, {c['steps']} steps of batch "
+            f"{c['batch_size']}, on {device} ({per_width}).  LR sensitivity is Wortsman et al. "
+            "(2023)'s: the mean over the learning-rate grid of how far each final loss is from "
+            "the best, in nats/byte, with the seed-to-seed [min, max]; lower is more robust.")
+
+
+def _table(lm: dict, length: dict, recall: dict) -> list[str]:
+    widths = lm.get("widths", [])
+    sens = {(r["mechanism"], r["width"]): r for r in lm.get("sensitivity", [])}
+    best = {(r["mechanism"], r["width"]): r for r in lm.get("highest", [])}
+    names = list(lm.get("order", []))
+    for extra in (length.get("recall", {}), length.get("lm", {}), recall.get("rows", {})):
+        names += [m for m in extra if m not in names]
+    head = ["mechanism", *[f"LR sensitivity, width {w}" for w in widths]]
+    if widths:
+        head += [f"highest LR that trains (width {' / '.join(map(str, widths))})",
+                 "max attention logit there"]
+    if length.get("recall"):
+        head.append(f"recall accuracy at {RECALL_PAIRS} pairs "
+                    f"(trained at {next(iter(length['recall'].values()))['train']})")
+    if length.get("lm"):
+        head.append(f"LM loss at {LM_CONTEXT_FACTOR}x the trained context "
+                    f"({LM_CONTEXT_FACTOR * next(iter(length['lm'].values()))['train']})")
+    if recall:
+        head.append(f"recall study, d_k {recall['d_k']}: held-out accuracy (worst seed)")
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
+    for m in names:
+        cells = [m]
+        for w in widths:
+            r = sens.get((m, w))
+            cells.append("" if r is None else claim_rules.range_text(
+                {**r, "n": sum(v is not None for v in r["per_seed"])}))
+        if widths:
+            rows = [best.get((m, w)) for w in widths]
+            cells.append(" / ".join("" if r is None else "none" if r["lr"] is None
+                                    else f"{r['lr']:g}" for r in rows)
+                         if any(rows) else "")
+            cells.append(" / ".join("" if r is None or r["peak_logit"] is None
+                                    else f"{r['peak_logit']:.1f}" for r in rows)
+                         if any(rows) else "")
+        if length.get("recall"):
+            cells.append(_spread_text(length["recall"].get(m)))
+        if length.get("lm"):
+            cells.append(_spread_text(length["lm"].get(m)))
+        if recall:
+            r = recall["rows"].get(m)
+            cells.append("" if r is None else
+                         f"{100 * r['accuracy_mean']:.1f}% ({100 * r['accuracy_min']:.1f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" + ("s" if n != 1 else "")
+
+
+def _ranked(values: Mapping[str, dict], lower: bool) -> list[tuple[str, dict]]:
+    got = [(m, s) for m, s in values.items() if s.get("mean") is not None]
+    return sorted(got, key=lambda x: x[1]["mean"], reverse=not lower)
+
+
+def _against(values: Mapping[str, dict], name: str, ref: str, lower: bool) -> str:
+    """How ``name``'s seed range compares with ``ref``'s, in words."""
+    if ref not in values or name == ref:
+        return ""
+    outcome = claim_rules.compare(values[name], values[ref])
+    good = "lower" if lower else "higher"
+    if outcome == good:
+        return f"its seed range is clear of {ref}'s"
+    if outcome == "overlap":
+        return f"its seed range overlaps {ref}'s"
+    return f"it is on the wrong side of {ref}"
+
+
+def _best_of(label: str, values: Mapping[str, dict], lower: bool) -> str:
+    """``- label for A x; B y; C z (scaled w); for A, <its range against scaled's>.``"""
+    top = _ranked(values, lower=lower)[:3]
+    text = "; ".join(f"{m} {_spread_text(s)}" for m, s in top)
+    how = _against(values, top[0][0], "scaled", lower=lower) if top else ""
+    ref = f" (scaled {_spread_text(values['scaled'])})" \
+        if "scaled" in values and "scaled" not in dict(top) else ""
+    return f"- {label} for {text}{ref}" + (f"; for {top[0][0]}, {how}." if how else ".")
+
+
+def _answer(lm: dict, length: dict) -> list[str]:
+    """The short answer: the best mechanisms on each axis the studies measure, each against
+    ``scaled`` with the seed ranges, in words the numbers decide."""
+    out = []
+    if lm:
+        rows = lm["sensitivity"]
+        seeds = max(r["seeds"] for r in rows)
+        widths = sorted({r["width"] for r in rows if r["seeds"] == seeds})
+        w = widths[-1]
+        values = {r["mechanism"]: r for r in rows if r["width"] == w and r["mean"] is not None}
+        top = _ranked(values, lower=True)[:3]
+        text = "; ".join(f"{m} {claim_rules.range_text({**s, 'n': seeds})}" for m, s in top)
+        ref = values.get("scaled")
+        tail = f" against scaled's {claim_rules.range_text({**ref, 'n': seeds})}" \
+            if ref and "scaled" not in dict(top) else ""
+        lead = top[0][0] if top else None
+        how = _against(values, lead, "scaled", lower=True) if lead and seeds > 1 else \
+            "one seed, so no seed range to compare" if lead and "scaled" in values else ""
+        out.append(f"- **Learning-rate robustness** (width {w}, {_seeds(seeds)}, the widest width "
+                   f"with the most seeds): lowest LR sensitivity for {text}{tail}"
+                   + (f"; for {lead}, {how}." if how else "."))
+    if length.get("recall"):
+        out.append(_best_of(f"**Recall beyond the trained length** ({RECALL_PAIRS} pairs): "
+                            "highest accuracy", length["recall"], lower=False))
+    if length.get("lm"):
+        out.append(_best_of(f"**LM loss at {LM_CONTEXT_FACTOR}x the trained context**: lowest",
+                            length["lm"], lower=True))
+    return out
+
+
+def _verdicts(lm: dict, length: dict) -> list[str]:
+    lines = []
+    if lm:
+        rows = lm["sensitivity"]
+        counts = sorted({(r["width"], r["seeds"]) for r in rows})
+        lines.append("The LM study's claims rest on " + ", ".join(
+            f"width {w} with {_seeds(s)}" for w, s in counts) + ".")
+        lines.append("")
+        for c in lm["claims"]:
+            lines.append(f"- **{c['claim']}** {_verdict_word(c['verdict'])}. Expected: "
+                         f"{c['expected']}. Measured: {c['measured']}.")
+        lines.append("")
+    if length:
+        for c in length["claims"]:
+            interval = f" {with_interval(c['ours'], c['ci'], '{:.4g}')}" \
+                if c.get("ours") is not None and c.get("ci") else ""
+            lines.append(f"- **{c['quantity']}**: {_verdict_word(c['verdict'])}. Expected: "
+                         f"{c['expected']}. Measured:{interval}"
+                         + (f"; {c['note']}" if c.get("note") else "") + ".")
+        lines.append("")
+    return lines
+
+
+def _verdict_word(verdict: str) -> str:
+    """The verdict as the page states it: agrees, differs (and why), inconclusive or not run."""
+    return verdict[:1].upper() + verdict[1:] if verdict else ""
+
+
+def render(root: str | os.PathLike) -> str:
+    """The page's markdown, drawn from the study folders under ``root``."""
+    loaded = load(root)
+    lm = _lm_tables(loaded.get("lm"))
+    length = _length_tables(loaded.get("length"))
+    recall = _recall_tables(loaded.get("recall"))
+    lines = ["# Which temperature mechanism should my model use?", "",
+             "Measured by attnscale's studies, every number read from the stores in this folder "
+             "by `attnscale results` (redraw any study with `attnscale study NAME --from NAME`). "
+             "Numbers are the mean over seeds with the seed-to-seed [min, max].", "",
+             "## The studies", "", *_evidence(loaded), ""]
+    answer = _answer(lm, length)
+    if answer:
+        lines += ["## The short answer", "", *answer, "",
+                  "These are small models trained briefly on one CPU corpus: they rank mechanisms "
+                  "on the temperature questions, not on final quality at scale.", ""]
+    if lm or length or recall:
+        lines += ["## Per mechanism", ""]
+        setup = _lm_setup(lm)
+        if setup:
+            lines += [setup, ""]
+        within = next((r["within"] for r in lm.get("highest", [])), None)
+        trains = "" if within is None else (
+            f"The highest LR that trains: the largest whose final loss (mean over seeds) is "
+            f"within {within:.0%} of the best over the grid, no seed diverging; the max "
+            "attention logit is the peak over training at that LR.  ")
+        lines += [trains + "A blank cell: the mechanism is not in that study.", "",
+                  *_table(lm, length, recall), ""]
+    verdicts = _verdicts(lm, length)
+    if verdicts:
+        lines += ["## The claims, one by one", "", *verdicts]
+    figures = [("lm", "lm_lr_sensitivity.png", "LR sensitivity vs width"),
+               ("lm", "lm_loss_vs_lr.png", "final validation loss vs learning rate"),
+               ("length", "length_recall.png", "recall accuracy vs pairs"),
+               ("length", "length_lm_loss.png", "LM loss vs context"),
+               ("recall", "study_recall.png", "recall: steps to loss 0.1 and accuracy")]
+    shown = [(s, f, t) for s, f, t in figures if (Path(root) / s / f).is_file()]
+    if shown:
+        lines += ["## Figures", ""]
+        for s, f, t in shown:
+            lines += [f"![{t}]({s}/{f})", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write(root: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write ``root/README.md`` (refusing a file attnscale did not write unless ``force``)."""
+    from attnscale.io import atomic_write, check_output_path
+    folder = check_root(root)
+    check_output_path("DIR", folder / PAGE, kind="file", force=force)
+    text = render(folder)
+    return atomic_write(folder / PAGE, text, param="DIR", force=force)
+
+
+def stale(root: str | os.PathLike) -> bool:
+    """Whether ``root/README.md`` differs from what the stores draw now."""
+    path = Path(root) / PAGE
+    return not path.is_file() or path.read_text(encoding="utf-8") != render(root)
+
+
+def check_root(root: str | os.PathLike | None, param: str = "DIR") -> Path:
+    """``root`` as a folder that exists; '' and a missing folder are errors naming ``param``."""
+    if root is None or not str(root).strip():
+        raise ConfigError(f"{param} must be a path, got {str(root or '')!r}.")
+    path = Path(root)
+    if not path.is_dir():
+        raise ConfigError(f"{param} {str(root)!r} is not a folder.")
+    return path
+
+
+def studies_in(root: str | os.PathLike) -> Sequence[str]:
+    """The study folders of :data:`STUDY_FOLDERS` that ``root`` holds."""
+    return list(load(root))
