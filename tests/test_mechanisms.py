@@ -439,3 +439,38 @@ def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
     assert_close(build_mechanism("yarn", D, H, factor=40.0, mscale_all_dim=0).logits(q, k), s)
     with pytest.raises(ConfigError, match="mscale_all_dim"):
         build_mechanism("yarn", D, H, mscale_all_dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_entropy_kernel_skips_rows_without_gradient_exactly(dtype):
+    """The entropy pass (compiled row kernel for float32 on the CPU, its lse read from p_max)
+    against autograd through the explicit entropy, with the incoming gradient zero on whole
+    blocks of rows (skipped) and on single rows, under a mask and causality."""
+    from attnscale.kernels.entropy import _RowEntropy
+    gen = torch.Generator().manual_seed(5)
+    b, h, n, d = 2, 3, 24, 8
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    q[:, :, ::5] *= 6.0  # some sharp rows beside near-uniform ones
+    k = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    mask = torch.rand(n, n, generator=gen) > 0.2
+    mask[:, 0] = True  # every query keeps key 0 (causality leaves row 0 only that key)
+    g = torch.randn(b, h, n, 1, generator=gen, dtype=torch.float64)
+    g[:, :, :12] = 0.0   # with 4-row blocks: whole blocks without gradient
+    g[:, :, 17] = 0.0    # and one row inside a block that has some
+    qa, ka = (t.to(dtype).requires_grad_() for t in (q, k))
+    got = _RowEntropy.apply(qa, ka, mask, True, 4 * n)  # blocks of 4 query rows
+    dq, dk = torch.autograd.grad(got, (qa, ka), g.to(dtype))
+    qr, kr = (t.clone().requires_grad_() for t in (q, k))
+    seen = mask & torch.ones(n, n).tril().bool()
+    raw = qr @ kr.transpose(-2, -1)
+    z = raw.masked_fill(~seen, -math.inf)
+    p = torch.softmax(z, -1)
+    # H = lse - Σ p z over attended keys (no log of a zero weight, so autograd stays finite)
+    want = torch.logsumexp(z, -1, keepdim=True) - (p * raw.masked_fill(~seen, 0.0)).sum(
+        -1, keepdim=True)
+    dq_want, dk_want = torch.autograd.grad(want, (qr, kr), g)
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
+    assert_close(got.double(), want.detach(), **tol)
+    assert_close(dq.double(), dq_want, **tol)
+    assert_close(dk.double(), dk_want, **tol)
+    assert bool(dq[:, :, :12].eq(0).all())

@@ -7,7 +7,9 @@ dtypes and devices reduce each block around its row maximum m, H = ln Σ e^{z - 
 Σ p_i (z_i - m), in the dtype of q (float32 for half inputs).  Backward, recomputing each block:
 with p = softmax(z) and
 H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p_i (z_i - lse + H), so
-dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel.
+dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel, and a
+block whose rows get no gradient (g_H = 0: adaptive-temp's β is clamped at 1 there, as for every
+high-entropy row) is skipped, so the backward costs only where the entropy steers the output.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
 from attnscale.workers import parallel_map, workers_for
 
 
-# The entropy's column in the row kernel's output.
+# The row kernel's columns this pass reads.
 ENTROPY = ROW_STATS_COLUMNS.index("entropy")
+LOGIT_MAX = ROW_STATS_COLUMNS.index("logit_max")
+MAX_WEIGHT = ROW_STATS_COLUMNS.index("max_weight")
+COUNT = ROW_STATS_COLUMNS.index("count")
 
 
 def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -69,11 +74,15 @@ class _RowEntropy(torch.autograd.Function):
                                                                            lse))):
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2)),
                                b, heads, i)
-                if native_rows:  # the compiled row kernel, then the log-sum-exp alone
+                if native_rows:  # the compiled row kernel gives H and, from p_max, the lse
                     rows = rowstats.row_stats(z, threads=1 if workers > 1 else None)
                     ent_blk.copy_(rows[..., ENTROPY:ENTROPY + 1])
-                    row_lse = torch.logsumexp(z, dim=-1, keepdim=True)
-                    lse_blk.copy_(torch.where(torch.isneginf(row_lse), 0.0, row_lse))
+                    # p_max = e^{z_max - lse}, so lse = z_max - ln p_max (float64 in the kernel);
+                    # a row without keys has count 0 and gets lse 0, as _entropy gives it.
+                    top, p_max = rows[..., LOGIT_MAX:LOGIT_MAX + 1], rows[..., MAX_WEIGHT:
+                                                                            MAX_WEIGHT + 1]
+                    row_lse = top - torch.log(p_max)
+                    lse_blk.copy_(torch.where(rows[..., COUNT:COUNT + 1] > 0, row_lse, 0.0))
                 else:
                     h_blk, l_blk = _entropy(z)
                     ent_blk.copy_(h_blk)
@@ -90,16 +99,24 @@ class _RowEntropy(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         q, k, ent, lse, mask = ctx.saved_tensors
         causal, block_elements = ctx.args
+        if q.device.type == "cpu" and not bool(g.any()):
+            return None, None, None, None, None  # no row gets a gradient: dQ = dK = 0
         g = g.contiguous()
         dq = torch.empty_like(q)
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])        # (B, H, d, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        cpu = q.device.type == "cpu"
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, dk_g = k[b, heads], dk_t[b, heads]
             for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
                     zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
+                # No gradient reaches these rows (adaptive-temp's β clamped at 1 is flat in H):
+                # dZ = 0, so skip the block (on the CPU, where the test costs no device sync).
+                if cpu and not bool(g_blk.any()):
+                    dq_blk.zero_()
+                    continue
                 n_k = tiles.n_keys(i)
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
                 z.sub_(lse_blk)                                           # ln p, -inf if masked
