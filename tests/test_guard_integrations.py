@@ -201,3 +201,31 @@ def test_trainer_raise_on_alarm_detaches_the_guard(tmp_path):
         _trainer(make_hf("llama"), tmp_path, [callback], steps=20).train()
     assert not callback.guard.active
     assert F.scaled_dot_product_attention is sdpa  # the SDPA tap is gone with it
+
+
+def test_close_detaches_the_guard_after_a_training_run_that_raised(tmp_path):
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    callback = TemperatureCallback(every=1)
+    trainer = _trainer(make_hf("llama"), tmp_path, [callback], steps=20)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a data loader fails mid-run")
+
+    seen = []
+    original = callback.on_step_end
+
+    def step_end(*args, **kwargs):  # the guard is attached by then; fail the next step
+        seen.append(callback.guard.active)
+        trainer.training_step = broken
+        return original(*args, **kwargs)
+
+    callback.on_step_end = step_end
+    with pytest.raises(RuntimeError, match="data loader"):
+        trainer.train()
+    assert seen == [True] and callback.guard.active   # the Trainer said nothing
+    callback.close()
+    assert not callback.guard.active
+    assert F.scaled_dot_product_attention is sdpa
+    callback.close()  # idempotent

@@ -18,6 +18,10 @@ callbacks: the Trainer hands one ``logs`` dict to its callbacks in order, report
 callback moves itself to the front of the Trainer's list when training begins.  The per-head records
 stay in ``callback.guard.records`` and the JSONL ``log``.  ``on_alarm="stop"`` ends training
 through ``control.should_training_stop``.
+
+The Trainer tells its callbacks when training ends, but not when it raises: after a
+``trainer.train()`` that raised, call ``callback.close()`` to detach the guard (the next
+``train()`` also detaches it before attaching a new one).
 """
 
 from __future__ import annotations

@@ -600,3 +600,10 @@ class GuardCallback:
         both call it)."""
         if self.guard is not None and self.guard.active:
             self.guard.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Detach the guard from the model and the optimizer now (its hooks, the clip's step
+        hook) and close its log.  Training's end does this; call it after a training run that
+        raised, since a trainer does not tell its callbacks about an exception (the next
+        training start also detaches a guard left on)."""
+        self._leave()
