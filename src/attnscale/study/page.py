@@ -106,8 +106,14 @@ def _recall_tables(loaded: Loaded | None) -> dict:
         return {}
     from attnscale.study import recall
     rows = recall.summary_rows(loaded.records["recall"])
-    widest = max(r["d_k"] for r in rows)
-    return {"d_k": widest, "rows": {r["mechanism"]: r for r in rows if r["d_k"] == widest}}
+    d_ks = sorted({r["d_k"] for r in rows})
+    ends = [d_ks[0], d_ks[-1]] if len(d_ks) > 1 else d_ks
+    cells = {}
+    for r in rows:
+        if r["d_k"] in ends:
+            cells.setdefault(r["mechanism"], {})[r["d_k"]] = r
+    worst = min(rows, key=lambda r: r["accuracy_min"])
+    return {"d_k": ends, "rows": cells, "worst": worst, "seeds": max(r["seeds"] for r in rows)}
 
 
 # --- the page -------------------------------------------------------------------------------------
@@ -125,6 +131,18 @@ def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
                      f"{got.wall_seconds / 3600:.1f} h of trial time. "
                      f"Details: [{name}/fragment.md]({name}/fragment.md).")
     return lines
+
+
+def _steps_text(row: dict | None) -> str:
+    """Mean steps to smoothed loss 0.1 over the seeds that got there, ``(k/n)`` when only k of
+    n did, ``never`` when none did."""
+    if row is None:
+        return ""
+    if row["steps_to_loss_0_1_mean"] is None:
+        return "never"
+    text = f"{row['steps_to_loss_0_1_mean']:.0f}"
+    return text + (f" ({row['reached_0_1']}/{row['seeds']})"
+                   if row["reached_0_1"] < row["seeds"] else "")
 
 
 def _lm_setup(lm: dict) -> str:
@@ -161,7 +179,7 @@ def _table(lm: dict, length: dict, recall: dict) -> list[str]:
         head.append(f"LM loss at {LM_CONTEXT_FACTOR}x the trained context "
                     f"({LM_CONTEXT_FACTOR * next(iter(length['lm'].values()))['train']})")
     if recall:
-        head.append(f"recall study, d_k {recall['d_k']}: held-out accuracy (worst seed)")
+        head.append(f"recall study: steps to loss 0.1 at d_k {' / '.join(map(str, recall['d_k']))}")
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
     for m in names:
         cells = [m]
@@ -182,9 +200,9 @@ def _table(lm: dict, length: dict, recall: dict) -> list[str]:
         if length.get("lm"):
             cells.append(_spread_text(length["lm"].get(m)))
         if recall:
-            r = recall["rows"].get(m)
-            cells.append("" if r is None else
-                         f"{100 * r['accuracy_mean']:.1f}% ({100 * r['accuracy_min']:.1f}%)")
+            got = recall["rows"].get(m, {})
+            cells.append(" / ".join(_steps_text(got.get(d)) for d in recall["d_k"])
+                         if got else "")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -307,6 +325,12 @@ def render(root: str | os.PathLike) -> str:
             "attention logit is the peak over training at that LR.  ")
         lines += [trains + "A blank cell: the mechanism is not in that study.", "",
                   *_table(lm, length, recall), ""]
+        if recall:
+            w = recall["worst"]
+            lines += [f"In the recall study ({_seeds(recall['seeds'])} per cell) every mechanism "
+                      f"reaches at least {100 * w['accuracy_min']:.1f}% held-out accuracy at "
+                      f"every d_k (the lowest seed: {w['mechanism']} at d_k {w['d_k']}), so its "
+                      "column is how fast each one learns the task.", ""]
     verdicts = _verdicts(lm, length)
     if verdicts:
         lines += ["## The claims, one by one", "", *verdicts]
