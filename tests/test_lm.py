@@ -443,6 +443,9 @@ def test_study_lm_command(text_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--mechanisms", "scaled,scaled"], "more than once"),
+    (["--mechanisms", "qk-layernorm(divisor=False),qk-layernorm(divisor=false)"],
+     "--mechanisms lists 'qk-layernorm(divisor=False)' more than once"),
+    (["--mechanisms", "softcap(cap=30),softcap(cap=3e1)"], "--mechanisms lists"),
     (["--mechanisms", "qk-layernorm(divisr=False)"], "Unknown option"),
     (["--lrs", "1e-3,0"], "lrs"),
     (["--widths", "16,16"], "more than once"),

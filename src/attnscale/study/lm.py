@@ -19,7 +19,7 @@ import numpy as np
 from attnscale.experiments.lm.study import (
     DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, WIDE_SEEDS, WIDE_VARIANTS,
     WIDE_WIDTHS, WORTSMAN_LRS, lr_sensitivity, normalises_qk, parse_variant, peak_logit,
-    plotted_loss, variant,
+    plotted_loss, variant, variant_text,
 )
 from attnscale.study import claims as claim_rules
 from attnscale.study.registry import register
@@ -521,8 +521,9 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
 
 
 def _variant(text: str) -> str:
-    parse_variant(text)  # a known mechanism with known options
-    return text
+    """A known mechanism with known options, in its canonical spelling (so that
+    ``qk-layernorm(divisor=false)`` and ``qk-layernorm(divisor=False)`` are one value)."""
+    return variant_text(*parse_variant(text))
 
 
 def _positive(value: float) -> float:

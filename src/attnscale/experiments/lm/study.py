@@ -42,10 +42,14 @@ QUICK_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "softcap")
 def variant(record: dict) -> str:
     """The mechanism and its options: ``softcap`` or ``softcap(cap=30)``."""
     c = record["config"]
-    opts = c.get("options") or {}
-    if not opts:
-        return c["mechanism"]
-    return c["mechanism"] + "(" + ", ".join(f"{k}={opts[k]}" for k in sorted(opts)) + ")"
+    return variant_text(c["mechanism"], c.get("options"))
+
+
+def variant_text(mechanism: str, options: dict | None = None) -> str:
+    """``softcap`` or ``softcap(cap=30)``: a mechanism and its options as one variant name."""
+    if not options:
+        return mechanism
+    return mechanism + "(" + ", ".join(f"{k}={options[k]}" for k in sorted(options)) + ")"
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
