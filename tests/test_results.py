@@ -249,3 +249,15 @@ def test_lm_fragment_shows_the_highest_lr_table(tmp_path):
     assert "fewer seeds" in md
     claims = json.loads(Path(files["fragment.json"]).read_text())["claims"]
     assert any("grows with width" in c["quantity"] for c in claims)
+
+
+def test_include_counts_the_runs_of_a_folder_store_and_its_subfolder_stores(tmp_path):
+    from attnscale.report.include import _runs
+    folder = tmp_path / "study"
+    shutil.copytree(RESULTS / "recall", folder)
+    (folder / "wide").mkdir()
+    for name in ("sweep.json", "results.jsonl"):
+        shutil.copyfile(RESULTS / "recall" / name, folder / "wide" / name)
+    alone, _ = _runs("recall", RESULTS / "recall")
+    both, _ = _runs("study", folder)
+    assert both["ok"] == 2 * alone["ok"] and both["total"] == 2 * alone["total"]

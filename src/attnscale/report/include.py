@@ -175,8 +175,10 @@ def _runs(shown: str, folder: Path) -> tuple[dict | None, str | None]:
     version that ran them (several versions are listed together)."""
     from attnscale import sweep
     from attnscale.sweep.store import SPEC_FILE
-    stores = [folder] if (folder / SPEC_FILE).is_file() else \
-        sorted(p for p in folder.iterdir() if (p / SPEC_FILE).is_file())
+    # The folder itself and its subfolders: a study keeps its stores in either or both (the LM
+    # study's grid in the folder, its width-256 runs in wide/).
+    stores = [folder] if (folder / SPEC_FILE).is_file() else []
+    stores += sorted(p for p in folder.iterdir() if p.is_dir() and (p / SPEC_FILE).is_file())
     if not stores:
         return None, None
     ok = total = 0
