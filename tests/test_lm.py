@@ -392,7 +392,10 @@ def test_variants_and_the_mechanisms_option():
     option = next(o for o in lm_study.STUDY.options if o.flag == "--mechanisms")
     given = "scaled,qk-layernorm(divisor=False),softcap(cap=30)"
     values = launcher.parse_option(lm_study.STUDY, option, given)
-    assert values == ["scaled", "qk-layernorm(divisor=False)", "softcap(cap=30)"]
+    # each in its canonical spelling: the one its records' options give (variant())
+    assert values == ["scaled", "qk-layernorm(divisor=False)", "softcap(cap=30.0)"]
+    assert study.variant({"config": {"mechanism": "softcap", "options": {"cap": 30.0}}}) \
+        == values[2]
     assert study.variant({"config": {"mechanism": "qk-layernorm",
                                      "options": {"divisor": False}}}) == values[1]
     assert study.parse_variant("softcap(cap=30)") == ("softcap", {"cap": 30})
