@@ -62,14 +62,16 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _check_against_naive(configs: list[RecallConfig], force_pair_table: bool = False) -> None:
+def _check_against_naive(configs: list[RecallConfig], force_pair_table: bool = False,
+                         batch_keys: bool = False) -> None:
     """Loss, logits and every gradient of the stacked table-projected model equal the
     straightforward per-token model's, in float64."""
     nets = [RecallNet(c).double() for c in configs]
     naive = copy.deepcopy(nets)   # sigma-reparam's power iteration state advances per forward
     model = StackedRecall(nets)
-    if force_pair_table:
+    if force_pair_table or batch_keys:
         model.bilinear = (False,) * len(nets)
+        model.pair_table = not batch_keys
     batches = [train_chunk(c, 0)[0] for c in configs]                   # (B,) each
     out = model(BatchIndex.build(stack_batches(batches), TINY.n_keys, TINY.n_values))
     out.loss.sum().backward()
@@ -92,8 +94,9 @@ def _check_against_naive(configs: list[RecallConfig], force_pair_table: bool = F
             assert_close(ours[name], g)
 
 
-# Every mechanism takes the pair-table path; bilinear ones (a scale on qᵀk) also the score table.
-PATHS = [(m, "pair-table") for m in MECHANISMS] + [
+# Every mechanism takes the pair-table path and the batch's own keys (the pair table larger than
+# the batch); bilinear ones (a scale on qᵀk) also the score table.
+PATHS = [(m, "pair-table") for m in MECHANISMS] + [(m, "batch-keys") for m in MECHANISMS] + [
     (m, "score-table") for m in MECHANISMS if RecallNet(replace(TINY, mechanism=m)).bilinear]
 
 
@@ -101,13 +104,33 @@ PATHS = [(m, "pair-table") for m in MECHANISMS] + [
 def test_fast_model_equals_naive(mechanism, path):
     """Every mechanism, two seeds in one stacked model, on each path it can take."""
     configs = [replace(TINY, mechanism=mechanism, seed=s) for s in (0, 1)]
-    _check_against_naive(configs, force_pair_table=path == "pair-table")
+    _check_against_naive(configs, force_pair_table=path == "pair-table",
+                         batch_keys=path == "batch-keys")
 
 
 def test_fast_model_equals_naive_for_a_mixed_group():
     """Score-table and pair-table mechanisms stacked together."""
     _check_against_naive([replace(TINY, mechanism=m, seed=s) for m, s in
                           (("qknorm", 0), ("scaled", 1), ("cosine", 2), ("sigma-reparam", 0))])
+
+
+def test_per_key_path_is_chosen_by_the_size_of_the_pair_table(monkeypatch):
+    """The pair table while it is no larger than the batch's pairs, else the batch's keys."""
+    from attnscale.experiments.recall import model as recall_model
+    calls = []
+    for name in ("_pair_logits", "_row_logits"):
+        real = getattr(recall_model, name)
+        monkeypatch.setattr(recall_model, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name)
+                            or _real(*a, **k))
+    for config, want in ((replace(TINY, mechanism="qknorm", batch_size=9), "_pair_logits"),
+                         (replace(TINY, mechanism="qknorm", batch_size=8), "_row_logits")):
+        # 7 keys x 6 values = 42 pairs: at most 9 x 5 = 45 pairs in the batch, at least 8 x 5
+        calls.clear()
+        model = StackedRecall([RecallNet(config)])
+        batch = train_chunk(config, 0)[0]
+        model(BatchIndex.build(stack_batches([batch]), config.n_keys, config.n_values))
+        assert calls == [want]
 
 
 def test_init_is_shared_across_mechanisms_and_reparam_matches_scaled():

@@ -27,7 +27,8 @@ mechanisms whose logits are a temperature on the plain dot product (``prepare`` 
 untouched: scaled, unscaled, mup, softcap, ...), even the logits come from a table of every
 (query token, pair token) score, ``S = T_Q T_K^T``, so nothing d_k-wide is formed per token at all.
 Mechanisms that transform q and k (qknorm, cosine, ...) run once on the n_keys x n_values distinct
-pair vectors instead of on the B x P pairs of a batch (:func:`_pair_logits`).
+pair vectors instead of on the B x P pairs of a batch (:func:`_pair_logits`), while there are no
+more of those than of the batch's pairs; else on the batch's own keys (:func:`_row_logits`).
 :class:`StackedRecall` runs M models (mechanisms or seeds) as one: their weights are stacked on a
 leading model axis, so every matmul is one ``bmm`` and the optimiser sees five tensors, not 5 M.
 """
@@ -161,6 +162,9 @@ class StackedRecall(nn.Module):
         self.k_maps = nn.ModuleList(_weight_maps(n.w_k) for n in nets)
         # Per model: whether its logits can be read off the token-pair score table.
         self.bilinear = tuple(n.bilinear for n in nets)
+        # Whether per-key mechanisms score the table of every pair vector: None decides by size
+        # per batch (see forward); True or False forces it (to test both paths).
+        self.pair_table: bool | None = None
 
     def __len__(self) -> int:
         return self.embed.shape[0]
@@ -189,14 +193,20 @@ class StackedRecall(nn.Module):
         T_qs, T_ks = T_q.unbind(0), T_k.unbind(0)                            # M x (n_keys|T, d_k)
         if any(self.bilinear):
             dots = _gather_dots(T_q, T_k, idx).unbind(0)                     # M x (B, P) = q.k_i
+        # A per-key mechanism runs on the table of every distinct pair vector while that table
+        # is no larger than the batch's pairs (32 x 32 = 1024 vs 96 x 16 at the recall study's
+        # defaults); with more key tokens (512 in the length study) the batch's own B x P key
+        # vectors are far fewer than the n_keys x n_values pairs, each scored by n_keys queries.
+        pair_table = self.pair_table if self.pair_table is not None else \
+            self.config.n_keys * self.config.n_values <= B * P
         z = []
         for m, mech in enumerate(self.mechanisms):
             if self.bilinear[m]:
                 z.append(_temper(mech, T_qs[m], T_ks[m], dots[m], P))          # (B, P)
-            elif mech.per_key:
+            elif mech.per_key and pair_table:
                 z.append(_pair_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.pairs[m],
                                       self.config.n_keys, P))                # (B, P)
-            else:  # the logit depends on the whole row: each sequence's own keys
+            else:  # the whole row, or a pair table larger than the batch: the batch's own keys
                 z.append(_row_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.tokens[m]))
         z = torch.stack(z)                                                   # (M, B, P)
         p = torch.stack([_weights(mech, z[m]) for m, mech in enumerate(self.mechanisms)])
@@ -278,8 +288,8 @@ def _weights(mechanism: Mechanism, z: Tensor) -> Tensor:
 
 def _row_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor,
                 tokens: Tensor) -> Tensor:
-    """Logits (B, P) of a mechanism that reads the whole row (not ``per_key``), on each
-    sequence's own query and key vectors: O(B P d_k)."""
+    """Logits (B, P) on each sequence's own query and key vectors, O(B P d_k): for a mechanism
+    that reads the whole row (not ``per_key``), or when the pair table would be larger."""
     B, P2 = tokens.shape
     q = T_q[query]                                                           # (B, d_k)
     k = T_k[tokens].view(B, 2, P2 // 2, -1).sum(1) * PAIR_NORM               # (B, P, d_k)
