@@ -50,9 +50,11 @@ def load(root: str | os.PathLike) -> dict[str, Loaded]:
         if not folder.is_dir() or owner(folder) != name:
             continue
         records, ok, total, wall = {}, 0, 0, 0.0
+        planned = _planned(folder)
         for key, path in store_paths(get(name), folder).items():
             if not Store(path).exists():
                 records[key] = []
+                total += planned.get(key, 0)  # a store the study has not started yet
                 continue
             res = sweep.load(path)
             records[key] = list(res.ok)
@@ -61,6 +63,18 @@ def load(root: str | os.PathLike) -> dict[str, Loaded]:
             wall += sum(r.get("wall_seconds") or 0.0 for r in res.ok)
         out[name] = Loaded(name, records, ok, total, wall)
     return out
+
+
+def _planned(folder: Path) -> dict[str, int]:
+    """Trials per store of the settings in the folder's ``study.json`` (0 where unreadable)."""
+    import json
+    import math
+    from attnscale.study.launcher import STUDY_FILE
+    try:
+        stores = json.loads((folder / STUDY_FILE).read_text(encoding="utf-8"))["stores"]
+        return {key: math.prod(len(v) for v in s["grid"].values()) for key, s in stores.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 # --- cells ----------------------------------------------------------------------------------------
@@ -126,7 +140,8 @@ def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
             lines.append(f"- **{name}**: not run yet (`attnscale study {name} --out {name}`).")
             continue
         state = "complete" if got.ok == got.total else \
-            f"still running: resume with `attnscale study {name} --resume {name}`"
+            f"not finished: `attnscale study {name} --resume {name}`, run in this folder, " \
+            "runs the rest"
         lines.append(f"- **{name}**: {got.ok} of {got.total} runs, {state}; "
                      f"{got.wall_seconds / 3600:.1f} h of trial time. "
                      f"Details: [{name}/fragment.md]({name}/fragment.md).")
