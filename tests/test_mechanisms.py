@@ -474,3 +474,46 @@ def test_row_entropy_kernel_skips_rows_without_gradient_exactly(dtype):
     assert_close(dq.double(), dq_want, **tol)
     assert_close(dk.double(), dk_want, **tol)
     assert bool(dq[:, :, :12].eq(0).all())
+
+
+def _entropy_grads(q, k, g, block_rows=4):
+    from attnscale.kernels.entropy import _RowEntropy
+    qa, ka = (t.clone().requires_grad_() for t in (q, k))
+    h = _RowEntropy.apply(qa, ka, None, False, block_rows * k.shape[-2])
+    return torch.autograd.grad(h, (qa, ka), g)
+
+
+def test_row_entropy_backward_skips_exactly_the_blocks_without_gradient(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, 2, 24, 8, generator=gen) for _ in range(2))
+    g = torch.randn(1, 2, 24, 1, generator=gen)
+    calls = []
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    from attnscale.kernels.entropy import _RowEntropy
+    with torch.no_grad():
+        _RowEntropy.apply(q, k, None, False, 4 * 24)
+    forward = len(calls)
+    calls.clear()
+    _entropy_grads(q, k, g)
+    backward = len(calls) - forward
+    calls.clear()
+    g[:, :, :12] = 0.0   # the first 3 of 6 blocks of 4 rows get no gradient
+    dq, _ = _entropy_grads(q, k, g)
+    assert forward > 0 and backward > 0
+    assert len(calls) - forward == backward // 2  # half the blocks skipped, not recomputed
+    assert bool(dq[:, :, :12].eq(0).all()) and bool(dq[:, :, 12:].ne(0).any())
+
+
+def test_row_entropy_backward_with_no_gradient_gives_zeros_and_keeps_nan():
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(2))
+    dq, dk = _entropy_grads(q, k, torch.zeros(1, 2, 16, 1))
+    assert_close(dq, torch.zeros_like(q)) and assert_close(dk, torch.zeros_like(k))
+    # A NaN query row: 0 · ∂H/∂z is NaN, as autograd through the explicit entropy gives it,
+    # whether or not the rest of the gradient is zero.
+    q[0, 1, 3] = math.nan
+    for g in (torch.zeros(1, 2, 16, 1), torch.ones(1, 2, 16, 1)):
+        dq, dk = _entropy_grads(q, k, g)
+        assert bool(dk[0, 1].isnan().any()) and bool(dq[0, 1, 3].isnan().all())
+        assert bool(dk[0, 0].isfinite().all())

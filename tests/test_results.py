@@ -261,3 +261,53 @@ def test_include_counts_the_runs_of_a_folder_store_and_its_subfolder_stores(tmp_
     alone, _ = _runs("recall", RESULTS / "recall")
     both, _ = _runs("study", folder)
     assert both["ok"] == 2 * alone["ok"] and both["total"] == 2 * alone["total"]
+
+
+def test_a_seed_part_way_through_its_lr_grid_is_left_out():
+    records = _widths_study(0.3, 0.0)
+    # scaled, width 16, seed 1 loses its top learning rate: that seed has not finished
+    records = [r for r in records if not (r["config"]["mechanism"] == "scaled"
+                                          and r["config"]["d_model"] == 16
+                                          and r["config"]["seed"] == 1
+                                          and r["config"]["lr"] == 1e-1)]
+    rows = {(r["mechanism"], r["width"]): r for r in lm_study.sensitivity_rows(records)}
+    cell = rows["scaled", 16]
+    assert cell["seeds"] == 1 and cell["partial"] == 1 and len(cell["per_seed"]) == 1
+    assert rows["qk-layernorm", 16]["partial"] == 0
+    best = {(r["mechanism"], r["width"]): r for r in lm_study.highest_lr_rows(records)}
+    assert best["scaled", 16]["seeds"] == 1 and best["scaled", 16]["partial"] == 1
+    # with no finished seed at all, the cell reads partial
+    records = [r for r in records if not (r["config"]["mechanism"] == "scaled"
+                                          and r["config"]["d_model"] == 64
+                                          and r["config"]["lr"] == 1e-1)]
+    rows = {(r["mechanism"], r["width"]): r for r in lm_study.sensitivity_rows(records)}
+    assert rows["scaled", 64]["mean"] is None and lm_study._range_text(rows["scaled", 64]) \
+        == "partial"
+    best = {(r["mechanism"], r["width"]): r for r in lm_study.highest_lr_rows(records)}
+    assert lm_study._best_text(best["scaled", 64]) == "partial"
+
+
+def test_the_lm_and_wide_stores_are_not_pooled_when_they_differ():
+    from attnscale.errors import ConfigError
+    records = [{"config": {"d_model": r["config"]["d_model"], "steps": 3}, "result": r}
+               for r in _widths_study(0.3, 0.0)]
+    lm = [r for r in records if r["config"]["d_model"] < 64]
+    wide = [{**r, "config": {**r["config"], "steps": 50}} for r in records
+            if r["config"]["d_model"] == 64]
+    with pytest.raises(ConfigError, match="steps"):
+        lm_study.analyse({"lm": lm, "wide": wide})
+    assert lm_study.analyse({"lm": lm, "wide": [{**r, "config": {**r["config"], "steps": 3}}
+                                                for r in wide]}).claims
+
+
+def test_results_page_names_failed_runs_and_links_only_fragments_that_exist(tmp_path):
+    root = _small_folder(tmp_path)
+    (root / "length" / "fragment.md").unlink()
+    store = root / "length" / "lm-length" / "results.jsonl"
+    lines = store.read_text().splitlines()
+    bad = json.loads(lines[0])
+    bad.update(status="error", error="Traceback ...\nRuntimeError: boom", result=None)
+    store.write_text("\n".join([json.dumps(bad), *lines[1:]]) + "\n")
+    text = page.render(root)
+    assert "1 failed: `attnscale sweep --resume length/lm-length --retry-errors`" in text
+    assert "length/fragment.md" not in text

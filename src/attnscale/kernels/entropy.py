@@ -99,13 +99,15 @@ class _RowEntropy(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         q, k, ent, lse, mask = ctx.saved_tensors
         causal, block_elements = ctx.args
-        if q.device.type == "cpu" and not bool(g.any()):
-            return None, None, None, None, None  # no row gets a gradient: dQ = dK = 0
+        cpu = q.device.type == "cpu"
+        finite = cpu and bool(torch.isfinite(k).all())
+        if finite and not bool(g.any()) and bool(torch.isfinite(q).all()):
+            # no row gets a gradient, and no NaN or inf would turn 0 · ∂H/∂z into NaN
+            return torch.zeros_like(q), torch.zeros_like(k), None, None, None
         g = g.contiguous()
         dq = torch.empty_like(q)
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])        # (B, H, d, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
-        cpu = q.device.type == "cpu"
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -113,16 +115,19 @@ class _RowEntropy(torch.autograd.Function):
             for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
                     zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
                 # No gradient reaches these rows (adaptive-temp's β clamped at 1 is flat in H):
-                # dZ = 0, so skip the block (on the CPU, where the test costs no device sync).
-                if cpu and not bool(g_blk.any()):
+                # dZ = 0, so skip the block (on the CPU, where the test costs no device sync),
+                # unless a NaN or inf in q or k would make 0 · ∂H/∂z NaN, as autograd gives it.
+                if finite and not bool(g_blk.any()) and bool(torch.isfinite(q_blk).all()):
                     dq_blk.zero_()
                     continue
                 n_k = tiles.n_keys(i)
                 z = tiles.hide(torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2)), b, heads, i)
                 z.sub_(lse_blk)                                           # ln p, -inf if masked
+                hidden = torch.isneginf(z)                                # masked keys
                 p = torch.exp(z)                                          # 0 at masked keys
-                # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0
-                dz = torch.where(p > 0, z.add_(ent_blk).mul_(p), 0.0).mul_(-g_blk)
+                # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0, and a
+                # row holding NaN stays NaN (its dQ too, as autograd through H gives it)
+                dz = torch.where(hidden, 0.0, z.add_(ent_blk).mul_(p)).mul_(-g_blk)
                 torch.bmm(dz, k_g[:, :n_k], out=dq_blk)                   # dQ = dZ K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)       # dKᵀ += Qᵀ dZ
 

@@ -392,7 +392,8 @@ def run_trials(trials: Trials, out: str | os.PathLike, *, workers: int | None = 
     return list(results.ok)
 
 
-def check_pooling(study: Study, key: str, records: Sequence[dict]) -> None:
+def check_pooling(study: Study, key: str, records: Sequence[dict], *,
+                  where: str | None = None) -> None:
     """Records may differ only in the grid axes the study's analysis shows; a record set that
     differs in another config field would be pooled as seeds, and is refused naming it."""
     from attnscale.sweep.trial import canonical_json
@@ -404,7 +405,8 @@ def check_pooling(study: Study, key: str, records: Sequence[dict]) -> None:
     for field, seen in values.items():
         if field not in axes and len(seen) > 1:
             shown = ", ".join(sorted(seen)[:3]) + (", ..." if len(seen) > 3 else "")
-            where = "" if len(study.stores) == 1 else f" in store {key!r}"
+            if where is None:
+                where = "" if len(study.stores) == 1 else f" in store {key!r}"
             raise ConfigError(f"the {study.name} study's runs{where} differ in {field} "
                               f"({shown}), which its analysis does not show: drawing them would "
                               f"pool them as seeds.  Keep one {field} per study folder.")

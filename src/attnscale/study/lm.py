@@ -45,21 +45,38 @@ def _order(records: Sequence[dict]) -> list[str]:
     return list(dict.fromkeys(variant(r) for r in records))
 
 
+def lr_grid(records: Sequence[dict]) -> list[float]:
+    """The learning rates of the study: every one its records hold (a store's grid is a
+    product, so each (variant, width, seed) of a finished study has them all)."""
+    return sorted({r["config"]["lr"] for r in records})
+
+
 def sensitivity_rows(records: Sequence[dict]) -> list[dict]:
-    """One row per (variant, width): LR sensitivity per seed, their mean and [min, max]."""
-    per_seed = {}
+    """One row per (variant, width): LR sensitivity per seed, their mean and [min, max].
+
+    Only the seeds whose learning-rate grid is complete count (``seeds``); a seed still part way
+    through its grid (a study stopped early) is counted in ``partial`` and left out, since a
+    sensitivity over fewer learning rates is another number."""
+    grid = lr_grid(records)
+    per_seed, partial = {}, {}
     for (var, width, seed), runs in _groups(records, "variant", "d_model", "seed").items():
         runs = sorted(runs, key=lambda r: r["config"]["lr"])
+        per_seed.setdefault((var, width), [])
+        partial.setdefault((var, width), 0)
+        if [r["config"]["lr"] for r in runs] != grid:
+            partial[var, width] += 1
+            continue
         value = lr_sensitivity([r["final_val_loss"] for r in runs], runs[0]["loss_init"])
-        per_seed.setdefault((var, width), []).append((seed, value, [r["config"]["lr"] for r in runs]))
+        per_seed[var, width].append((seed, value))
     rows = []
     for var in _order(records):
         for width in sorted({w for v, w in per_seed if v == var}):
             seeds = sorted(per_seed[var, width])
-            s = spread([v for _, v, _ in seeds])
+            s = spread([v for _, v in seeds])
             rows.append({
                 "mechanism": var, "width": width, "seeds": len(seeds),
-                "lrs": seeds[0][2], "per_seed": [v for _, v, _ in seeds],
+                "partial": partial[var, width], "lrs": grid,
+                "per_seed": [v for _, v in seeds],
                 "mean": s["mean"], "min": s["min"], "max": s["max"]})
     return rows
 
@@ -76,7 +93,10 @@ def loss_vs_lr_rows(records: Sequence[dict]) -> list[dict]:
 
 
 def _range_text(row: dict) -> str:
-    """A sensitivity row's seed spread, as every study writes one."""
+    """A sensitivity row's seed spread, as every study writes one; ``partial`` for a cell whose
+    learning-rate grid has not finished on any seed."""
+    if not row["seeds"] and row.get("partial"):
+        return "partial"
     n = sum(v is not None for v in row["per_seed"])
     return claim_rules.range_text({**row, "n": n})
 
@@ -194,19 +214,25 @@ def highest_lr_rows(records: Sequence[dict]) -> list[dict]:
     diverged), that mean loss, and the peak max attention logit there (the largest over seeds);
     ``lr`` None when no learning rate has a finite loss."""
     rows = []
+    grid = lr_grid(records)
+    complete = {key for key, runs in _groups(records, "variant", "d_model", "seed").items()
+                if sorted(r["config"]["lr"] for r in runs) == grid}
     groups = _groups(records, "variant", "d_model")
     for var in _order(records):
         for width in sorted(w for v, w in groups if v == var):
-            by_lr = _groups(groups[var, width], "lr")
+            runs_vw = [r for r in groups[var, width]
+                       if (var, width, r["config"]["seed"]) in complete]
+            by_lr = _groups(runs_vw, "lr")
             losses = {}
             for (lr,), runs in by_lr.items():
                 got = [r["final_val_loss"] for r in runs]
                 if all(x is not None and math.isfinite(x) for x in got) and \
                         not any(r["diverged"] for r in runs):
                     losses[lr] = float(np.mean(got))
+            seeds = {r["config"]["seed"] for r in runs_vw}
             row = {"mechanism": var, "width": width, "lr": None, "loss": None, "best_loss": None,
-                   "peak_logit": None, "within": TRAINS_WITHIN,
-                   "seeds": len({r["config"]["seed"] for r in groups[var, width]})}
+                   "peak_logit": None, "within": TRAINS_WITHIN, "seeds": len(seeds),
+                   "partial": len({r["config"]["seed"] for r in groups[var, width]} - seeds)}
             if losses:
                 best = min(losses.values())
                 lr = max(x for x, v in losses.items() if v <= (1 + TRAINS_WITHIN) * best)
@@ -451,10 +477,16 @@ def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
         "E over η of [min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023), ℓ0 the loss "
         "at init and ℓ* the best over the grid: mean over seeds [seed-to-seed min, max]; lower "
         "is more robust.", "", *_width_table(records, widths, cell, _range_text)]
-    thin = sorted({r["width"] for r in rows if r["seeds"] < seeds})
+    thin = sorted({r["width"] for r in rows if 0 < r["seeds"] < seeds and not r["partial"]})
     if thin:
         lines += ["", f"Width {', '.join(map(str, thin))} ran on fewer seeds (a blank cell: that "
                   "variant did not run there); a single seed has no seed range."]
+    unfinished = [r for r in rows if r["partial"]]
+    if unfinished:
+        lines += ["", f"{len(unfinished)} cell(s) have a seed whose learning-rate grid has not "
+                  "finished (the study was stopped part way): such a seed is left out of its "
+                  "cell, the claims and the highest-LR table, and a cell with no finished seed "
+                  "reads `partial`."]
     best = {(r["mechanism"], r["width"]): r for r in highest_lr_rows(records)}
     lines += ["", "#### Highest learning rate that trains", "",
               f"The highest peak LR whose final validation loss (mean over seeds) is within "
@@ -484,9 +516,10 @@ def _width_table(records: Sequence[dict], widths: Sequence[int], cell: Mapping[t
 
 
 def _best_text(row: dict) -> str:
-    """A highest-LR cell: ``lr 0.01: loss 1.234, logit 56.7``, or ``none`` when no LR trains."""
+    """A highest-LR cell: ``lr 0.01: loss 1.234, logit 56.7``; ``none`` when no LR trains,
+    ``partial`` when no seed has finished its learning-rate grid."""
     if row["lr"] is None:
-        return "none"
+        return "partial" if not row["seeds"] and row.get("partial") else "none"
     logit = "n/a" if row["peak_logit"] is None else f"{row['peak_logit']:.1f}"
     return f"lr {row['lr']:g}: loss {row['loss']:.3f}, logit {logit}"
 
@@ -507,6 +540,12 @@ def study_records(stores: Mapping[str, list[dict]]) -> list[dict]:
 def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
     """LR sensitivity, highest-trainable-LR and loss-vs-LR tables, every claim, and the four
     figures."""
+    if stores.get("wide") and stores.get("lm"):
+        # The two stores are drawn as one grid (widths side by side): they may differ only in
+        # the grid's axes, as the runs of one store may.
+        from attnscale.study.launcher import check_pooling
+        check_pooling(STUDY, "lm", [*stores["lm"], *stores["wide"]],
+                      where=" in its stores lm and wide")
     records = study_records(stores)
     all_claims = claims(records)
     rows = sensitivity_rows(records)

@@ -25,6 +25,9 @@ STUDY_FOLDERS = ("lm", "length", "recall")
 # its trained context.
 RECALL_PAIRS = 512
 LM_CONTEXT_FACTOR = 8
+# Held-out recall accuracy at which the page calls the task solved by a mechanism (every seed,
+# every d_k), so that the recall study's column compares speed alone.
+RECALL_SOLVED = 0.95
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Loaded:
     ok: int
     total: int
     wall_seconds: float
+    failed: Mapping[str, int]   # store path, relative to the study folder's parent -> failed runs
+    fragment: bool              # whether the folder has its fragment.md
 
 
 def load(root: str | os.PathLike) -> dict[str, Loaded]:
@@ -49,7 +54,7 @@ def load(root: str | os.PathLike) -> dict[str, Loaded]:
         folder = root / name
         if not folder.is_dir() or owner(folder) != name:
             continue
-        records, ok, total, wall = {}, 0, 0, 0.0
+        records, ok, total, wall, failed = {}, 0, 0, 0.0, {}
         planned = _planned(folder)
         for key, path in store_paths(get(name), folder).items():
             if not Store(path).exists():
@@ -61,7 +66,10 @@ def load(root: str | os.PathLike) -> dict[str, Loaded]:
             ok += len(res.ok)
             total += len(res.ok) + len(res.failed) + len(res.pending)
             wall += sum(r.get("wall_seconds") or 0.0 for r in res.ok)
-        out[name] = Loaded(name, records, ok, total, wall)
+            if res.failed:
+                failed[path.relative_to(root).as_posix()] = len(res.failed)
+        out[name] = Loaded(name, records, ok, total, wall, failed,
+                           (folder / "fragment.md").is_file())
     return out
 
 
@@ -87,6 +95,20 @@ def _spread_text(s: dict | None, fmt: str = claim_rules.FMT) -> str:
     return with_interval(s["mean"], [s["min"], s["max"]], fmt)
 
 
+def lm_range_text(row: dict) -> str:
+    """An LM sensitivity cell as the LM study writes it (:func:`attnscale.study.lm._range_text`)."""
+    from attnscale.study.lm import _range_text
+    return _range_text(row)
+
+
+def _lr_cell(row: dict) -> str:
+    """A highest-LR row's learning rate; ``none`` when no LR trains, ``partial`` when no seed has
+    finished its learning-rate grid."""
+    if row["lr"] is None:
+        return "partial" if not row["seeds"] and row.get("partial") else "none"
+    return f"{row['lr']:g}"
+
+
 def _lm_tables(loaded: Loaded | None) -> dict:
     if loaded is None:
         return {}
@@ -97,7 +119,7 @@ def _lm_tables(loaded: Loaded | None) -> dict:
     rows = lm.sensitivity_rows(records)
     return {"records": records, "sensitivity": rows, "highest": lm.highest_lr_rows(records),
             "claims": lm.claims(records), "widths": sorted({r["width"] for r in rows}),
-            "order": list(dict.fromkeys(r["mechanism"] for r in rows))}
+            "order": lm._order(records)}
 
 
 def _length_tables(loaded: Loaded | None) -> dict:
@@ -127,7 +149,8 @@ def _recall_tables(loaded: Loaded | None) -> dict:
         if r["d_k"] in ends:
             cells.setdefault(r["mechanism"], {})[r["d_k"]] = r
     worst = min(rows, key=lambda r: r["accuracy_min"])
-    return {"d_k": ends, "rows": cells, "worst": worst, "seeds": max(r["seeds"] for r in rows)}
+    return {"d_k": ends, "rows": cells, "worst": worst, "all": rows,
+            "seeds": max(r["seeds"] for r in rows)}
 
 
 # --- the page -------------------------------------------------------------------------------------
@@ -139,12 +162,18 @@ def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
         if got is None:
             lines.append(f"- **{name}**: not run yet (`attnscale study {name} --out {name}`).")
             continue
-        state = "complete" if got.ok == got.total else \
-            f"not finished: `attnscale study {name} --resume {name}`, run in this folder, " \
-            "runs the rest"
+        pending = got.total - got.ok - sum(got.failed.values())
+        state = "complete" if got.ok == got.total and got.total else \
+            "no runs yet" if not got.total else ""
+        if pending > 0:
+            state = (f"{pending} not run yet: `attnscale study {name} --resume {name}`, run in "
+                     "this folder, runs them")
+        for store, n in got.failed.items():
+            state += ("; " if state else "") + (f"{n} failed: `attnscale sweep --resume {store} "
+                                                 "--retry-errors` runs them again")
+        details = f" Details: [{name}/fragment.md]({name}/fragment.md)." if got.fragment else ""
         lines.append(f"- **{name}**: {got.ok} of {got.total} runs, {state}; "
-                     f"{got.wall_seconds / 3600:.1f} h of trial time. "
-                     f"Details: [{name}/fragment.md]({name}/fragment.md).")
+                     f"{got.wall_seconds / 3600:.1f} h of trial time.{details}")
     return lines
 
 
@@ -168,7 +197,8 @@ def _lm_setup(lm: dict) -> str:
     for r in lm["sensitivity"]:
         seeds.setdefault(r["width"], set()).add(r["seeds"])
     per_width = ", ".join(f"width {w}: {_seeds(max(s))}" for w, s in sorted(seeds.items()))
-    device = c.get("device", "cpu") + (" bf16" if c.get("bf16") else " float32")
+    device = str(c.get("device", "cpu")).split(":")[0] + (" bf16" if c.get("bf16") else
+                                                          " float32")
     return (f"The LM columns come from a byte-level LM of {c['n_layers']} layers and "
             f"{c['n_heads']} heads, context {c['seq_len']}, {c['steps']} steps of batch "
             f"{c['batch_size']}, on {device} ({per_width}).  LR sensitivity is Wortsman et al. "
@@ -200,12 +230,10 @@ def _table(lm: dict, length: dict, recall: dict) -> list[str]:
         cells = [m]
         for w in widths:
             r = sens.get((m, w))
-            cells.append("" if r is None else claim_rules.range_text(
-                {**r, "n": sum(v is not None for v in r["per_seed"])}))
+            cells.append("" if r is None else lm_range_text(r))
         if widths:
             rows = [best.get((m, w)) for w in widths]
-            cells.append(" / ".join("" if r is None else "none" if r["lr"] is None
-                                    else f"{r['lr']:g}" for r in rows)
+            cells.append(" / ".join("" if r is None else _lr_cell(r) for r in rows)
                          if any(rows) else "")
             cells.append(" / ".join("" if r is None or r["peak_logit"] is None
                                     else f"{r['peak_logit']:.1f}" for r in rows)
@@ -258,16 +286,18 @@ def _answer(lm: dict, length: dict) -> list[str]:
     """The short answer: the best mechanisms on each axis the studies measure, each against
     ``scaled`` with the seed ranges, in words the numbers decide."""
     out = []
-    if lm:
-        rows = lm["sensitivity"]
-        seeds = max(r["seeds"] for r in rows)
+    rows = lm.get("sensitivity", [])
+    seeds = max((r["seeds"] for r in rows), default=0)
+    if seeds:
         widths = sorted({r["width"] for r in rows if r["seeds"] == seeds})
         w = widths[-1]
-        values = {r["mechanism"]: r for r in rows if r["width"] == w and r["mean"] is not None}
+        # only the cells with every seed, so that each number in the ranking is alike
+        values = {r["mechanism"]: r for r in rows if r["width"] == w and r["seeds"] == seeds
+                  and r["mean"] is not None}
         top = _ranked(values, lower=True)[:3]
-        text = "; ".join(f"{m} {claim_rules.range_text({**s, 'n': seeds})}" for m, s in top)
+        text = "; ".join(f"{m} {lm_range_text(s)}" for m, s in top)
         ref = values.get("scaled")
-        tail = f" against scaled's {claim_rules.range_text({**ref, 'n': seeds})}" \
+        tail = f" against scaled's {lm_range_text(ref)}" \
             if ref and "scaled" not in dict(top) else ""
         lead = top[0][0] if top else None
         how = _against(values, lead, "scaled", lower=True) if lead and seeds > 1 else \
@@ -342,10 +372,18 @@ def render(root: str | os.PathLike) -> str:
                   *_table(lm, length, recall), ""]
         if recall:
             w = recall["worst"]
-            lines += [f"In the recall study ({_seeds(recall['seeds'])} per cell) every mechanism "
-                      f"reaches at least {100 * w['accuracy_min']:.1f}% held-out accuracy at "
-                      f"every d_k (the lowest seed: {w['mechanism']} at d_k {w['d_k']}), so its "
-                      "column is how fast each one learns the task.", ""]
+            if w["accuracy_min"] >= RECALL_SOLVED:
+                lines += [f"In the recall study ({_seeds(recall['seeds'])} per cell) every "
+                          f"mechanism reaches at least {100 * w['accuracy_min']:.1f}% held-out "
+                          f"accuracy at every d_k (the lowest seed: {w['mechanism']} at d_k "
+                          f"{w['d_k']}), so its column is how fast each one learns the task.", ""]
+            else:
+                short = sorted({(r["mechanism"], r["d_k"]) for r in recall["all"]
+                                if r["accuracy_min"] < RECALL_SOLVED})
+                lines += [f"In the recall study ({_seeds(recall['seeds'])} per cell) a seed stays "
+                          f"below {RECALL_SOLVED:.0%} held-out accuracy for "
+                          + ", ".join(f"{m} at d_k {d}" for m, d in short)
+                          + " (see recall/fragment.md); the column is how fast each learns.", ""]
     verdicts = _verdicts(lm, length)
     if verdicts:
         lines += ["## The claims, one by one", "", *verdicts]
