@@ -535,3 +535,18 @@ def test_a_sweep_of_a_script_experiment_says_how_to_resume_it(cli, tmp_path):
     done = subprocess.run([sys.executable, str(script), "resume", str(out)], env=env, check=True,
                           timeout=300, capture_output=True, text=True)
     assert done.stdout.strip() == "2"
+
+
+def test_a_driver_read_from_stdin_is_refused_before_any_work(tmp_path):
+    """Local workers re-import the driver's __main__ from its file; from stdin there is none."""
+    import subprocess
+    import sys
+    out = tmp_path / "s"
+    script = (f"from attnscale import sweep\n"
+              f"sweep.run('saturation', {{'seed': [0], 'mechanism': ['scaled']}}, {str(out)!r}, "
+              f"fixed={{'d_k': 16}}, workers=1)\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "read from '<stdin>', not a file" in done.stderr
+    assert not out.exists()

@@ -24,6 +24,7 @@ import contextlib
 import importlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -184,6 +185,19 @@ def _connected(executor: dict) -> Iterator[None]:
         yield
 
 
+def _check_main_importable() -> None:
+    """The local workers start as multiprocessing's forkserver children, which re-run the
+    driver's ``__main__`` from its file; a ``__main__`` read from stdin (``python - <<EOF``) names
+    a file that does not exist, and every trial would fail on it.  Refuse that before any work."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and isinstance(path, str) and \
+            not os.path.isfile(path):
+        raise ConfigError(f"the local sweep workers re-import the driver's __main__, which was "
+                          f"read from {path!r}, not a file; run the sweep from a script file, "
+                          "with python -m or -c, in a notebook, or with the attnscale command.")
+
+
 def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
               gpus_per_trial) -> dict:
     """Check the executor options; return how to run tasks."""
@@ -197,6 +211,7 @@ def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
             raise ConfigError("cpus_per_trial applies to the Ray executor; locally, --workers "
                               "sets the processes and each gets cores / workers threads.")
         workers = cpu_count() if workers is None else check_int("workers", workers, minimum=1)
+        _check_main_importable()
         return {"kind": "local", "workers": workers, "threads": threads_per_worker(workers)}
     if workers is not None:
         raise ConfigError("workers applies to the local executor; with Ray, cpus_per_trial "
