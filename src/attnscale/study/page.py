@@ -318,9 +318,13 @@ def _verdicts(lm: dict, length: dict) -> list[str]:
     lines = []
     if lm:
         rows = lm["sensitivity"]
-        counts = sorted({(r["width"], r["seeds"]) for r in rows})
+        per_width = {}
+        for r in rows:
+            per_width.setdefault(r["width"], []).append(r["seeds"])
         lines.append("The LM study's claims rest on " + ", ".join(
-            f"width {w} with {_seeds(s)}" for w, s in counts) + ".")
+            f"width {w} with {_seeds(max(n))}" if min(n) == max(n) else
+            f"width {w} with {min(n)}–{max(n)} seeds per variant (not every variant has "
+            "finished)" for w, n in sorted(per_width.items())) + ".")
         lines.append("")
         for c in lm["claims"]:
             lines.append(f"- **{c['claim']}** {_verdict_word(c['verdict'])}. Expected: "
