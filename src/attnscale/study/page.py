@@ -46,14 +46,12 @@ def load(root: str | os.PathLike) -> dict[str, Loaded]:
     """Every study folder of :data:`STUDY_FOLDERS` under ``root`` that holds its study."""
     from attnscale import sweep
     from attnscale.study import get
-    from attnscale.study.launcher import owner, store_paths
+    from attnscale.study.launcher import store_paths
     from attnscale.sweep.store import Store
     root = Path(root)
     out = {}
-    for name in STUDY_FOLDERS:
+    for name in studies_in(root):
         folder = root / name
-        if not folder.is_dir() or owner(folder) != name:
-            continue
         records, ok, total, wall, failed = {}, 0, 0, 0.0, {}
         planned = _planned(folder)
         for key, path in store_paths(get(name), folder).items():
@@ -430,5 +428,8 @@ def check_root(root: str | os.PathLike | None, param: str = "DIR") -> Path:
 
 
 def studies_in(root: str | os.PathLike) -> Sequence[str]:
-    """The study folders of :data:`STUDY_FOLDERS` that ``root`` holds."""
-    return list(load(root))
+    """The study folders of :data:`STUDY_FOLDERS` that ``root`` holds (each marked, or found, as
+    its study's), without reading their stores."""
+    from attnscale.study.launcher import owner
+    return [name for name in STUDY_FOLDERS
+            if (Path(root) / name).is_dir() and owner(Path(root) / name) == name]
