@@ -441,6 +441,19 @@ def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
         build_mechanism("yarn", D, H, mscale_all_dim=-1)
 
 
+def _explicit_entropy(q, k, g, seen, scale=1.0):
+    """H of softmax(scale q kᵀ) over the ``seen`` keys, and its q and k gradients for incoming
+    ``g``, by autograd through H = lse - Σ p z (no log of a zero weight: autograd stays
+    finite)."""
+    qr, kr = (t.clone().requires_grad_() for t in (q, k))
+    raw = scale * qr @ kr.transpose(-2, -1)
+    z = raw.masked_fill(~seen, -math.inf)
+    p = torch.softmax(z, -1)
+    want = torch.logsumexp(z, -1, keepdim=True) - (p * raw.masked_fill(~seen, 0.0)).sum(
+        -1, keepdim=True)
+    return (want.detach(), *torch.autograd.grad(want, (qr, kr), g))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_row_entropy_kernel_skips_rows_without_gradient_exactly(dtype):
     """The entropy pass (compiled row kernel for float32 on the CPU, its lse read from p_max)
@@ -458,28 +471,50 @@ def test_row_entropy_kernel_skips_rows_without_gradient_exactly(dtype):
     g[:, :, :12] = 0.0   # with 4-row blocks: whole blocks without gradient
     g[:, :, 17] = 0.0    # and one row inside a block that has some
     qa, ka = (t.to(dtype).requires_grad_() for t in (q, k))
-    got = _RowEntropy.apply(qa, ka, mask, True, 4 * n)  # blocks of 4 query rows
+    got = _RowEntropy.apply(qa, ka, mask, True, 4 * n, 1.0)  # blocks of 4 query rows
     dq, dk = torch.autograd.grad(got, (qa, ka), g.to(dtype))
-    qr, kr = (t.clone().requires_grad_() for t in (q, k))
-    seen = mask & torch.ones(n, n).tril().bool()
-    raw = qr @ kr.transpose(-2, -1)
-    z = raw.masked_fill(~seen, -math.inf)
-    p = torch.softmax(z, -1)
-    # H = lse - Σ p z over attended keys (no log of a zero weight, so autograd stays finite)
-    want = torch.logsumexp(z, -1, keepdim=True) - (p * raw.masked_fill(~seen, 0.0)).sum(
-        -1, keepdim=True)
-    dq_want, dk_want = torch.autograd.grad(want, (qr, kr), g)
+    want, dq_want, dk_want = _explicit_entropy(q, k, g, mask & torch.ones(n, n).tril().bool())
     tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
-    assert_close(got.double(), want.detach(), **tol)
+    assert_close(got.double(), want, **tol)
     assert_close(dq.double(), dq_want, **tol)
     assert_close(dk.double(), dk_want, **tol)
     assert bool(dq[:, :, :12].eq(0).all())
 
 
-def _entropy_grads(q, k, g, block_rows=4):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_shape", [(24, 24), (2, 1, 24, 24)])
+def test_row_entropy_backward_scores_only_the_rows_with_gradient(dtype, mask_shape, monkeypatch):
+    """A few rows with a gradient (adaptive-temp's β > 1 on a handful of rows): the backward
+    gathers those rows alone, and matches autograd through the explicit entropy under a mask
+    and causality."""
+    from attnscale.kernels import entropy
+    sparse = []
+    real = entropy._sparse_backward
+    monkeypatch.setattr(entropy, "_sparse_backward",
+                        lambda *a: sparse.append(a[-1].most) or real(*a))
+    gen = torch.Generator().manual_seed(7)
+    b, h, n, d = 2, 3, 24, 8
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    mask = torch.rand(*mask_shape, generator=gen) > 0.2
+    mask[..., 0] = True
+    g = torch.zeros(b, h, n, 1, dtype=torch.float64)
+    g[0, 1, 5], g[0, 1, 20], g[1, 2, 3], g[1, 0, 23] = 0.7, -1.3, 2.0, 0.4   # 4 of 144 rows
+    qa, ka = (t.to(dtype).requires_grad_() for t in (q, k))
+    got = entropy._RowEntropy.apply(qa, ka, mask, True, 4 * n, 0.6)     # scale 0.6
+    dq, dk = torch.autograd.grad(got, (qa, ka), g.to(dtype))
+    assert sparse == [2]  # gathered: at most 2 rows for one (batch, head)
+    _, dq_want, dk_want = _explicit_entropy(q, k, g, mask & torch.ones(n, n).tril().bool(), 0.6)
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
+    assert_close(dq.double(), dq_want, **tol)
+    assert_close(dk.double(), dk_want, **tol)
+    assert int(dq.ne(0).any(dim=-1).sum()) == 4
+
+
+def _entropy_grads(q, k, g, block_rows=4, scale=1.0):
     from attnscale.kernels.entropy import _RowEntropy
     qa, ka = (t.clone().requires_grad_() for t in (q, k))
-    h = _RowEntropy.apply(qa, ka, None, False, block_rows * k.shape[-2])
+    h = _RowEntropy.apply(qa, ka, None, False, block_rows * k.shape[-2], scale)
     return torch.autograd.grad(h, (qa, ka), g)
 
 
@@ -492,7 +527,7 @@ def test_row_entropy_backward_skips_exactly_the_blocks_without_gradient(monkeypa
     monkeypatch.setattr(torch, "bmm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     from attnscale.kernels.entropy import _RowEntropy
     with torch.no_grad():
-        _RowEntropy.apply(q, k, None, False, 4 * 24)
+        _RowEntropy.apply(q, k, None, False, 4 * 24, 1.0)
     forward = len(calls)
     calls.clear()
     _entropy_grads(q, k, g)

@@ -1,6 +1,7 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
- * (rowstats_kernel.h) and the elementwise part of the soft-cap attention kernel
- * (softcap_kernel.h).
+ * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h)
+ * the row entropy and log-sum-exp of adaptive temperature (entropy_kernel.h) and the bfloat16
+ * row max of the S_max screen (peak_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
  * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
@@ -25,6 +26,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define CHUNK 512    /* keys per float partial sum */
 #define SUM_SCALE 0x1p-32f  /* exact scale of pass 1's float sums: 512 * FLT_MAX * 2^-32 is finite */
@@ -39,6 +43,8 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #include "simd.h"
 #include "rowstats_kernel.h"
 #include "softcap_kernel.h"
+#include "entropy_kernel.h"
+#include "peak_kernel.h"
 #undef vf
 #undef vi
 #undef KERNEL
@@ -58,6 +64,8 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #include "simd.h"
 #include "rowstats_kernel.h"
 #include "softcap_kernel.h"
+#include "entropy_kernel.h"
+#include "peak_kernel.h"
 #undef vf
 #undef vi
 #undef KERNEL
@@ -72,6 +80,8 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 typedef void (*row_fn)(const float *, int64_t, double *);
 typedef void (*probs_fn)(const float *, int64_t, int64_t, float, float *);
 typedef void (*grad_fn)(const float *, const float *, float *, float, int64_t);
+typedef void (*entropy_fn)(const float *, int64_t, double *);
+typedef float (*bf16_max_fn)(const uint16_t *, int64_t);
 
 static int use_avx2(int portable) {
 #ifdef HAVE_AVX2_BUILD
@@ -112,8 +122,9 @@ void attnscale_row_stats(const float *z, int64_t width, int64_t ld, const int64_
 int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
- * on tanh with NaN propagation (1 was 2c sigmoid(2x)). */
-int attnscale_kernels_version(void) { return 3; }
+ * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
+ * 4 = attnscale_row_entropy and attnscale_bf16_row_max. */
+int attnscale_kernels_version(void) { return 4; }
 
 /* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
  * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
@@ -133,4 +144,21 @@ void attnscale_softcap_grad(const float *s, const float *p, float *dp, const flo
     grad_fn row = PICK(softcap_grad_row, portable);
     for (int64_t r = row0; r < row1; r++)
         row(s + r * ld, p + r * ld, dp + r * ld, delta[r], width);
+}
+
+/* Entropy and log-sum-exp of softmax over rows [row0, row1) of z (columns as for
+ * attnscale_row_stats); out: two doubles (H, lse) per row. */
+void attnscale_row_entropy(const float *z, int64_t width, int64_t ld, const int64_t *limit,
+                           int64_t period, int64_t row0, int64_t row1, double *out,
+                           int portable) {
+    entropy_fn row = PICK(entropy_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(z + r * ld, row_limit(limit, period, r, width), out + 2 * r);
+}
+
+/* Max of each of rows [row0, row1) of bfloat16 z (rows of stride ld, width keys): out[r]. */
+void attnscale_bf16_row_max(const uint16_t *z, int64_t width, int64_t ld, int64_t row0,
+                            int64_t row1, float *out, int portable) {
+    bf16_max_fn row = PICK(bf16_row_max, portable);
+    for (int64_t r = row0; r < row1; r++) out[r] = row(z + r * ld, width);
 }

@@ -11,6 +11,18 @@ typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 static inline vf KERNEL(splat)(float x) { vf v = {0}; return v + x; }
 static inline vf KERNEL(sel)(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
+/* max(a, b) lane by lane, b where either is NaN: one instruction on x86 (maxps keeps its second
+ * operand when one is NaN) and a compare and select elsewhere. */
+static inline vf KERNEL(vmax)(vf a, vf b) {
+#if defined(__x86_64__) && W == 8
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#elif defined(__x86_64__) && W == 4
+    return (vf)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    return KERNEL(sel)(a > b, a, b);
+#endif
+}
+
 /* W keys from i on; keys at or beyond n read as -inf (masked). */
 static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
     vf v;

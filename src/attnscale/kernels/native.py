@@ -8,11 +8,13 @@ environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and ever
 PyTorch formulation instead:
 
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
-* the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`.
+* the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
+* the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature);
+* the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen.
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`softcap_probs` and :func:`softcap_grad`,
-which check dtype, device, layout and shapes and pass pointers and strides on; nothing else in
-attnscale touches ``data_ptr``.
+Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
+:func:`softcap_probs` and :func:`softcap_grad`, which check dtype, device, layout and shapes and pass pointers and strides
+on; nothing else in attnscale touches ``data_ptr``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from attnscale.columns import ROW_STATS_COLUMNS
 NATIVE_ENV = "ATTNSCALE_NATIVE"
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 3
+KERNELS_VERSION = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +59,10 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_softcap_probs.restype = None
     lib.attnscale_softcap_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, flag]
     lib.attnscale_softcap_grad.restype = None
+    lib.attnscale_row_entropy.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
+    lib.attnscale_row_entropy.restype = None
+    lib.attnscale_bf16_row_max.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
+    lib.attnscale_bf16_row_max.restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
     version.restype = ctypes.c_int
@@ -89,11 +95,13 @@ def require() -> ctypes.CDLL:
 # Typed wrappers
 
 
-def _rows(name: str, t: Tensor) -> tuple[int, int, int]:
-    """(rows, width, row stride) of float32 CPU ``t`` seen as rows of its last dimension, each of
-    unit stride and row r starting r · stride after the first; ValueError naming ``name`` else."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+def _rows(name: str, t: Tensor, dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(rows, width, row stride) of ``dtype`` CPU ``t`` seen as rows of its last dimension, each
+    of unit stride and row r starting r · stride after the first; ValueError naming ``name``
+    else."""
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')} on the CPU, got "
+                         f"{t.dtype} on {t.device}")
     if t.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension")
     width = t.shape[-1]
@@ -145,6 +153,36 @@ def row_stats_rows(z: Tensor, out: Tensor, span: tuple[int, int], *,
     limit_ptr, period = _limit(limit)
     require().attnscale_row_stats(z.data_ptr(), width, ld, limit_ptr, period, row0, row1,
                                   out.data_ptr(), int(portable))
+
+
+def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: bool = False) -> Tensor:
+    """Entropy H (nats) and log-sum-exp of softmax over the last dimension of float32 logits ``z``
+    (..., n): float64 (..., 2), columns (H, lse).
+
+    ``z = -inf`` marks a masked key, and row r of the flattened rows sees only its first
+    ``limit[r % len(limit)]`` keys when ``limit`` is given.  A row without a key gives (0, 0), a
+    row holding NaN or ``+inf`` (NaN, NaN).  One thread; callers split the rows.
+    """
+    rows, width, ld = _rows("z", z)
+    out = torch.empty(*z.shape[:-1], 2, dtype=torch.float64)
+    if rows and width:
+        limit_ptr, period = _limit(limit)
+        require().attnscale_row_entropy(z.data_ptr(), width, ld, limit_ptr, period, 0, rows,
+                                        out.data_ptr(), int(portable))
+    else:
+        out.zero_()
+    return out
+
+
+def bf16_row_max(z: Tensor, *, portable: bool = False) -> Tensor:
+    """Max over the last dimension of bfloat16 CPU ``z`` (..., n), as float32 (...); -inf for a
+    row of -inf or of no key.  NaN entries are skipped (callers check finiteness).  One thread."""
+    rows, width, ld = _rows("z", z, torch.bfloat16)
+    out = torch.empty(z.shape[:-1], dtype=torch.float32)
+    if rows:
+        require().attnscale_bf16_row_max(z.data_ptr(), width, ld, 0, rows, out.data_ptr(),
+                                         int(portable))
+    return out
 
 
 def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,

@@ -56,4 +56,4 @@ class AdaptiveTemp(Mechanism):
 
     def row_temperature(self, q: Tensor, k: Tensor, scale: Scale, mask: Tensor | None,
                         causal: bool) -> Tensor:
-        return beta(row_entropy(q * scale, k, mask, causal))   # (B, H, Nq, 1)
+        return beta(row_entropy(q, k, mask, causal, scale))   # (B, H, Nq, 1)

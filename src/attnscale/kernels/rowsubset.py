@@ -1,0 +1,66 @@
+"""A few query rows out of (B, H, Nq): the second pass of the kernels that first find, cheaply,
+the rows that matter (the bfloat16 screen of :mod:`attnscale.kernels.peak`, the rows of
+:mod:`attnscale.kernels.entropy`'s backward that receive a gradient) and then score only those.
+
+Each (batch, head) keeps its own rows, padded to the most any of them has by repeating its first
+one, so the subset stays a dense (B, H, c, ·) tensor that one batched matmul scores against its
+head's keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+class RowSubset:
+    """The rows where ``select`` (B, H, Nq) is True.
+
+    Attributes:
+        idx: (B, H, c) int64, each (batch, head)'s selected query indices, padded by repeating its
+            first (index 0 for a head with none).
+        real: (B, H, c) bool, False at the padding.
+        most: c, the most rows one (batch, head) selects.
+    """
+
+    def __init__(self, select: Tensor):
+        counts = select.sum(dim=-1)                                        # (B, H)
+        self.most = int(counts.max()) if counts.numel() else 0
+        order = torch.argsort(select.to(torch.int8), dim=-1, descending=True, stable=True)
+        slot = torch.arange(self.most, device=select.device)
+        self.real = slot < counts.unsqueeze(-1)                            # (B, H, c)
+        idx = order[..., :self.most]
+        self.idx = torch.where(self.real, idx, idx[..., :1])
+
+    def gather(self, t: Tensor) -> Tensor:
+        """The selected rows of a (B, H, Nq, ·) tensor: (B, H, c, ·)."""
+        b, h, c = self.idx.shape
+        return t.gather(2, self.idx.unsqueeze(-1).expand(b, h, c, t.shape[-1]))
+
+    def scatter_add(self, into: Tensor, rows: Tensor) -> Tensor:
+        """``into`` (B, H, Nq, ·) with ``rows`` (B, H, c, ·) added at the selected rows (padding
+        rows must be 0: they land on a real one)."""
+        b, h, c = self.idx.shape
+        return into.scatter_add_(2, self.idx.unsqueeze(-1).expand(b, h, c, into.shape[-1]), rows)
+
+    def hidden(self, hidden: Tensor | None, n_k: int, causal: bool) -> Tensor | None:
+        """The keys each selected row does not attend: bool broadcastable to (B, H, c, Nk), from
+        ``hidden`` (True = masked, broadcastable to (B, H, Nq, Nk)) and top-left causality."""
+        b, h, c = self.idx.shape
+        out = None
+        if hidden is not None:
+            out = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
+            if out.shape[-2] > 1:  # per-query mask rows: the selected rows' own
+                out = out.expand(b, h, out.shape[-2], n_k).gather(
+                    2, self.idx.unsqueeze(-1).expand(b, h, c, n_k))
+        if causal:
+            above = torch.arange(n_k, device=self.idx.device) > self.idx.unsqueeze(-1)
+            out = above if out is None else out | above
+        return out
+
+
+def masked(z: Tensor, hidden: Tensor | None) -> Tensor:
+    """``z`` with the hidden entries at -inf (in place)."""
+    return z if hidden is None else z.masked_fill_(hidden, -math.inf)
