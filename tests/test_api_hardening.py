@@ -319,7 +319,7 @@ def test_monitor_of_a_foreign_sdpa_call_counts_only_attended_keys(additive):
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("portable", [False, True, 2], ids=["native", "portable", "avx2"])
 def test_row_kernel_limit_hides_huge_logits(portable):
     """The row kernel's key limit (causality as counts) and -inf masks: hidden logits of 1e30
     change nothing.  The compiled kernel, both instruction sets, against the reference."""

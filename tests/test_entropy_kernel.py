@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 
 RTOL = 1e-5   # as in tests/test_rowstats.py: float32 runs of <= 128 terms per lane
 WIDTHS = (1, 2, 3, 7, 8, 9, 511, 513, 1025, 2051)
-ISA = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+ISA = pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
 
 
 def reference(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -129,7 +129,7 @@ def test_automatic_mode_screens_large_calls_only_where_bfloat16_is_fast(screened
 
 
 @pytest.mark.skipif(not native.available(), reason="attnscale's compiled kernels are not built")
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 33, 1024])
 def test_bf16_row_max_kernel(width, portable):
     g = torch.Generator().manual_seed(width)

@@ -1,10 +1,10 @@
 """The compiled row-statistics kernel (attnscale.kernels.rowstats) against the float64 formulation of
-attnscale.stats, on both of its builds (AVX2 and the portable 128-bit one).
+attnscale.stats, on each of its builds (AVX-512, AVX2 and the portable 128-bit one).
 
 The reference evaluates attnscale.stats on the float32 logits upcast to float64 (exactly), so the
 only difference it sees is the kernel's own arithmetic.  The kernel sums in float32 within runs of
-512 keys, split over W = 8 (AVX2) or 4 (128-bit) lanes, i.e. at most 128 additions per lane before
-the sum goes to float64.  Recursive summation of non-negative terms is accurate to (k - 1) * 2^-24
+512 keys, split over W = 16 (AVX-512), 8 (AVX2) or 4 (128-bit) lanes, i.e. at most 128 additions
+per lane before the sum goes to float64.  Recursive summation of non-negative terms is accurate to (k - 1) * 2^-24
 relative for k terms, so at most 127 * 6e-8 = 7.6e-6 (about 1e-6 for random rounding), and its
 exp is within ~2 ulp (1.2e-7): RTOL = 1e-5 bounds the worst case.  Every sum the kernel forms is of
 terms of one sign (entropy = log1p(S) + |p_t m sum u d|), so the error stays *relative* even where
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="attnscale's compiled kernels are not built or disabled")
 
 WIDTHS = (1, 2, 3, 7, 8, 9, 511, 513, 1025, 2051)
-ISA = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+ISA = pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def randn(*shape: int, seed: int, std: float = 1.0, mean: float = 0.0) -> torch.
 def test_kernel_is_built():
     """CI builds the extension; this fails if it silently was not."""
     assert native.available()
-    assert native.isa() in ("avx2", "v128")
+    assert native.isa() in ("avx512", "avx2", "v128")
     assert native.ROW_STATS_COLUMNS == COLUMNS
 
 
@@ -114,14 +114,19 @@ def test_random_logits_match_float64_reference(n, mean, std, portable):
 
 
 def test_portable_runs_the_other_build():
-    """With AVX2 present, portable=True must run the 4-lane build: its float32 partial sums are
-    taken in another order, so on wide random rows the last bits differ somewhere.  (Guards the
-    portable half of every parametrised test against silently testing the AVX2 build twice.)"""
+    """Each ``portable`` value runs its own build where the CPU has a wider one: float32 partial
+    sums taken over other lane counts differ in the last bits somewhere on wide random rows.
+    (Guards the parametrised tests against silently testing one build twice.)"""
     z = randn(16, 2051, seed=17, std=3.0)
-    best, portable = rowstats.row_stats(z), rowstats.row_stats(z, portable=True)
-    # Without AVX2 both calls run the one 128-bit build and must agree bit for bit.
-    assert torch.equal(best, portable) == (native.isa() != "avx2")
+    best = rowstats.row_stats(z)
+    portable = rowstats.row_stats(z, portable=True)
+    avx2 = rowstats.row_stats(z, portable=native.AVX2)
+    # A build the CPU lacks falls back to the next one down, which then agrees bit for bit.
+    assert torch.equal(best, portable) == (native.isa() == "v128")
+    assert torch.equal(best, avx2) == (native.isa() != "avx512")
+    assert torch.equal(avx2, portable) == (native.isa() == "v128")
     assert_rows_close(portable, best)
+    assert_rows_close(avx2, best)
 
 
 # ---------------------------------------------------------------------------------------------

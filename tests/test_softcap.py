@@ -207,7 +207,7 @@ def _tanh_inputs(n: int = 203) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
 @pytest.mark.parametrize("cap", CAPS)
 def test_compiled_softcap_kernels_against_float64(portable, cap):
     # Both instruction-set builds of the compiled kernels, on logits in every regime, against

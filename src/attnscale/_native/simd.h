@@ -14,7 +14,9 @@ static inline vf KERNEL(sel)(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) |
 /* max(a, b) lane by lane, b where either is NaN: one instruction on x86 (maxps keeps its second
  * operand when one is NaN) and a compare and select elsewhere. */
 static inline vf KERNEL(vmax)(vf a, vf b) {
-#if defined(__x86_64__) && W == 8
+#if defined(__x86_64__) && W == 16
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__x86_64__) && W == 8
     return (vf)_mm256_max_ps((__m256)a, (__m256)b);
 #elif defined(__x86_64__) && W == 4
     return (vf)_mm_max_ps((__m128)a, (__m128)b);

@@ -1,11 +1,11 @@
 """attnscale's compiled kernels, ``attnscale._kernels``: loading, availability and one typed
 wrapper per kernel.
 
-The kernels are plain C (``src/attnscale/_native``) with an AVX2+FMA build chosen at run time and
-a portable 128-bit one, compiled by ``pip install`` and loaded here with ctypes (which releases
-the GIL during every call).  Where no C compiler was available at install time, or with the
-environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and every caller uses its
-PyTorch formulation instead:
+The kernels are plain C (``src/attnscale/_native``) with AVX-512 and AVX2+FMA builds chosen at
+run time and a portable 128-bit one, compiled by ``pip install`` and loaded here with ctypes
+(which releases the GIL during every call).  Where no C compiler was available at install time,
+or with the environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and every
+caller uses its PyTorch formulation instead:
 
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
@@ -13,8 +13,10 @@ PyTorch formulation instead:
 * the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen.
 
 Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_probs` and :func:`softcap_grad`, which check dtype, device, layout and shapes and pass pointers and strides
-on; nothing else in attnscale touches ``data_ptr``.
+:func:`softcap_probs` and :func:`softcap_grad`, which check dtype, device, layout and shapes and
+pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
+``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
+128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from attnscale.columns import ROW_STATS_COLUMNS
 
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
+# ``portable`` value that caps a call at the AVX2 build (kernels.c, build_level).
+AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
 KERNELS_VERSION = 4
@@ -77,7 +81,8 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """Instruction set the kernels run on (``"avx2"`` or ``"v128"``), or None if unavailable."""
+    """Instruction set the kernels run on (``"avx512"``, ``"avx2"`` or ``"v128"``), or None if
+    unavailable."""
     lib = library()
     return None if lib is None else lib.attnscale_kernels_isa().decode()
 
@@ -139,7 +144,7 @@ def _limit(limit: Tensor | None) -> tuple[int | None, int]:
 
 
 def row_stats_rows(z: Tensor, out: Tensor, span: tuple[int, int], *,
-                   limit: Tensor | None = None, portable: bool = False) -> None:
+                   limit: Tensor | None = None, portable: int = False) -> None:
     """Statistics of rows ``span = (row0, row1)`` of float32 logits ``z`` (rows, n) into float64
     ``out`` (rows, len(ROW_STATS_COLUMNS)); row r sees its first ``limit[r % len(limit)]`` keys
     (all when None).  See :func:`attnscale.kernels.rowstats.row_stats`."""
@@ -155,7 +160,7 @@ def row_stats_rows(z: Tensor, out: Tensor, span: tuple[int, int], *,
                                   out.data_ptr(), int(portable))
 
 
-def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: bool = False) -> Tensor:
+def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: int = False) -> Tensor:
     """Entropy H (nats) and log-sum-exp of softmax over the last dimension of float32 logits ``z``
     (..., n): float64 (..., 2), columns (H, lse).
 
@@ -174,7 +179,7 @@ def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: bool = Fals
     return out
 
 
-def bf16_row_max(z: Tensor, *, portable: bool = False) -> Tensor:
+def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
     """Max over the last dimension of bfloat16 CPU ``z`` (..., n), as float32 (...); -inf for a
     row of -inf or of no key.  NaN entries are skipped (callers check finiteness).  One thread."""
     rows, width, ld = _rows("z", z, torch.bfloat16)
@@ -186,7 +191,7 @@ def bf16_row_max(z: Tensor, *, portable: bool = False) -> Tensor:
 
 
 def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,
-                  limit: Tensor | None = None, portable: bool = False) -> Tensor:
+                  limit: Tensor | None = None, portable: int = False) -> Tensor:
     """Soft-cap attention weights p = softmax(cap · tanh(s)) of float32 logits ``s`` (..., n).
 
     ``s = -inf`` marks a masked key; row r of the flattened rows sees only its first
@@ -205,7 +210,7 @@ def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,
 
 
 def softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor, *,
-                 portable: bool = False) -> Tensor:
+                 portable: int = False) -> Tensor:
     """The soft-cap backward in place on ``dp``: dp ← p ∘ (dp − δ) ∘ (1 − tanh²(s)).
 
     ``s`` (the logits :func:`softcap_probs` was given), ``p`` (its weights) and ``dp`` (dL/dp) are

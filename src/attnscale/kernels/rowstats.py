@@ -27,7 +27,7 @@ Tensor = torch.Tensor
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
-def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
+def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: int = False,
               threads: int | None = None) -> Tensor:
     """Per-row statistics of ``softmax(z)`` over the last dimension.
 
@@ -39,7 +39,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: bool = False,
         limit: optional int64 tensor (P,): row ``r`` of the flattened (R, n) view sees only its
             first ``limit[r % P]`` keys (clamped to [0, n]) -- causal attention without writing
             a mask, with P the number of query rows per (batch, head).
-        portable: run the 128-bit kernel even where AVX2 is available (to test it).
+        portable: the build to run (:mod:`attnscale.kernels.native`): the best (default), the
+            portable 128-bit one (True) or AVX2 at most (``native.AVX2``), to test each.
         threads: worker threads (default ``torch.get_num_threads()``).
     Returns:
         float64 tensor (..., len(ROW_STATS_COLUMNS)).  A row with no key (also n = 0) has count 0 and every
