@@ -18,11 +18,14 @@ from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.kernels.rowsubset import RowSubset, masked
-from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
+from attnscale.kernels.softcap import _Tiles
 from attnscale.precision import all_finite
 from attnscale.workers import parallel_map, workers_for
 
 
+# Logits per block of the forward pass: one head of 1024 x 1024 (4 MiB in float32); measured
+# 10% faster than half that at B4 H8 N1024 d64 (fewer calls), and no faster at twice.
+ENTROPY_BLOCK_ELEMENTS = 1 << 20
 # The backward scores only the rows that receive a gradient, gathered, when they are at most
 # this fraction of all rows (adaptive-temp at init: 8 of 32768 at B4 H8 N1024 d64); otherwise it
 # goes block by block, skipping blocks without one.
@@ -42,8 +45,8 @@ def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
         q, scale = q * scale, 1.0
     if q.shape[-2] == 0 or k.shape[-2] == 0:  # no query, or no key: every entropy is 0
         return q.new_zeros(*q.shape[:-1], 1) + 0.0 * (q.sum() + k.sum())
-    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal, CAPPED_BLOCK_ELEMENTS,
-                             float(scale))
+    return _RowEntropy.apply(q.contiguous(), k.contiguous(), mask, causal,
+                             ENTROPY_BLOCK_ELEMENTS, float(scale))
 
 
 def _scores(a: Tensor, b: Tensor, scale: float) -> Tensor:
@@ -70,35 +73,91 @@ def _entropy(z: Tensor) -> tuple[Tensor, Tensor]:
     return ent, log_s + m
 
 
+def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                    block_elements: int = ENTROPY_BLOCK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """(H, lse) of softmax(scale · q kᵀ) per query, each (B, H, Nq, 1) in q's dtype, without
+    autograd; q and k contiguous (see :func:`row_entropy`)."""
+    ent = q.new_empty(*q.shape[:-1], 1)                                   # (B, H, Nq, 1)
+    lse = q.new_empty(*q.shape[:-1], 1)                                   # kept for backward
+    tiles = _Tiles(q, k, mask, causal, block_elements)
+    groups = list(tiles.groups())
+    native_entropy = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
+
+    def group(where: tuple[int, slice]) -> None:
+        b, heads = where
+        k_g = k[b, heads]
+        for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent, lse))):
+            z = tiles.hide(_scores(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2), scale),
+                           b, heads, i)
+            if native_entropy:  # the compiled entropy kernel: H and lse in two passes
+                rows = native.row_entropy(z)
+                ent_blk.copy_(rows[..., :1])
+                lse_blk.copy_(rows[..., 1:])
+            else:
+                h_blk, l_blk = _entropy(z)
+                ent_blk.copy_(h_blk)
+                lse_blk.copy_(l_blk)
+
+    with torch.no_grad():
+        parallel_map(group, groups, workers_for(q.device, len(groups)))
+    return ent, lse
+
+
+def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
+                     mask: Tensor | None, causal: bool, scale: float,
+                     block_elements: int = ENTROPY_BLOCK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """(dQ, dK) for the incoming gradient ``g`` (B, H, Nq, 1) of the entropies ``ent`` (with
+    their ``lse``) that :func:`entropy_forward` gave.
+
+    Rows with g = 0 contribute nothing (where q and k are finite: a NaN or inf would make
+    0 · ∂H/∂z NaN, as autograd through H gives it).  When at most 1/:data:`SPARSE_ROWS_FRACTION`
+    of the rows get a gradient they are gathered and scored alone, else every block holding one
+    is recomputed.
+    """
+    finite = q.device.type == "cpu" and all_finite(k) and all_finite(q)
+    if finite and not bool(g.any()):
+        return _zero(q), _zero(k)
+    g = g.contiguous()
+    live = g.squeeze(-1) != 0                                             # (B, H, Nq)
+    if finite and int(live.sum()) * SPARSE_ROWS_FRACTION <= live.numel():
+        return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, live)
+    dq = torch.empty_like(q)
+    dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])            # (B, H, d, Nk)
+    tiles = _Tiles(q, k, mask, causal, block_elements)
+
+    def group(where: tuple[int, slice]) -> None:
+        b, heads = where
+        k_g, dk_g = k[b, heads], dk_t[b, heads]
+        for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
+                zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
+            # No gradient reaches these rows (adaptive-temp's β clamped at 1 is flat in H):
+            # dZ = 0, so skip the block (on the CPU, where the test costs no device sync),
+            # unless a NaN or inf in q or k would make 0 · ∂H/∂z NaN, as autograd gives it.
+            if finite and not bool(g_blk.any()):
+                dq_blk.zero_()
+                continue
+            n_k = tiles.n_keys(i)
+            z = tiles.hide(_scores(q_blk, k_g[:, :n_k].transpose(1, 2), scale), b, heads, i)
+            z.sub_(lse_blk)                                               # ln p, -inf if masked
+            hidden = torch.isneginf(z)                                    # masked keys
+            p = torch.exp(z)                                              # 0 at masked keys
+            # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0, and a
+            # row holding NaN stays NaN (its dQ too, as autograd through H gives it)
+            dz = torch.where(hidden, 0.0, z.add_(ent_blk).mul_(p)).mul_(-g_blk)
+            torch.baddbmm(dq_blk, dz, k_g[:, :n_k], beta=0.0, alpha=scale,
+                          out=dq_blk)                                     # dQ = s dZ K
+            dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz, alpha=scale)  # dKᵀ += s Qᵀ dZ
+
+    groups = list(tiles.groups())
+    parallel_map(group, groups, workers_for(q.device, len(groups)))
+    return dq, dk_t.transpose(-2, -1)
+
+
 class _RowEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
                 block_elements: int, scale: float) -> Tensor:
-        ent = q.new_empty(*q.shape[:-1], 1)                               # (B, H, Nq, 1)
-        lse = q.new_empty(*q.shape[:-1], 1)                               # kept for backward
-        tiles = _Tiles(q, k, mask, causal, block_elements)
-        groups = list(tiles.groups())
-        workers = workers_for(q.device, len(groups))
-        native_entropy = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
-
-        def group(where: tuple[int, slice]) -> None:
-            b, heads = where
-            k_g = k[b, heads]
-            for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent,
-                                                                           lse))):
-                z = tiles.hide(_scores(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2), scale),
-                               b, heads, i)
-                if native_entropy:  # the compiled entropy kernel: H and lse in two passes
-                    rows = native.row_entropy(z)
-                    ent_blk.copy_(rows[..., :1])
-                    lse_blk.copy_(rows[..., 1:])
-                else:
-                    h_blk, l_blk = _entropy(z)
-                    ent_blk.copy_(h_blk)
-                    lse_blk.copy_(l_blk)
-
-        with torch.no_grad():
-            parallel_map(group, groups, workers)
+        ent, lse = entropy_forward(q, k, mask, causal, scale, block_elements)
         ctx.save_for_backward(q, k, ent, lse, mask)
         ctx.args = (causal, block_elements, scale)
         return ent
@@ -108,45 +167,8 @@ class _RowEntropy(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         q, k, ent, lse, mask = ctx.saved_tensors
         causal, block_elements, scale = ctx.args
-        cpu = q.device.type == "cpu"
-        finite = cpu and all_finite(k) and all_finite(q)
-        if finite and not bool(g.any()):
-            # no row gets a gradient, and no NaN or inf would turn 0 · ∂H/∂z into NaN
-            return _zero(q), _zero(k), None, None, None, None
-        g = g.contiguous()
-        live = g.squeeze(-1) != 0                                         # (B, H, Nq)
-        if finite and int(live.sum()) * SPARSE_ROWS_FRACTION <= live.numel():
-            return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, RowSubset(live))
-        dq = torch.empty_like(q)
-        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])        # (B, H, d, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
-
-        def group(where: tuple[int, slice]) -> None:
-            b, heads = where
-            k_g, dk_g = k[b, heads], dk_t[b, heads]
-            for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
-                    zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
-                # No gradient reaches these rows (adaptive-temp's β clamped at 1 is flat in H):
-                # dZ = 0, so skip the block (on the CPU, where the test costs no device sync),
-                # unless a NaN or inf in q or k would make 0 · ∂H/∂z NaN, as autograd gives it.
-                if finite and not bool(g_blk.any()):
-                    dq_blk.zero_()
-                    continue
-                n_k = tiles.n_keys(i)
-                z = tiles.hide(_scores(q_blk, k_g[:, :n_k].transpose(1, 2), scale), b, heads, i)
-                z.sub_(lse_blk)                                           # ln p, -inf if masked
-                hidden = torch.isneginf(z)                                # masked keys
-                p = torch.exp(z)                                          # 0 at masked keys
-                # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0, and a
-                # row holding NaN stays NaN (its dQ too, as autograd through H gives it)
-                dz = torch.where(hidden, 0.0, z.add_(ent_blk).mul_(p)).mul_(-g_blk)
-                torch.baddbmm(dq_blk, dz, k_g[:, :n_k], beta=0.0, alpha=scale,
-                              out=dq_blk)                                 # dQ = s dZ K
-                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz, alpha=scale)  # dKᵀ += s Qᵀ dZ
-
-        groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
-        return dq, dk_t.transpose(-2, -1), None, None, None, None
+        dq, dk = entropy_backward(q, k, ent, lse, g, mask, causal, scale, block_elements)
+        return dq, dk, None, None, None, None
 
 
 def _zero(t: Tensor) -> Tensor:
@@ -156,19 +178,40 @@ def _zero(t: Tensor) -> Tensor:
 
 
 def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
-                     mask: Tensor | None, causal: bool, scale: float, rows: RowSubset):
-    """The backward over the rows ``rows`` selects (every other row has g_H = 0 and finite
-    inputs, so contributes nothing), as the autograd.Function's gradients."""
-    if rows.most == 0:
-        return _zero(q), _zero(k), None, None, None, None
-    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-    q_r = rows.gather(q)                                                  # (B, H, c, d)
-    hidden = rows.hidden(None if mask is None else ~mask, k.shape[-2], causal)
-    z = masked(q_r @ k.transpose(-2, -1), hidden)
-    z = z.mul_(scale).sub_(rows.gather(lse))                              # ln p, -inf if hidden
+                     mask: Tensor | None, causal: bool, scale: float,
+                     live: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward over the rows ``live`` (B, H, Nq) selects, gathered; every other row has
+    g_H = 0 and finite inputs, so contributes nothing.  Only the (batch, head) pairs holding a
+    live row are scored."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[-2]
+    pairs = live.any(dim=-1).nonzero()                                    # (P, 2): (b, h)
+    if pairs.shape[0] == 0:
+        return _zero(q), _zero(k)
+    pb, ph = pairs[:, 0], pairs[:, 1]
+    rows = RowSubset(live[pb, ph].unsqueeze(0))                           # (1, P, c)
+    idx = rows.idx[0]                                                     # (P, c)
+    at = (pb.unsqueeze(-1), ph.unsqueeze(-1), idx)
+    q_r, k_p = q[at], k[pb, ph]                                           # (P, c, d), (P, Nk, d)
+    hidden = None
+    if mask is not None:
+        m = (~mask).reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        hidden = m.expand(b, h, n_q, n_k)[at]                             # (P, c, Nk)
+    if causal:
+        above = torch.arange(n_k, device=q.device) > idx.unsqueeze(-1)
+        hidden = above if hidden is None else hidden | above
+    z = masked(_scores(q_r, k_p.transpose(1, 2), scale), hidden)
+    z = z.sub_(lse[at])                                                   # ln p, -inf if hidden
     p = torch.exp(z)
-    g_r = torch.where(rows.real.unsqueeze(-1), rows.gather(g), 0.0)       # padding: no gradient
-    dz = torch.where(torch.isneginf(z), 0.0, z.add_(rows.gather(ent)).mul_(p)).mul_(-g_r * scale)
-    rows.scatter_add(dq, dz @ k)                                          # dQ = s dZ K
-    dk += dz.transpose(-2, -1) @ q_r                                      # dK = s dZᵀ Q
-    return dq, dk, None, None, None, None
+    g_r = torch.where(rows.real[0].unsqueeze(-1), g[at], 0.0)             # padding: no gradient
+    dz = torch.where(torch.isneginf(z), 0.0, z.add_(ent[at]).mul_(p)).mul_(-g_r * scale)
+    dq_r = torch.bmm(dz, k_p)                                             # dQ = s dZ K
+    dk_p = torch.bmm(dz.transpose(1, 2), q_r)                             # dK = s dZᵀ Q
+    real = rows.real[0]
+    where = (pb.unsqueeze(-1).expand_as(idx)[real], ph.unsqueeze(-1).expand_as(idx)[real],
+             idx[real])
+    dq = torch.zeros_like(q)
+    dq[where] = dq_r[real]
+    dk = torch.zeros_like(k)
+    dk[pb, ph] = dk_p
+    return dq, dk

@@ -39,12 +39,6 @@ class RowSubset:
         b, h, c = self.idx.shape
         return t.gather(2, self.idx.unsqueeze(-1).expand(b, h, c, t.shape[-1]))
 
-    def scatter_add(self, into: Tensor, rows: Tensor) -> Tensor:
-        """``into`` (B, H, Nq, ·) with ``rows`` (B, H, c, ·) added at the selected rows (padding
-        rows must be 0: they land on a real one)."""
-        b, h, c = self.idx.shape
-        return into.scatter_add_(2, self.idx.unsqueeze(-1).expand(b, h, c, into.shape[-1]), rows)
-
     def hidden(self, hidden: Tensor | None, n_k: int, causal: bool) -> Tensor | None:
         """The keys each selected row does not attend: bool broadcastable to (B, H, c, Nk), from
         ``hidden`` (True = masked, broadcastable to (B, H, Nq, Nk)) and top-left causality."""
