@@ -9,7 +9,7 @@ queries can see, and the visible rectangle (every row sees it) is reduced withou
 the block's diagonal square is masked, so causal tracking costs about half of one q kᵀ.
 
 **The bf16 screen.**  On a CPU with AMX (Intel Sapphire Rapids and later), a bfloat16 q kᵀ runs
-about 5x faster than float32 (oneDNN's AMX tiles; measured on the 2-core CI machine).  float32
+about 4x faster than float32 (oneDNN's AMX tiles; measured on the 2-core CI machine).  float32
 inputs there are scored in two passes that give the float32 answer:
 
 1. every row's top logit m̃_i from bfloat16 copies of q and k, with a bound e_i on its error;
