@@ -17,8 +17,9 @@ fastest of each, the least disturbed by other load).
 
 S_max tracking: one multi-head attention call (B, H, N, d = 4, 8, 1024, 64, not causal), forward +
 backward on SDPA, with and without the tracking that the ``qk-clip`` mechanism and the guard add
-(:func:`attnscale.kernels.peak.head_peaks`: one blocked q kᵀ, the max taken on the raw dot products
-and scaled once per row); goal <= 1.15x SDPA.  The figures are only meaningful on an idle machine.
+(:func:`attnscale.kernels.peak.head_peaks`: one blocked q kᵀ for the maximum alone, through the
+bfloat16 screen on a CPU with AMX); goal <= 1.15x SDPA.  The figures are only meaningful on an idle
+machine.
 """
 
 from __future__ import annotations
