@@ -377,6 +377,38 @@ def test_logn_scales_beyond_the_training_length_only():
         build_mechanism("logn", D, H, train_len=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sharp", [0.3, 5.0])   # β > 1 on most rows / on a few rows only
+def test_adaptive_queries_node_equals_autograd_through_the_product(dtype, sharp):
+    """The fused adapt stage (one autograd node, ∂L/∂β only where β has a slope) against
+    q * (s * row_temperature(...)) differentiated by autograd, under causality and a mask."""
+    m = build_mechanism("adaptive-temp", D, H).to(dtype)
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(2, H, 48, D, generator=gen, dtype=dtype) * sharp for _ in range(2))
+    mask = torch.rand(48, 48, generator=gen) > 0.25
+    mask[:, 0] = True
+    g = torch.randn(2, H, 48, D, generator=gen, dtype=dtype)
+    s = 1 / math.sqrt(D)
+    results = []
+    for fused in (True, False):
+        qa, ka = (t.clone().requires_grad_() for t in (q, k))
+        if fused:
+            out = m.adapt_queries(qa, ka, s, mask, True)
+        else:
+            out = qa * (s * m.row_temperature(qa, ka, s, mask, True))
+        results.append((out, *torch.autograd.grad(out, (qa, ka), g)))
+    sloped, rows = int((m.row_temperature(q, k, s, mask, True) > 1).sum()), 2 * H * 48
+    # the backward's block path, and its gathered path (at most 1/8 of the rows)
+    assert sloped > rows // 2 if sharp < 1 else 0 < sloped <= rows // 8
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for a, b in zip(*results):
+        assert_close(a, b, **tol)
+    q[0, 1, 7, 3] = math.nan   # a NaN in one query: as through the product
+    out = m.adapt_queries(q, k, s, mask, True)
+    assert_close(out, q * (s * m.row_temperature(q, k, s, mask, True)), equal_nan=True, **tol)
+    assert bool(out[0, 1, 7, 3].isnan()) and bool(out[0, 0].isfinite().all())
+
+
 def test_adaptive_temperature_polynomial_order_and_gradients():
     from attnscale.mechanisms.adaptive_temp import beta
     # -0.037 is the coefficient of H^4 and -1.791 the constant: β(1.5) by hand.

@@ -34,7 +34,10 @@ scaled_dot_product_attention``; a sink is one extra key on the same call
 :func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
 O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
-(:mod:`attnscale.kernels.entropy`) before SDPA.  ``trace=True`` runs the same steps materialised
+(:mod:`attnscale.kernels.entropy`) before SDPA.  A mechanism with ``adapt_queries(q, k, scale,
+mask, causal)`` folds its per-row factor into q itself (adaptive-temp: one autograd node for the
+entropy, β and the product), the adapt stage's fast form; the factor and the gradients are those
+of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
 and returns every intermediate as an :class:`AttentionTrace`.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
@@ -315,7 +318,12 @@ def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask
     """
     qs, ks, scale = mechanism.prepare(q, k, n_keys)                        # mechanism
     if not _declares(mechanism, "per_key", True):                          # adapt
-        scale = scale * mechanism.row_temperature(qs, ks, scale, mask, causal)
+        fused = getattr(mechanism, "adapt_queries", None)
+        if fused is not None and not isinstance(scale, Tensor):
+            # the same factor, folded into q by the mechanism's one autograd node
+            qs, scale = fused(qs, ks, scale, mask, causal), 1.0
+        else:
+            scale = scale * mechanism.row_temperature(qs, ks, scale, mask, causal)
     offset = mechanism.offset(n_keys) if _declares(mechanism, "has_offset", False) else 0.0
     if isinstance(offset, Tensor):  # in the logits' dtype (float32 for half inputs)
         offset = offset.to(device=qs.device, dtype=qs.dtype)

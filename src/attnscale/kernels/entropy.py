@@ -105,23 +105,28 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
 
 def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                      mask: Tensor | None, causal: bool, scale: float,
-                     block_elements: int = ENTROPY_BLOCK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                     block_elements: int = ENTROPY_BLOCK_ELEMENTS, *, finite: bool | None = None,
+                     into: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dQ, dK) for the incoming gradient ``g`` (B, H, Nq, 1) of the entropies ``ent`` (with
     their ``lse``) that :func:`entropy_forward` gave.
 
     Rows with g = 0 contribute nothing (where q and k are finite: a NaN or inf would make
     0 · ∂H/∂z NaN, as autograd through H gives it).  When at most 1/:data:`SPARSE_ROWS_FRACTION`
     of the rows get a gradient they are gathered and scored alone, else every block holding one
-    is recomputed.
+    is recomputed.  ``finite``: whether q and k are known to be finite (None: checked here);
+    ``into``: a (B, H, Nq, d) tensor dQ is added into and returned as.
     """
-    finite = q.device.type == "cpu" and all_finite(k) and all_finite(q)
+    if finite is None:
+        finite = all_finite(k) and all_finite(q)
+    finite = finite and q.device.type == "cpu"  # the skips test g on the host
     if finite and not bool(g.any()):
-        return _zero(q), _zero(k)
+        return (_zero(q) if into is None else into), _zero(k)
     g = g.contiguous()
     live = g.squeeze(-1) != 0                                             # (B, H, Nq)
     if finite and int(live.sum()) * SPARSE_ROWS_FRACTION <= live.numel():
-        return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, live)
-    dq = torch.empty_like(q)
+        return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, live, into)
+    dq = torch.empty_like(q) if into is None else into
+    keep = 0.0 if into is None else 1.0                                   # dQ = s dZ K (+ into)
     dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])            # (B, H, d, Nk)
     tiles = _Tiles(q, k, mask, causal, block_elements)
 
@@ -134,7 +139,8 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
             # dZ = 0, so skip the block (on the CPU, where the test costs no device sync),
             # unless a NaN or inf in q or k would make 0 · ∂H/∂z NaN, as autograd gives it.
             if finite and not bool(g_blk.any()):
-                dq_blk.zero_()
+                if into is None:
+                    dq_blk.zero_()
                 continue
             n_k = tiles.n_keys(i)
             z = tiles.hide(_scores(q_blk, k_g[:, :n_k].transpose(1, 2), scale), b, heads, i)
@@ -144,8 +150,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
             # g ∘ ∂H/∂z = -g p (ln p + H); masked keys (p = 0, ln p = -inf) give 0, and a
             # row holding NaN stays NaN (its dQ too, as autograd through H gives it)
             dz = torch.where(hidden, 0.0, z.add_(ent_blk).mul_(p)).mul_(-g_blk)
-            torch.baddbmm(dq_blk, dz, k_g[:, :n_k], beta=0.0, alpha=scale,
-                          out=dq_blk)                                     # dQ = s dZ K
+            torch.baddbmm(dq_blk, dz, k_g[:, :n_k], beta=keep, alpha=scale, out=dq_blk)
             dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz, alpha=scale)  # dKᵀ += s Qᵀ dZ
 
     groups = list(tiles.groups())
@@ -178,16 +183,16 @@ def _zero(t: Tensor) -> Tensor:
 
 
 def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
-                     mask: Tensor | None, causal: bool, scale: float,
-                     live: Tensor) -> tuple[Tensor, Tensor]:
+                     mask: Tensor | None, causal: bool, scale: float, live: Tensor,
+                     into: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The backward over the rows ``live`` (B, H, Nq) selects, gathered; every other row has
     g_H = 0 and finite inputs, so contributes nothing.  Only the (batch, head) pairs holding a
-    live row are scored."""
+    live row are scored; dQ is added into ``into`` when given."""
     b, h, n_q, d = q.shape
     n_k = k.shape[-2]
     pairs = live.any(dim=-1).nonzero()                                    # (P, 2): (b, h)
     if pairs.shape[0] == 0:
-        return _zero(q), _zero(k)
+        return (_zero(q) if into is None else into), _zero(k)
     pb, ph = pairs[:, 0], pairs[:, 1]
     rows = RowSubset(live[pb, ph].unsqueeze(0))                           # (1, P, c)
     idx = rows.idx[0]                                                     # (P, c)
@@ -210,8 +215,8 @@ def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     real = rows.real[0]
     where = (pb.unsqueeze(-1).expand_as(idx)[real], ph.unsqueeze(-1).expand_as(idx)[real],
              idx[real])
-    dq = torch.zeros_like(q)
-    dq[where] = dq_r[real]
+    dq = torch.zeros_like(q) if into is None else into
+    dq.index_put_(where, dq_r[real], accumulate=True)
     dk = torch.zeros_like(k)
     dk[pb, ph] = dk_p
     return dq, dk
