@@ -336,6 +336,36 @@ def test_sink_weights_equal_the_gpt_oss_formula_and_empty_rows_go_to_the_sink():
     assert m.no_weight_decay() == {"b"} and m.b.requires_grad
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sink_kernel_gradients_equal_the_materialised_sink(causal, dtype):
+    """The CPU sink kernel (the flash op's log-sum-exp gives each row's sink share) against
+    autograd through softmax([z, b_h]) in float64, for q, k, v and b, under a mask with a row
+    that attends nothing and with causality."""
+    from attnscale.kernels.sink import sink_attention
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g = (torch.randn(2, 3, 12, 8, generator=gen, dtype=dtype) for _ in range(4))
+    b = torch.tensor([-1.0, 0.3, 2.5], dtype=dtype)
+    mask = torch.rand(2, 1, 12, 12, generator=gen) > 0.3
+    mask[0, 0, 4] = False                      # a query with no key: all mass on the sink
+    mask[1, 0, 0, 0] = False                   # under causality, query 0 of batch 1 sees none
+    ins = [t.clone().requires_grad_() for t in (q, k, v, b)]
+    got = sink_attention(*ins[:3], 0.35, ins[3], 0.0, mask, causal)
+    grads = torch.autograd.grad(got, ins, g)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, b)]
+    seen = mask & (torch.ones(12, 12, dtype=torch.bool).tril() if causal else True)
+    z = (0.35 * ref[0] @ ref[1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
+    col = ref[3].view(1, 3, 1, 1).expand(2, 3, 12, 1)
+    p = torch.softmax(torch.cat([z, col], dim=-1), dim=-1)[..., :-1]
+    want = p @ ref[2]
+    want_grads = torch.autograd.grad(want, ref, g.double())
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    assert_close(got.double(), want.detach(), **tol)
+    assert torch.equal(got[0, :, 4], torch.zeros_like(got[0, :, 4]))
+    for a, w in zip(grads, want_grads):
+        assert_close(a.double(), w, **tol)
+
+
 def test_sink_without_learning_is_softmax_off_by_one():
     m = build_mechanism("sink", D, H, learned=False).double()
     assert not any(True for _ in m.parameters()) and m.no_weight_decay() == set()

@@ -16,13 +16,11 @@ multiple of 8, which the fused CUDA kernels require; extra memory is O(N · d), 
 reaches b_h through q'.  A row whose keys are all masked attends only the sink: zero output.
 
 On the CPU (without an offset) a wider head would send SDPA to its materialising math backend, so
-the sink key goes first and its bias b_h rides on an additive mask: (1, H, 1, Nk + 1) without a
-user mask, which broadcasts over the queries; with one, head by head, each head's (B|1, 1, Nq,
-Nk + 1) mask.  Causality stays the kernel's own, with one dummy query row in front so that query
-i sees the sink and keys 0..i.  That path calls the CPU
-flash-attention op directly (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its
-backward), which also returns each row's log-sum-exp: the gradient of b_h is
--Σ_rows p_sink (dO·o), p_sink = e^{b_h - lse}, since the sink's value is zero.
+the sink is no key at all there: the CPU flash-attention op
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward) runs plain softmax
+attention over the real keys and returns each row's log-sum-exp, from which the sink's share
+follows exactly (:class:`_SinkFlashCPU`): no extra key, no bias column, the kernel's own
+causality, and a boolean mask as the op's additive one in the mask's own shape.
 """
 
 from __future__ import annotations
@@ -53,84 +51,55 @@ def _flash_fits(q: Tensor, k: Tensor, v: Tensor, offset: float | Tensor) -> bool
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
 
 
-def _base_mask(mask: Tensor | None, h: int, n_k: int, dtype: torch.dtype,
-               device: torch.device) -> Tensor:
-    """The additive mask with the sink column first: 0 on attended keys, -inf on masked ones, the
-    sink column filled per call by :func:`_with_sink`.  (1, H, 1, Nk + 1) without a mask;
-    (B|1, Hm, Nq|1, Nk + 1) with one, in the mask's own shape (Hm = 1 or H), never expanded."""
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """(the flash op's additive mask, the rows without a key) for a boolean ``mask`` in its own
+    (broadcast) shape: 0 where a key is attended, -inf where not, and 0 across a row with no key
+    at all (it attends everything; :class:`_SinkFlashCPU` gives it all mass on the sink)."""
     if mask is None:
-        return torch.zeros(1, h, 1, n_k + 1, dtype=dtype, device=device)
-    keys = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    return torch.cat([keys.new_zeros(*keys.shape[:-1], 1), keys], dim=-1)
-
-
-def _with_sink(base: Tensor, sink: Tensor, heads: slice) -> Tensor:
-    """``base`` for ``heads``, with their sink logits b_h in its first column (in place)."""
-    bias = base[:, heads] if base.shape[1] > 1 else base
-    bias[..., 0] = sink.detach().to(base.dtype)[heads].view(1, -1, 1)
-    return bias
+        return None, None
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    empty = ~mask.any(dim=-1, keepdim=True)                               # (B|1, H|1, Nq|1, 1)
+    keep = mask | empty
+    return torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~keep, float("-inf")), (empty if bool(empty.any()) else None)
 
 
 class _SinkFlashCPU(torch.autograd.Function):
-    """softmax([b_h, scale q kᵀ]) [0, v] on the CPU flash op: the sink key first, its bias on an
-    additive mask, one dummy query in front under causality.  Without a mask all heads run in
-    one call on a (1, H, 1, Nk + 1) bias; with one, head by head on that head's (B|1, 1, Nq, Nk+1)
-    bias, so no (B, H, Nq, Nk) mask is formed either."""
+    """The sink from the CPU flash op's log-sum-exp, with no extra key and no bias column.
+
+    With o = softmax(z) v and lse = log Σ_j e^{z_j} from the op, the sink keeps the fraction
+    w = e^{lse} / (e^{lse} + e^{b_h}) = σ(lse - b_h) of each row's mass on the real keys, so
+    y = w o.  Backward: the op's own backward, given dY w as its output gradient and y as its
+    output, is exactly the sink's: its dZ = p (dO·v_j - dO·O) becomes w p (g·v_j - g·y) = p'
+    (g·v_j - g·y) with p' = w p the sink-normalised weights, and dV = p'ᵀ g.  And ∂L/∂b_h =
+    -Σ_rows (1 - w) g·y, since the sink's value is zero."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor, mask: Tensor | None,
                 scale: float, causal: bool) -> Tensor:
-        b, h, _, d = q.shape
-        k2 = torch.cat([k.new_zeros(b, h, 1, d), k], dim=-2)                # (B, H, Nk + 1, d)
-        v2 = torch.cat([v.new_zeros(b, h, 1, v.shape[-1]), v], dim=-2)      # sink value 0
-        q2 = torch.cat([q.new_zeros(b, h, 1, d), q], dim=-2) if causal else q
-        if mask is not None:
-            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        base = _base_mask(mask, h, k.shape[-2], q.dtype, q.device)
-        out, lse = _SinkFlashCPU._run(q2, k2, v2, sink, base, mask is None, scale, causal)
-        ctx.save_for_backward(q2, k2, v2, out, lse, sink, base)
-        ctx.all_heads = mask is None
-        ctx.args = (scale, causal)
-        return out[:, :, 1:] if causal else out
-
-    @staticmethod
-    def _heads(h: int, all_heads: bool) -> list[slice]:
-        """All heads in one call on the broadcast bias; else one by one."""
-        return [slice(0, h)] if all_heads else [slice(i, i + 1) for i in range(h)]
-
-    @staticmethod
-    def _run(q2, k2, v2, sink, base, all_heads, scale, causal):
-        outs, lses = [], []
-        for heads in _SinkFlashCPU._heads(q2.shape[1], all_heads):
-            o, lse = _CPU_FLASH(q2[:, heads], k2[:, heads], v2[:, heads], 0.0, causal,
-                                attn_mask=_with_sink(base, sink, heads), scale=scale)
-            outs.append(o)
-            lses.append(lse)
-        return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
+        bias, empty = _additive(mask, q.dtype)
+        o, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        work = work_dtype(o.dtype)                                           # float32 for halves
+        w = torch.sigmoid(lse.to(work) - sink.detach().to(work).view(1, -1, 1)).unsqueeze(-1)
+        if empty is not None:  # no key: all mass on the sink, whose value is zero
+            w = w.masked_fill(empty, 0.0)
+        y = (o.to(work) * w).to(o.dtype)
+        ctx.save_for_backward(q, k, v, y, lse, w, bias)
+        ctx.args = (scale, causal, sink.dtype)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        q2, k2, v2, out, lse, sink, base = ctx.saved_tensors
-        base = base.clone()  # its sink column is rewritten per head; the saved one stays as is
-        scale, causal = ctx.args
-        g = g.contiguous()
-        if causal:
-            g = torch.cat([g.new_zeros(*g.shape[:2], 1, g.shape[-1]), g], dim=-2)
-        grads = []
-        for heads in _SinkFlashCPU._heads(q2.shape[1], ctx.all_heads):
-            grads.append(_CPU_FLASH_BACKWARD(
-                g[:, heads], q2[:, heads], k2[:, heads], v2[:, heads], out[:, heads],
-                lse[:, heads], 0.0, causal, attn_mask=_with_sink(base, sink, heads),
-                scale=scale))
-        dq, dk, dv = (torch.cat(parts, 1) for parts in zip(*grads))
-        work = work_dtype(out.dtype)                                         # float32 for halves
-        delta = (g.to(work) * out.to(work)).sum(-1)                          # dO·o, (B, H, Nq')
-        p_sink = torch.exp(sink.detach().to(work).view(1, -1, 1) - lse.to(work))
-        d_sink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)            # (H,)
-        if causal:
-            dq = dq[:, :, 1:]
-        return dq, dk[:, :, 1:], dv[:, :, 1:], d_sink, None, None, None
+        q, k, v, y, lse, w, bias = ctx.saved_tensors
+        scale, causal, sink_dtype = ctx.args
+        work = w.dtype
+        g_w = (g.to(work) * w).to(g.dtype)
+        dq, dk, dv = _CPU_FLASH_BACKWARD(g_w, q, k, v, y, lse, 0.0, causal, attn_mask=bias,
+                                         scale=scale)
+        delta = torch.linalg.vecdot(g.to(work), y.to(work)).unsqueeze(-1)   # g·y, (B, H, Nq, 1)
+        d_sink = -((1.0 - w) * delta).sum(dim=(0, 2, 3))                      # (H,)
+        return dq, dk, dv, d_sink.to(sink_dtype), None, None, None
 
 
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sink: Tensor,
