@@ -360,6 +360,14 @@ def render(root: str | os.PathLike) -> str:
         lines += ["## The short answer", "", *answer, "",
                   "These are small models trained briefly on one CPU corpus: they rank mechanisms "
                   "on the temperature questions, not on final quality at scale.", ""]
+        if lm:
+            # Re-running one seed of the LM study with another build of the same kernels left
+            # the final losses within 2e-4 up to lr 0.003 but moved them by up to 0.08 nats at
+            # lr 0.1: near divergence, rounding matters about as much as the seed.
+            lines += ["At the highest learning rates a final loss also moves with float rounding "
+                      "(another build of the same kernels, another summation order) by about as "
+                      "much as it moves between seeds, so there the seed ranges understate the "
+                      "uncertainty.", ""]
     if lm or length or recall:
         lines += ["## Per mechanism", ""]
         setup = _lm_setup(lm)
