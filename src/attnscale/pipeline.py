@@ -29,8 +29,8 @@ The normalisers (:func:`normalise`), over the keys a query attends:
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
-scaled_dot_product_attention``; a sink is one extra key on the same call
-(:mod:`attnscale.kernels.sink`); a capped mechanism runs on
+scaled_dot_product_attention``; a sink is one extra key on the same call, or on the CPU the
+flash kernel's per-row log-sum-exp (:mod:`attnscale.kernels.sink`); a capped mechanism runs on
 :func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
 O(Nk · block); adaptive-temp's row entropies come from one blockwise pass

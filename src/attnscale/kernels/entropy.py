@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import native
-from attnscale.kernels.rowsubset import RowSubset, masked
+from attnscale.kernels.rowsubset import RowSubset, hidden_rows, masked
 from attnscale.kernels.softcap import _Tiles
 from attnscale.precision import all_finite
 from attnscale.workers import parallel_map, workers_for
@@ -50,13 +50,11 @@ def row_entropy(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
 
 
 def _scores(a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """scale · a @ b for batched matrices, the scale applied inside the matmul."""
+    """scale · a @ b for batched matrices (3-D), the scale applied inside the matmul."""
     if scale == 1.0:
-        return torch.bmm(a, b) if a.dim() == 3 else a @ b
-    if a.dim() == 3:
-        return torch.baddbmm(a.new_empty(()).expand(a.shape[0], a.shape[1], b.shape[-1]), a, b,
-                             beta=0.0, alpha=scale)
-    return (a @ b).mul_(scale)
+        return torch.bmm(a, b)
+    return torch.baddbmm(a.new_empty(()).expand(a.shape[0], a.shape[1], b.shape[-1]), a, b,
+                         beta=0.0, alpha=scale)
 
 
 def _entropy(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,9 +114,9 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     is recomputed.  ``finite``: whether q and k are known to be finite (None: checked here);
     ``into``: a (B, H, Nq, d) tensor dQ is added into and returned as.
     """
-    if finite is None:
-        finite = all_finite(k) and all_finite(q)
-    finite = finite and q.device.type == "cpu"  # the skips test g on the host
+    # the skips test g on the host, where that costs no device sync
+    finite = q.device.type == "cpu" and (all_finite(k) and all_finite(q) if finite is None
+                                         else finite)
     if finite and not bool(g.any()):
         return (_zero(q) if into is None else into), _zero(k)
     g = g.contiguous()
@@ -188,7 +186,6 @@ def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     """The backward over the rows ``live`` (B, H, Nq) selects, gathered; every other row has
     g_H = 0 and finite inputs, so contributes nothing.  Only the (batch, head) pairs holding a
     live row are scored; dQ is added into ``into`` when given."""
-    b, h, n_q, d = q.shape
     n_k = k.shape[-2]
     pairs = live.any(dim=-1).nonzero()                                    # (P, 2): (b, h)
     if pairs.shape[0] == 0:
@@ -198,13 +195,7 @@ def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     idx = rows.idx[0]                                                     # (P, c)
     at = (pb.unsqueeze(-1), ph.unsqueeze(-1), idx)
     q_r, k_p = q[at], k[pb, ph]                                           # (P, c, d), (P, Nk, d)
-    hidden = None
-    if mask is not None:
-        m = (~mask).reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        hidden = m.expand(b, h, n_q, n_k)[at]                             # (P, c, Nk)
-    if causal:
-        above = torch.arange(n_k, device=q.device) > idx.unsqueeze(-1)
-        hidden = above if hidden is None else hidden | above
+    hidden = hidden_rows(None if mask is None else ~mask, at, n_k, causal)  # (P, c, Nk)
     z = masked(_scores(q_r, k_p.transpose(1, 2), scale), hidden)
     z = z.sub_(lse[at])                                                   # ln p, -inf if hidden
     p = torch.exp(z)

@@ -40,19 +40,30 @@ class RowSubset:
         return t.gather(2, self.idx.unsqueeze(-1).expand(b, h, c, t.shape[-1]))
 
     def hidden(self, hidden: Tensor | None, n_k: int, causal: bool) -> Tensor | None:
-        """The keys each selected row does not attend: bool broadcastable to (B, H, c, Nk), from
+        """The keys each selected row does not attend: bool (B, H, c, Nk) or None, from
         ``hidden`` (True = masked, broadcastable to (B, H, Nq, Nk)) and top-left causality."""
         b, h, c = self.idx.shape
-        out = None
-        if hidden is not None:
-            out = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
-            if out.shape[-2] > 1:  # per-query mask rows: the selected rows' own
-                out = out.expand(b, h, out.shape[-2], n_k).gather(
-                    2, self.idx.unsqueeze(-1).expand(b, h, c, n_k))
-        if causal:
-            above = torch.arange(n_k, device=self.idx.device) > self.idx.unsqueeze(-1)
-            out = above if out is None else out | above
-        return out
+        batch = torch.arange(b, device=self.idx.device).view(b, 1, 1)
+        head = torch.arange(h, device=self.idx.device).view(1, h, 1)
+        return hidden_rows(hidden, (batch, head, self.idx), n_k, causal)
+
+
+def hidden_rows(hidden: Tensor | None, at: tuple[Tensor, Tensor, Tensor], n_k: int,
+                causal: bool) -> Tensor | None:
+    """The keys hidden from the query rows ``at`` = (batch, head, query) index tensors (broadcast
+    together to the rows' shape S), as bool (*S, Nk), or None when nothing is hidden: the rows of
+    ``hidden`` (True = masked, broadcastable to (B, H, Nq, Nk); read through a broadcast view, so
+    never expanded), and under top-left causality every key after the row's query."""
+    out = None
+    if hidden is not None:
+        m = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
+        # a size-1 dimension of the mask serves every index along it
+        out = m[tuple(i if m.shape[d] > 1 else torch.zeros_like(i) for d, i in enumerate(at))]
+        out = out.expand(*torch.broadcast_shapes(*(i.shape for i in at)), n_k)
+    if causal:
+        above = torch.arange(n_k, device=at[2].device) > at[2].unsqueeze(-1)
+        out = above if out is None else out | above
+    return out
 
 
 def masked(z: Tensor, hidden: Tensor | None) -> Tensor:
