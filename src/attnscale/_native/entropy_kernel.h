@@ -17,22 +17,28 @@ static void KERNEL(entropy_row)(const float *z, int64_t n, double *out) {
     out[0] = 0.0;
     out[1] = 0.0;
 
-    vf top = ninf, vbad = zero;
+    vf top = ninf;
+    vi vbad = {0};
     for (i = 0; i < n; i += W) {
         vf v = KERNEL(load)(z, i, n);
-        vbad += KERNEL(sel)(v != v, one, zero);
-        top = KERNEL(sel)(v > top, v, top);
+        vbad |= v != v;
+        top = KERNEL(vmax)(v, top);     /* a NaN lane keeps top; vbad has it */
     }
     float zmax = -INFINITY;
-    double bad = KERNEL(hsum)(vbad);
-    for (j = 0; j < W; j++) zmax = top[j] > zmax ? top[j] : zmax;
-    if (bad > 0.0 || zmax == INFINITY) {
+    int bad = 0;
+    for (j = 0; j < W; j++) {
+        zmax = top[j] > zmax ? top[j] : zmax;
+        bad |= vbad[j] != 0;
+    }
+    if (bad || zmax == INFINITY) {
         out[0] = NAN;
         out[1] = NAN;
         return;
     }
     if (zmax == -INFINITY) return;           /* no key */
 
+    /* d = max(z - z_t, -FLT_MAX) is finite at masked keys (-inf) too, where exp gives 0 and
+     * e d = 0; the top's own e = 1 is left out and counted as a tie. */
     const vf vtop = KERNEL(splat)(zmax), vlowest = KERNEL(splat)(-FLT_MAX);
     double S = 0.0, T = 0.0, ties = 0.0;
     for (c0 = 0; c0 < n; c0 += CHUNK) {
@@ -40,13 +46,12 @@ static void KERNEL(entropy_row)(const float *z, int64_t n, double *out) {
         vf vs = zero, vt = zero, vties = zero;
         for (i = c0; i < c1; i += W) {
             vf v = KERNEL(load)(z, i, c1);
-            vi low = v < vtop;
-            vf d = KERNEL(sel)(low & (v > ninf), v - vtop, zero);
-            d = KERNEL(sel)(d < vlowest, vlowest, d);   /* z - z_t beyond -FLT_MAX: finite */
-            vf e = KERNEL(exp_nonpositive)(KERNEL(sel)(low, v - vtop, ninf));
+            vf d = KERNEL(vmax)(v - vtop, vlowest);
+            vi tie = v == vtop;
+            vf e = KERNEL(sel)(tie, zero, KERNEL(exp_nonpositive)(d));
             vs += e;
             vt += e * d;
-            vties += KERNEL(sel)(v == vtop, one, zero);
+            vties += KERNEL(sel)(tie, one, zero);
         }
         S += KERNEL(hsum)(vs);
         T += KERNEL(hsum)(vt);
