@@ -79,6 +79,11 @@ The contract:
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
   ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
   Unobserved calls pay nothing for this (one ``None`` check per kernel block).
+* Logits formed outside the pipeline.  A model that forms a mechanism's logits itself (from a
+  table of scores, say, as the recall study's stacked models do) hands them to
+  :func:`observe_logits`: observers receive an Observation whose ``logits`` holds them (and whose
+  ``q`` and ``k`` are None), and the mechanism's logit tracking (qk-clip's S_max) folds them in
+  training mode, as :func:`run` does for its own calls.
 """
 
 from __future__ import annotations
@@ -148,8 +153,8 @@ class AttentionTrace:
 @dataclass(frozen=True)
 class Observation:
     """What an observer receives from one pipeline call (see the module doc for the contract)."""
-    q: Tensor                 # (B, H, Nq, d) after mechanism.prepare, float32 for half inputs
-    k: Tensor                 # (B, H, Nk, d) after mechanism.prepare
+    q: Tensor | None          # (B, H, Nq, d) after mechanism.prepare, float32 for half inputs
+    k: Tensor | None          # (B, H, Nk, d) after mechanism.prepare (None: see ``logits``)
     scale: Scale              # the logits are cap(scale · q kᵀ); tensor broadcast to (B,H,Nq,1)
     cap: float | None         # soft-cap c, or None
     mask: Tensor | None       # the caller's boolean mask (True = attend), without causality
@@ -161,6 +166,7 @@ class Observation:
     sink: Tensor | None = None    # per-head sink logit (H,) for the "sink" normaliser
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
+    logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -217,6 +223,30 @@ def observe(observer: Observer) -> Iterator[Observer]:
 def observers() -> tuple[Observer, ...]:
     """The observers registered in the current context, in call order."""
     return _OBSERVERS.get()
+
+
+def observe_logits(logits: Tensor, mechanism: Rule, *, gate: Tensor | None = None) -> None:
+    """Hand the logits of an attention formed outside :func:`run` to the observers (see the
+    module doc): ``logits`` (B, H, Nq, Nk) after the whole mechanism, masked keys at -inf;
+    ``gate`` the output gate (B, H, Nq, 1 or d_v), if any.  In training mode a mechanism that
+    tracks its logits (``observe``: qk-clip's S_max) folds them in first.  Observers receive
+    ``q = k = None``, the logits in ``Observation.logits`` and ``n_keys`` per row."""
+    if logits.dim() != 4:
+        raise ConfigError(f"logits must be (B, H, Nq, Nk), got shape {tuple(logits.shape)}.")
+    track = getattr(mechanism, "observe", None)
+    if track is not None and getattr(mechanism, "training", False):
+        track(logits)
+    watchers = _OBSERVERS.get()
+    if not watchers:
+        return
+    z = logits.detach()
+    normaliser = _declares(mechanism, "normaliser", "softmax")
+    seen = Observation(None, None, 1.0, None, None, False,
+                       (z > float("-inf")).sum(-1, keepdim=True), mechanism, gate=gate,
+                       normaliser=normaliser, logits=z,
+                       sink=mechanism.sink_logits() if normaliser == "sink" else None)
+    for observer in watchers:
+        observer(seen)
 
 
 def running() -> bool:

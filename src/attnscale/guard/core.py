@@ -22,13 +22,17 @@ every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple
 **Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
 training forward passes and only the keys each query attends (``n_keys``: the most keys in one
 of the layer's calls, the n of the entropy's range [0, ln n]): ``logit_max`` (largest pre-softmax
-logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats), ``max_weight_mean``,
-``logit_std`` and ``logit_std_ratio`` (its ratio to the head's value at the first recorded step:
-how far the temperature has drifted from where it started), and with the clip ``s_max`` and
-``clip_gamma`` (the factor the head's logits were multiplied by at that step, 1 = untouched).  They
-go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``), to a TensorBoard
-``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the HF and Lightning
-callbacks hand to their loggers).  Per layer the spread over heads is :func:`layer_rows`.
+logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats),
+``max_weight_mean``, ``jacobian_fro_mean`` (the mean Frobenius norm of the softmax Jacobian, the
+essay's gradient-flow quantity), ``logit_std`` and ``logit_std_ratio`` (its ratio to the head's
+value at the first recorded step: how far the temperature has drifted from where it started),
+and with the clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by
+at that step, 1 = untouched).  :meth:`Guard.record_next` records the next step whatever its
+label.  They go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``), to
+a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the
+HF and Lightning callbacks hand to their loggers).  Per layer the spread over heads is
+:func:`layer_rows`.  Logits a model formed itself reach the guard through
+:func:`attnscale.pipeline.observe_logits`.
 
 **Alarms**, per head, on recorded steps: ``max_logit`` when ``logit_max`` exceeds
 ``alarm_logit`` (attention-logit growth precedes divergence: Wortsman et al. 2023, "Small-scale
@@ -77,7 +81,7 @@ from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.guard.clip import all_reduce_max, clip_sites
 from attnscale.io import atomic_write, check_output_path, json_safe
 from attnscale.kernels.peak import head_peaks
-from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
+from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats, logit_stats
 from attnscale.measure.monitor.observer import Monitor
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
@@ -86,8 +90,8 @@ from attnscale.pipeline import MASKED_BIAS
 
 # The keys of every record, in order (the columns of to_frame() and of the JSONL log).
 GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
-              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean", "logit_std",
-              "logit_std_ratio", "s_max", "clip_gamma", "alarm")
+              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean",
+              "jacobian_fro_mean", "logit_std", "logit_std_ratio", "s_max", "clip_gamma", "alarm")
 # Alarm names, in the order they are checked.
 ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
 # Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
@@ -134,6 +138,9 @@ class _Observer(Monitor):
         capped = how.get("cap") is not None
         record = g._recording and not g._remeasuring
         track = g._tracking()
+        if seen is not None and seen.logits is not None:  # formed by the model itself
+            self._add_logits(site, module, seen, record, track)
+            return
         if track and (capped or not record):
             # S_max alone: before the cap (the logit the clip scales), one blocked q kᵀ.
             scale = how.get("scale")
@@ -152,6 +159,18 @@ class _Observer(Monitor):
         if seen is not None and seen.request_rows(lambda rows: take(HeadStats.from_rows(rows))):
             return
         take(_head_stats(q, k, block=self.block, **how))
+
+
+    def _add_logits(self, site: str, module: str, seen, record: bool, track: bool) -> None:
+        """A call whose logits the model formed and handed over (``observe_logits``): S_max and
+        the statistics straight from them."""
+        g, z = self.guard, seen.logits
+        if track and z.numel():
+            g._fold(module, z.amax(dim=(0, 2, 3)))
+        if record:
+            g._keys[site] = max(g._keys.get(site, 0), int(seen.n_keys.max()) if z.numel() else 0)
+            self._merge(site, logit_stats(z, normaliser=seen.normaliser, sink=seen.sink,
+                                          gate=seen.gate))
 
 
 def _most_keys(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> int:
@@ -376,6 +395,10 @@ class Guard:
             self._batches.clear()
         return rows
 
+    def record_next(self) -> None:
+        """Record the next step whatever its label (a loop's last step, say)."""
+        self._recording = True
+
     def _emit(self, step: int) -> list[dict]:
         observer = self._observer
         rows, alarms = [], []
@@ -389,7 +412,7 @@ class Guard:
                        "queries": int(means["queries"][head]), "n_keys": self._keys[site],
                        **{key: means[key][head] for key in
                           ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
-                           "max_weight_mean", "logit_std")}}
+                           "max_weight_mean", "jacobian_fro_mean", "logit_std")}}
                 first = self._first.setdefault((site, head), dict(row))
                 std0 = first["logit_std"]
                 row["logit_std_ratio"] = row["logit_std"] / std0 if std0 > 0 else math.nan

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from attnscale.attention import attention
 from attnscale.mechanisms import Mechanism, build_mechanism
-from attnscale.pipeline import normalise, temper
+from attnscale.pipeline import normalise, observe_logits, temper
 from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.task import RecallBatch
 
@@ -139,6 +139,11 @@ class StackedRecall(nn.Module):
     W_Q or W_K (sigma-reparam) is applied per model to its slice, with the net's own state (gamma and
     the power-iteration vectors).  The models never interact: the loss is a sum over models, and
     Adam and SGD act elementwise, so each slice trains exactly as its model would alone.
+
+    Its logits come from score tables, not from an attention call, so each forward hands every
+    model's (B, P) logits to :func:`attnscale.pipeline.observe_logits` as one call of one head
+    (with its output gate): model m is the m-th call a monitor or guard sees, and a qk-clip
+    model's S_max folds them in training.
     """
 
     def __init__(self, nets: list[RecallNet]):
@@ -209,27 +214,40 @@ class StackedRecall(nn.Module):
             else:  # the whole row, or a pair table larger than the batch: the batch's own keys
                 z.append(_row_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.tokens[m]))
         z = torch.stack(z)                                                   # (M, B, P)
+        gates = self._gates(idx)
+        for m, mech in enumerate(self.mechanisms):
+            # each model's logits as one attention call: its qk-clip's S_max in training, and
+            # the monitor or guard, which see no attention call here otherwise
+            observe_logits(z[m][:, None, None, :], mech,
+                           gate=None if m not in gates else gates[m][:, None, None, :])
         p = torch.stack([_weights(mech, z[m]) for m, mech in enumerate(self.mechanisms)])
         # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
         # attention on token t (p_i / sqrt(2) on both halves of pair i).  A scatter and a bmm
         # replace gathering (B, P, n_values) readout rows, whose backward is a slow index_put.
         mass = p.new_zeros(M, B, T_r.shape[1]).scatter_add(-1, idx.tokens, p.repeat(1, 1, 2))
         logits = (mass * PAIR_NORM) @ T_r                                    # (M, B, n_values)
-        if any(mech.gate for mech in self.mechanisms):
-            logits = self._gated(logits, mass, idx)
+        if gates:
+            logits = self._gated(logits, mass, idx, gates)
         loss = F.cross_entropy(logits.flatten(0, 1), idx.target.flatten(), reduction="none")
         return RecallOutput(loss.view(M, B).mean(-1), z, logits)
 
-    def _gated(self, logits: Tensor, mass: Tensor, idx: BatchIndex) -> Tensor:
-        """The readout of gating models with their output gate σ(x_q W_g) (x_q the query's
-        embedding): a gate per head scales the readout logits, which are linear in the output;
-        a gate per coordinate multiplies the output itself, formed from the value table."""
-        out = list(logits.unbind(0))
+    def _gates(self, idx: BatchIndex) -> dict[int, Tensor]:
+        """The output gate σ(x_q W_g) of each gating model m (x_q the query's embedding, the
+        layer input), (B, 1 or d_k)."""
+        gates = {}
         for m, mech in enumerate(self.mechanisms):
-            if not mech.gate:
-                continue
-            x_q = self.embed[m][idx.query[m]]                                # (B, d_model)
-            g = mech.gate_values(x_q[:, None, :])[:, 0, 0, :]                # (B, 1 or d_k)
+            if mech.gate:
+                x_q = self.embed[m][idx.query[m]]                            # (B, d_model)
+                gates[m] = mech.gate_values(x_q[:, None, :])[:, 0, 0, :]
+        return gates
+
+    def _gated(self, logits: Tensor, mass: Tensor, idx: BatchIndex,
+               gates: dict[int, Tensor]) -> Tensor:
+        """The readout of gating models with their output ``gates``: a gate per head scales the
+        readout logits, which are linear in the output; a gate per coordinate multiplies the
+        output itself, formed from the value table."""
+        out = list(logits.unbind(0))
+        for m, g in gates.items():
             if g.shape[-1] == 1:
                 out[m] = g * out[m]
             else:

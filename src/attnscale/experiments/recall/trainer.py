@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from attnscale.columns import MEAN_STATS
+from attnscale.columns import MEAN_STATS, MONITOR_SUMMARIES
 from attnscale.errors import ConfigError, check_int_list, check_name_list
+from attnscale.guard import guard
 from attnscale.io import json_safe
 from attnscale.progress import progress
 from attnscale.experiments.recall import metrics
@@ -124,26 +125,17 @@ def _optimizer(model: StackedRecall) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=c.lr)
 
 
-def _install_qk_clip(opt: torch.optim.Optimizer, model: StackedRecall) -> None:
-    """QK-Clip for real in the qk-clip runs: each run's S_max comes from its logits z in every
-    training forward, and after every optimiser step (:func:`qk_clip.install`'s hook) the run's
-    slices of the stacked W_Q^T and W_K^T are clipped.  No-op without qk-clip runs."""
-    runs = [(m, mech) for m, mech in enumerate(model.mechanisms)
-            if isinstance(mech, qk_clip.QKClip)]
-    if not runs:
-        return
+def _bind_qk_clip(model: StackedRecall) -> None:
+    """Bind each qk-clip run's mechanism to its slices of the stacked W_Q^T and W_K^T.  Its
+    S_max comes from its logits z in every training forward (the model hands them to
+    :func:`attnscale.pipeline.observe_logits`), and the guard installs its clip after every
+    optimiser step (:func:`qk_clip.install`).  No-op without qk-clip runs."""
     with torch.no_grad():  # views of run m's weights; the optimiser updates them in place
-        for m, mech in runs:
-            # W^T: a head's features are columns.  track=False: prepare() sees the score tables
-            # here, not the batch; the hook below feeds the batch's logits instead.
-            mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1, track=False)
-
-    def observe(module: StackedRecall, args, out) -> None:
-        if module.training:
-            for m, mech in runs:
-                mech.observe(out.z[m][:, None, None, :])  # (B, P) as (B, 1 head, 1 query, P)
-    model.register_forward_hook(observe)
-    qk_clip.install(opt, model)
+        for m, mech in enumerate(model.mechanisms):
+            if isinstance(mech, qk_clip.QKClip):
+                # W^T: a head's features are columns.  track=False: prepare() sees the score
+                # tables here, not the batch; the batch's logits reach observe() instead.
+                mech.bind(model.w_q_t[m], model.w_k_t[m], dim=-1, track=False)
 
 
 def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
@@ -156,15 +148,33 @@ def _stacked_chunk(configs: Sequence[RecallConfig], chunk: int) -> BatchIndex:
                             configs[0].n_keys, configs[0].n_values)
 
 
-# The row statistics the evaluation averages (attnscale.columns names them).
+# The row statistics the trace and the evaluation average (attnscale.columns names them), and
+# the guard record key of each one's mean.
 _STAT_NAMES = MEAN_STATS
+_GUARD_MEANS = {s.column: s.key for s in MONITOR_SUMMARIES
+                if s.reduce == "mean" and s.column in _STAT_NAMES}
 
 
-def _attention_stats(z: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Row means of entropy (nats), max weight, softmax-Jacobian norm and logit std of the
-    attention logits z (M, B, P): each (M,), float64."""
-    rows = columns(row_stats(z))
-    return {name: rows[name].mean(-1) for name in _STAT_NAMES}
+def _attention_stats(z: torch.Tensor, mechanisms) -> dict[str, torch.Tensor]:
+    """Row means of entropy (nats), max weight, Jacobian norm and logit std of the attention
+    logits z (M, B, P) under each model's normaliser (attnscale.stats): each (M,), float64."""
+    per_model = []
+    for m, mech in enumerate(mechanisms):
+        sink = mech.sink_logits().detach() if mech.normaliser == "sink" else None
+        rows = columns(row_stats(z[m].detach(), normaliser=mech.normaliser, sink=sink))
+        per_model.append([rows[name].mean(-1) for name in _STAT_NAMES])
+    return {name: torch.stack([stats[i] for stats in per_model])
+            for i, name in enumerate(_STAT_NAMES)}
+
+
+def _trace_rows(step: int, records: list[dict], runs: int) -> list[dict]:
+    """Each run's trace row at ``step`` from the guard's records: run m is the guard's layer m
+    (the m-th logits the stacked model hands over per forward), one head."""
+    by_run = {r["layer"]: r for r in records}
+    if sorted(by_run) != list(range(runs)):
+        raise RuntimeError(f"the guard recorded layers {sorted(by_run)} for {runs} runs")
+    return [{"step": step, **{name: by_run[m][_GUARD_MEANS[name]] for name in _STAT_NAMES}}
+            for m in range(runs)]
 
 
 def stack_batches(batches: Sequence[RecallBatch]) -> RecallBatch:
@@ -191,7 +201,7 @@ def evaluate(model: StackedRecall, data: Sequence[RecallBatch]) -> list[dict]:
             batch = stack_batches([d[lo:lo + EVAL_CHUNK] for d in data])       # (M, chunk)
             idx = BatchIndex.build(batch, c.n_keys, c.n_values)
             out = model(idx)
-            stats = _attention_stats(out.z)
+            stats = _attention_stats(out.z, model.mechanisms)
             rows = (out.logits.argmax(-1) == batch.target).double().sum(-1)    # (M,) correct
             n = batch.query.shape[1]
             sums += torch.stack([rows, *(v.double() * n for v in stats.values()),
@@ -238,26 +248,32 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
         start = time.perf_counter()
         model = StackedRecall([RecallNet(cfg) for cfg in configs]).train()
         opt = _optimizer(model)
-        _install_qk_clip(opt, model)
+        _bind_qk_clip(model)
         losses = torch.empty(c.steps, M)
-        trace_steps, trace = [], []
+        trace = []  # per step: each run's row
         label = desc or ",".join(dict.fromkeys(cfg.mechanism for cfg in configs))
-        for t in progress(range(c.steps), desc=f"train {label}", enabled=show_progress):
-            if t % CHUNK_STEPS == 0:
-                chunk = _stacked_chunk(configs, t // CHUNK_STEPS)
-            out = model(chunk.step(t % CHUNK_STEPS))
-            if t == 0:
-                out.z.retain_grad()
-            opt.zero_grad(set_to_none=True)
-            out.loss.sum().backward()  # models are independent: each gets its own gradient
-            if t == 0:
-                grad_wq = model.w_q_t.grad.flatten(1).norm(dim=1).tolist()
-                grad_z = out.z.grad.flatten(1).norm(dim=1).tolist()
-            opt.step()
-            losses[t] = out.loss.detach()
-            if t % c.log_every == 0 or t == c.steps - 1:
-                trace_steps.append(t)
-                trace.append(_attention_stats(out.z.detach()))
+        # The guard records steps 0, log_every, ... and the last (run m is its layer m), and
+        # installs the qk-clip runs' clip; no alarms here.
+        with guard(model, optimizer=opt, every=c.log_every, alarm_logit=None,
+                   alarm_entropy_fraction=None) as g:
+            for t in progress(range(c.steps), desc=f"train {label}", enabled=show_progress):
+                if t % CHUNK_STEPS == 0:
+                    chunk = _stacked_chunk(configs, t // CHUNK_STEPS)
+                if t == c.steps - 1:
+                    g.record_next()
+                out = model(chunk.step(t % CHUNK_STEPS))
+                if t == 0:
+                    out.z.retain_grad()
+                opt.zero_grad(set_to_none=True)
+                out.loss.sum().backward()  # models are independent: each gets its own gradient
+                if t == 0:
+                    grad_wq = model.w_q_t.grad.flatten(1).norm(dim=1).tolist()
+                    grad_z = out.z.grad.flatten(1).norm(dim=1).tolist()
+                opt.step()
+                losses[t] = out.loss.detach()
+                records = g.step(t)
+                if records:
+                    trace.append(_trace_rows(t, records, M))
         evals = evaluate(model, [eval_set(cfg) for cfg in configs])
         if after is not None:
             after(model)
@@ -267,8 +283,8 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
     for m, cfg in enumerate(configs):
         loss = losses[:, m].tolist()
         smoothed = metrics.ema(loss)
-        rows = [{"step": s, **{k: float(v[m]) for k, v in tr.items()}}
-                for s, tr in zip(trace_steps, trace)]
+        rows = [{k: (v if k == "step" else float(v)) for k, v in step[m].items()}
+                for step in trace]
         results.append(RunResult(
             config=cfg, loss=loss, smoothed=smoothed.tolist(),
             steps_to_loss_1=metrics.first_below(smoothed, metrics.MILESTONES[0]),

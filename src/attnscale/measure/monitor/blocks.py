@@ -148,18 +148,48 @@ def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float 
     kept = [(i0, part) for i0, part in parts if part is not None]
     if not kept:  # O(B H Nq) rows in all
         return HeadStats.zeros(q.shape[-3])
-    weights = {}
     if normaliser == "softmax":
-        stats = torch.cat([part for _, part in kept], dim=-2)          # (B, H, Nq', columns)
+        stats, mass = torch.cat([part for _, part in kept], dim=-2), None  # (B, H, Nq', cols)
     else:
         stats = torch.cat([part[0] for _, part in kept], dim=-2)
-        weights["mass"] = torch.cat([part[1] for _, part in kept], dim=-1)  # (B, H, Nq')
-        if normaliser == "sink":
-            weights["sink_mass"] = 1.0 - weights["mass"]
+        mass = torch.cat([part[1] for _, part in kept], dim=-1)             # (B, H, Nq')
     if gate is not None:  # the gate's mean per query row, for the rows kept
         per_row = gate.detach().double().mean(-1).expand(*stats.shape[:2], -1)
-        weights["gate"] = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
+        gate = torch.cat([per_row[..., i0:i0 + block] for i0, _ in kept], -1)
+    return _from_rows(stats, normaliser, mass, gate)
+
+
+def _from_rows(stats: Tensor, normaliser: str, mass: Tensor | None,
+               gate_rows: Tensor | None) -> HeadStats:
+    """HeadStats of row statistics under ``normaliser``, with each row's key ``mass`` (None
+    under softmax) and the output gate's mean per row (None: no gate)."""
+    weights = {}
+    if mass is not None:
+        weights["mass"] = mass
+        if normaliser == "sink":
+            weights["sink_mass"] = 1.0 - mass
+    if gate_rows is not None:
+        weights["gate"] = gate_rows
     return HeadStats.from_rows(stats, weights)
+
+
+def logit_stats(z: Tensor, *, normaliser: str = "softmax", sink: Tensor | None = None,
+                gate: Tensor | None = None) -> HeadStats:
+    """Per-head statistics of logits a model formed itself, (B, H, Nq, Nk) with masked keys at
+    -inf, under ``normaliser`` (``sink``: the per-head sink logits (H,)); ``gate`` (B, H, Nq,
+    1 or d) the output gate, summarised as its mean per row.  The same statistics
+    :func:`head_stats` gives from q and k."""
+    with torch.no_grad():
+        z = z.detach().to(work_dtype(z.dtype))
+        if normaliser == "softmax":
+            stats, mass = row_stats(z), None
+        else:
+            sink = None if sink is None else sink.detach().to(z.dtype)
+            stats = row_stats(z, normaliser=normaliser, sink=sink)
+            mass = row_mass(z, normaliser, sink)
+        gate_rows = None if gate is None else gate.detach().double().mean(-1).expand(
+            *stats.shape[:3])
+        return _from_rows(stats, normaliser, mass, gate_rows)
 
 
 def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,

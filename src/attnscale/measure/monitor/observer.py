@@ -6,7 +6,8 @@ body raises):
 * an observer on attnscale's attention pipeline (:func:`attnscale.pipeline.add_observer`), which
   hands it the mechanism-prepared q and k, the scale, cap, mask and causality of every call of
   :func:`attnscale.attention.attention`: attnscale's MultiHeadAttention, bare mechanisms, Hugging
-  Face models on ``attn_implementation="attnscale"``.  Nothing is replaced or run again.  Where the
+  Face models on ``attn_implementation="attnscale"``, and the logits a model formed itself and
+  handed to :func:`attnscale.pipeline.observe_logits`.  Nothing is replaced or run again.  Where the
   pipeline's kernel forms the logits anyway (soft-cap on the CPU), the monitor takes the row
   statistics from that kernel (``Observation.request_rows``); elsewhere it scores q kᵀ
   blockwise itself (:mod:`attnscale.measure.monitor.blocks`).
@@ -28,7 +29,8 @@ from torch import Tensor, nn
 from attnscale.columns import RECORD_STATS
 from attnscale.errors import check_int
 from attnscale.mechanisms import Mechanism
-from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
+from attnscale.measure.monitor.blocks import (DEFAULT_BLOCK, HeadStats, _head_stats,
+                                              logit_stats)
 from attnscale.pipeline import Observation, add_observer, running
 
 # The keys of every record, in order (the column order of ``to_frame`` and ``records.json``).
@@ -240,6 +242,10 @@ class Monitor:
         # From the kernel that forms the logits, when the pipeline's path has one; the
         # statistics then arrive once the call's output is computed.
         gate = None if seen is None else seen.gate  # the output gate, where there is one
+        if seen is not None and seen.logits is not None:  # formed by the model itself
+            self._merge(site, logit_stats(seen.logits, normaliser=seen.normaliser,
+                                          sink=seen.sink, gate=gate))
+            return
 
         def from_kernel(rows: Tensor) -> None:
             weights = {} if gate is None else {"gate": gate.detach().double().mean(-1)}
