@@ -417,24 +417,28 @@ def test_adaptive_queries_node_equals_autograd_through_the_product(dtype, sharp)
     q, k = (torch.randn(2, H, 48, D, generator=gen, dtype=dtype) * sharp for _ in range(2))
     mask = torch.rand(48, 48, generator=gen) > 0.25
     mask[:, 0] = True
-    g = torch.randn(2, H, 48, D, generator=gen, dtype=dtype)
+    g, g_k = (torch.randn(2, H, 48, D, generator=gen, dtype=dtype) for _ in range(2))
     s = 1 / math.sqrt(D)
-    results = []
-    for fused in (True, False):
-        qa, ka = (t.clone().requires_grad_() for t in (q, k))
-        if fused:
-            out = m.adapt_queries(qa, ka, s, mask, True)
-        else:
-            out = qa * (s * m.row_temperature(qa, ka, s, mask, True))
-        results.append((out, *torch.autograd.grad(out, (qa, ka), g)))
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    # k's own gradient arrives fresh (a product), as an expanded tensor (a sum), or not at all:
+    # the entropy's key gradient is added into the first in place, into a copy of the second
+    for k_loss in (lambda k_out: (k_out * g_k).sum(), lambda k_out: k_out.sum(), None):
+        results = []
+        for fused in (True, False):
+            qa, ka = (t.clone().requires_grad_() for t in (q, k))
+            if fused:
+                out, k_out = m.adapt_queries(qa, ka, s, mask, True)
+            else:
+                out, k_out = qa * (s * m.row_temperature(qa, ka, s, mask, True)), ka
+            loss = (out * g).sum() + (0.0 if k_loss is None else k_loss(k_out))
+            results.append((out, *torch.autograd.grad(loss, (qa, ka))))
+        for a, b in zip(*results):
+            assert_close(a, b, **tol)
     sloped, rows = int((m.row_temperature(q, k, s, mask, True) > 1).sum()), 2 * H * 48
     # the backward's block path, and its gathered path (at most 1/8 of the rows)
     assert sloped > rows // 2 if sharp < 1 else 0 < sloped <= rows // 8
-    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
-    for a, b in zip(*results):
-        assert_close(a, b, **tol)
     q[0, 1, 7, 3] = math.nan   # a NaN in one query: as through the product
-    out = m.adapt_queries(q, k, s, mask, True)
+    out, _ = m.adapt_queries(q, k, s, mask, True)
     assert_close(out, q * (s * m.row_temperature(q, k, s, mask, True)), equal_nan=True, **tol)
     assert bool(out[0, 1, 7, 3].isnan()) and bool(out[0, 0].isfinite().all())
 

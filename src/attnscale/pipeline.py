@@ -35,9 +35,10 @@ flash kernel's per-row log-sum-exp (:mod:`attnscale.kernels.sink`); a capped mec
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
 O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
 (:mod:`attnscale.kernels.entropy`) before SDPA.  A mechanism with ``adapt_queries(q, k, scale,
-mask, causal)`` folds its per-row factor into q itself (adaptive-temp: one autograd node for the
-entropy, β and the product), the adapt stage's fast form; the factor and the gradients are those
-of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
+mask, causal)`` folds its per-row factor into q itself and returns ``(q', k')`` (adaptive-temp:
+one autograd node for the entropy, β and the product, k passing through it so that the entropy's
+key gradient joins the attention's in place), the adapt stage's fast form; the factor and the
+gradients are those of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
 and returns every intermediate as an :class:`AttentionTrace`.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
@@ -351,7 +352,7 @@ def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask
         fused = getattr(mechanism, "adapt_queries", None)
         if fused is not None and not isinstance(scale, Tensor):
             # the same factor, folded into q by the mechanism's one autograd node
-            qs, scale = fused(qs, ks, scale, mask, causal), 1.0
+            (qs, ks), scale = fused(qs, ks, scale, mask, causal), 1.0
         else:
             scale = scale * mechanism.row_temperature(qs, ks, scale, mask, causal)
     offset = mechanism.offset(n_keys) if _declares(mechanism, "has_offset", False) else 0.0

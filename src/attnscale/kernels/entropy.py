@@ -104,7 +104,8 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
 def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                      mask: Tensor | None, causal: bool, scale: float,
                      block_elements: int = ENTROPY_BLOCK_ELEMENTS, *, finite: bool | None = None,
-                     into: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     into: Tensor | None = None,
+                     into_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dQ, dK) for the incoming gradient ``g`` (B, H, Nq, 1) of the entropies ``ent`` (with
     their ``lse``) that :func:`entropy_forward` gave.
 
@@ -112,25 +113,28 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     0 · ∂H/∂z NaN, as autograd through H gives it).  When at most 1/:data:`SPARSE_ROWS_FRACTION`
     of the rows get a gradient they are gathered and scored alone, else every block holding one
     is recomputed.  ``finite``: whether q and k are known to be finite (None: checked here);
-    ``into``: a (B, H, Nq, d) tensor dQ is added into and returned as.
+    ``into``: a (B, H, Nq, d) tensor dQ is added into and returned as; ``into_k`` the same for
+    dK, (B, H, Nk, d).
     """
     # the skips test g on the host, where that costs no device sync
     finite = q.device.type == "cpu" and (all_finite(k) and all_finite(q) if finite is None
                                          else finite)
     if finite and not bool(g.any()):
-        return (_zero(q) if into is None else into), _zero(k)
+        return (_zero(q) if into is None else into), (_zero(k) if into_k is None else into_k)
     g = g.contiguous()
     live = g.squeeze(-1) != 0                                             # (B, H, Nq)
     if finite and int(live.sum()) * SPARSE_ROWS_FRACTION <= live.numel():
-        return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, live, into)
+        return _sparse_backward(q, k, ent, lse, g, mask, causal, scale, live, into, into_k)
     dq = torch.empty_like(q) if into is None else into
     keep = 0.0 if into is None else 1.0                                   # dQ = s dZ K (+ into)
-    dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])            # (B, H, d, Nk)
+    # dKᵀ (B, H, d, Nk) when dK is returned on its own: the layout baddbmm writes fastest
+    dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2]) if into_k is None else None
     tiles = _Tiles(q, k, mask, causal, block_elements)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where
-        k_g, dk_g = k[b, heads], dk_t[b, heads]
+        k_g = k[b, heads]
+        dk_g = dk_t[b, heads] if into_k is None else into_k[b, heads]
         for i, (q_blk, ent_blk, lse_blk, g_blk, dq_blk) in enumerate(
                 zip(*tiles.split(b, heads, q, ent, lse, g, dq))):
             # No gradient reaches these rows (adaptive-temp's β clamped at 1 is flat in H):
@@ -149,11 +153,14 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
             # row holding NaN stays NaN (its dQ too, as autograd through H gives it)
             dz = torch.where(hidden, 0.0, z.add_(ent_blk).mul_(p)).mul_(-g_blk)
             torch.baddbmm(dq_blk, dz, k_g[:, :n_k], beta=keep, alpha=scale, out=dq_blk)
-            dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz, alpha=scale)  # dKᵀ += s Qᵀ dZ
+            if into_k is None:
+                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz, alpha=scale)  # dKᵀ += s Qᵀ dZ
+            else:
+                dk_g[:, :n_k].baddbmm_(dz.transpose(1, 2), q_blk, alpha=scale)    # dK += s dZᵀ Q
 
     groups = list(tiles.groups())
     parallel_map(group, groups, workers_for(q.device, len(groups)))
-    return dq, dk_t.transpose(-2, -1)
+    return dq, (dk_t.transpose(-2, -1) if into_k is None else into_k)
 
 
 class _RowEntropy(torch.autograd.Function):
@@ -182,14 +189,15 @@ def _zero(t: Tensor) -> Tensor:
 
 def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                      mask: Tensor | None, causal: bool, scale: float, live: Tensor,
-                     into: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     into: Tensor | None = None,
+                     into_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The backward over the rows ``live`` (B, H, Nq) selects, gathered; every other row has
     g_H = 0 and finite inputs, so contributes nothing.  Only the (batch, head) pairs holding a
-    live row are scored; dQ is added into ``into`` when given."""
+    live row are scored; dQ and dK are added into ``into`` and ``into_k`` when given."""
     n_k = k.shape[-2]
     pairs = live.any(dim=-1).nonzero()                                    # (P, 2): (b, h)
     if pairs.shape[0] == 0:
-        return (_zero(q) if into is None else into), _zero(k)
+        return (_zero(q) if into is None else into), (_zero(k) if into_k is None else into_k)
     pb, ph = pairs[:, 0], pairs[:, 1]
     rows = RowSubset(live[pb, ph].unsqueeze(0))                           # (1, P, c)
     idx = rows.idx[0]                                                     # (P, c)
@@ -208,6 +216,10 @@ def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
              idx[real])
     dq = torch.zeros_like(q) if into is None else into
     dq.index_put_(where, dq_r[real], accumulate=True)
-    dk = torch.zeros_like(k)
-    dk[pb, ph] = dk_p
-    return dq, dk
+    if into_k is None:
+        dk = torch.zeros_like(k)
+        dk[pb, ph] = dk_p
+        return dq, dk
+    for b, h, d in zip(pb.tolist(), ph.tolist(), dk_p):  # a few (batch, head) pairs: measured
+        into_k[b, h].add_(d)                              # 7x faster than index_put_ there
+    return dq, into_k
