@@ -8,6 +8,7 @@ attention function (captured through HF's AttentionInterface, not through attnsc
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -27,7 +28,7 @@ import guard_ddp
 from attnscale import MultiHeadAttention, hf
 from attnscale.errors import ConfigError
 from attnscale.guard import GUARD_KEYS, GuardAlarm, clip_sites, layer_rows, read_log, to_frame
-from attnscale.io import atomic_write
+from attnscale.io import atomic_write, json_safe
 
 hf.register()
 SEQ = 16
@@ -240,6 +241,19 @@ def test_a_log_is_jsonl_registered_and_reloadable(tmp_path):
     # attnscale wrote it, so a second run replaces it without force
     train(make_hf("llama"), batches(1), lr=1e-3, log=log, alarm_logit=None)
     assert len(log.read_text().splitlines()) == 2 * 4
+
+
+def test_a_log_from_before_a_key_was_recorded_reads_it_as_nan(tmp_path):
+    g, _ = train(make_hf("llama"), batches(1), lr=1e-3, alarm_logit=None)
+    row = {k: v for k, v in json_safe(g.records[0]).items() if k != "jacobian_fro_mean"}
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(row) + "\n")
+    (back,) = read_log(old)
+    assert math.isnan(back["jacobian_fro_mean"]) and back["logit_max"] == row["logit_max"]
+    del row["entropy_mean"]                       # a key every log has: still an error
+    old.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match="entropy_mean"):
+        read_log(old)
 
 
 def test_records_reach_a_tensorboard_writer(tmp_path):

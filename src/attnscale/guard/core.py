@@ -92,6 +92,8 @@ from attnscale.pipeline import MASKED_BIAS
 GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
               "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean",
               "jacobian_fro_mean", "logit_std", "logit_std_ratio", "s_max", "clip_gamma", "alarm")
+# Keys a log written before they were recorded may lack: read as NaN.
+LATER_KEYS = ("jacobian_fro_mean",)
 # Alarm names, in the order they are checked.
 ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
 # Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
@@ -541,6 +543,8 @@ def read_log(path: str | os.PathLike) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ConfigError(f"{str(path)!r} line {n} is not JSON ({err.msg}).") from None
+            if isinstance(row, dict):
+                row = {**dict.fromkeys(LATER_KEYS), **row}
             if not isinstance(row, dict) or any(key not in row for key in GUARD_KEYS):
                 missing = [k for k in GUARD_KEYS if not isinstance(row, dict) or k not in row]
                 raise ConfigError(f"{str(path)!r} line {n} is not a guard record (missing "
