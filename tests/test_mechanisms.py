@@ -443,6 +443,54 @@ def test_adaptive_queries_node_equals_autograd_through_the_product(dtype, sharp)
     assert bool(out[0, 1, 7, 3].isnan()) and bool(out[0, 0].isfinite().all())
 
 
+@pytest.mark.parametrize("where", ["query", "key", "masked key"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_adaptive_attention_gradients_with_non_finite_inputs_as_through_the_product(where,
+                                                                                     value):
+    """The fused adapt stage skips the rows without an entropy gradient without checking q and
+    k: with a NaN or inf in a query, a key or a key no query attends, every gradient of the
+    whole attention is still the one autograd gives through q * (s * row_temperature(...))."""
+    m = build_mechanism("adaptive-temp", D, H)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g = (torch.randn(2, H, 40, D, generator=gen) * 2 for _ in range(4))
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    mask[:, 9] = False                                 # key 9: attended by no query
+    row = {"query": (0, 1, 3), "key": (1, 0, 20), "masked key": (1, 0, 9)}[where]
+    (q if where == "query" else k)[row][5] = value
+    results = []
+    for fused in (True, False):
+        mech = m if fused else _Unfused(m)
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+        out = attnscale_attention(qa, ka, va, mech, mask=mask, causal=True)
+        results.append((out, *torch.autograd.grad(out, (qa, ka, va), g)))
+    for a, b in zip(*results):
+        assert_close(a, b, equal_nan=True, rtol=1e-5, atol=1e-5)
+    assert not bool(results[0][1].isfinite().all())    # something did become non-finite
+
+
+class _Unfused(torch.nn.Module):
+    """A mechanism without its fused adapt stage: the pipeline multiplies q by
+    ``scale * row_temperature(...)``, differentiated by autograd."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "adapt_queries":
+            raise AttributeError(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def prepare(self, q, k, n_keys):
+        return self.inner.prepare(q, k, n_keys)
+
+    def row_temperature(self, *args):
+        return self.inner.row_temperature(*args)
+
+
 def test_adaptive_temperature_polynomial_order_and_gradients():
     from attnscale.mechanisms.adaptive_temp import beta
     # -0.037 is the coefficient of H^4 and -1.791 the constant: β(1.5) by hand.
