@@ -544,6 +544,28 @@ def test_clip_qkv_clamps_q_k_and_v():
         build_mechanism("clip-qkv", D, H, clip=0)
 
 
+@pytest.mark.parametrize("case", ["inside", "boundary", "outside", "nan"])
+def test_clip_qkv_values_and_gradients_are_the_clamps_bit_for_bit(case):
+    """A tensor already inside [-c, c] skips the clamp; values and gradients stay torch.clamp's
+    exactly, at the boundary too, and NaN stays NaN."""
+    from attnscale.mechanisms.clip_qkv import _clamped
+    x = torch.randn(3, 4, 9, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    if case == "boundary":
+        x[0, 0, 0, :2] = torch.tensor([-8.0, 8.0], dtype=torch.float64)
+    elif case == "outside":
+        x[1, 2, 3, 4] = 8.5
+    elif case == "nan":
+        x[2, 1, 0, 0] = math.nan
+    g = torch.randn_like(x)
+    got, want = (x.clone().requires_grad_() for _ in range(2))
+    out_got, out_want = _clamped(got, 8.0), want.clamp(-8.0, 8.0)
+    assert torch.equal(out_got.nan_to_num(7.0), out_want.nan_to_num(7.0))
+    (grad_got,), (grad_want,) = (torch.autograd.grad(o, t, g)
+                                 for o, t in ((out_got, got), (out_want, want)))
+    assert torch.equal(grad_got.nan_to_num(7.0), grad_want.nan_to_num(7.0))
+    assert (out_got is got) == (case in ("inside", "boundary"))
+
+
 def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
     q, k = _qk()
     s = _dot(q, k) / math.sqrt(D)

@@ -7,11 +7,13 @@ d c² / √d: the blunt cousin of ``softcap``, which bounds the logit smoothly. 
 (c > 0): the models set it per checkpoint; the default is the c = 8 of DBRX's released config
 (``attn_config.clip_qkv = 8``), so that every walk over the registry by name (the registry tests,
 the Monte Carlo at init, the report) can build it.  The clamp's gradient is 0 outside [-c, c],
-as in those models.
+as in those models.  On the CPU a tensor already inside [-c, c] skips the clamp (values and
+gradients are the clamp's bit for bit), the common case: c bounds rare outliers.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnscale.errors import check_float
@@ -35,10 +37,39 @@ class ClipQKV(Mechanism):
         self.clip = check_float("clip", clip, positive=True)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
-        return q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), inv_sqrt(self.d_head)
+        return _clamped(q, self.clip), _clamped(k, self.clip), inv_sqrt(self.d_head)
 
     def prepare_values(self, v: Tensor) -> Tensor:
-        return v.clamp(-self.clip, self.clip)
+        return _clamped(v, self.clip)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, clip={self.clip:g}"
+
+
+def _clamped(x: Tensor, c: float) -> Tensor:
+    """x clamped to [-c, c].  On the CPU, a tensor already inside is returned as it is (one
+    min/max reduction instead of the clamp's copy and its backward's masks: clamp is the
+    identity there, and so is its gradient, boundary included); NaN takes the clamp, which
+    keeps it.  Elsewhere the clamp always runs (the check would cost a device sync)."""
+    if x.device.type == "cpu" and x.numel():
+        lo, hi = torch.aminmax(x.detach())
+        if bool((lo >= -c) & (hi <= c)):
+            return x
+    return _Clamp.apply(x, c) if x.requires_grad else x.clamp(-c, c)
+
+
+class _Clamp(torch.autograd.Function):
+    """x.clamp(-c, c) whose backward is one pass: it keeps which entries the clamp left as they
+    were (inside [-c, c], boundary included; not NaN), where torch's clamp backward compares x
+    with both bounds again (same gradient, bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c: float) -> Tensor:
+        y = x.clamp(-c, c)
+        ctx.save_for_backward(y == x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (kept,) = ctx.saved_tensors
+        return g * kept, None
