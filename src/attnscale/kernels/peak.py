@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import native
-from attnscale.kernels.rowsubset import RowSubset, masked
+from attnscale.kernels.rowsubset import RowSubset, block_hidden, masked
 from attnscale.precision import work_dtype
 from attnscale.workers import parallel_map, workers_for
 
@@ -237,10 +237,7 @@ def _screened(q: Tensor, k: Tensor, kt: Tensor, scale: float | Tensor, mask: Ten
         z = torch.bmm(q_blk.bfloat16(), k[bi, h0:h1, :hi].bfloat16().transpose(1, 2),
                       out=buf[:(h1 - h0) * (i1 - i0) * hi].view(h1 - h0, i1 - i0, hi))
         if hidden is not None:
-            m = hidden[bi if hidden.shape[0] > 1 else 0]
-            m = m[h0:h1] if m.shape[0] > 1 else m
-            m = m[:, i0:i1] if m.shape[1] > 1 else m
-            z.masked_fill_(m[..., :hi] if m.shape[2] > 1 else m, -math.inf)
+            z.masked_fill_(block_hidden(hidden, bi, slice(h0, h1), i0, i1, hi), -math.inf)
         if causal and i0 + 1 < hi:  # the chunk's diagonal part
             above = (torch.arange(i0 + 1, hi) > torch.arange(i0, i1).unsqueeze(-1))
             z[..., i0 + 1:hi].masked_fill_(above, -math.inf)

@@ -4,7 +4,8 @@ the rows that matter (the bfloat16 screen of :mod:`attnscale.kernels.peak`, the 
 
 Each (batch, head) keeps its own rows, padded to the most any of them has by repeating its first
 one, so the subset stays a dense (B, H, c, ·) tensor that one batched matmul scores against its
-head's keys.
+head's keys.  :func:`block_hidden` is the mask of a block of whole rows, as the blockwise kernels
+(soft-cap, entropy, the screen's first pass) cut them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def hidden_rows(hidden: Tensor | None, at: tuple[Tensor, Tensor, Tensor], n_k: i
         above = torch.arange(n_k, device=at[2].device) > at[2].unsqueeze(-1)
         out = above if out is None else out | above
     return out
+
+
+def block_hidden(hidden: Tensor, b: int, heads: slice, i0: int, i1: int, n_k: int) -> Tensor:
+    """The part of ``hidden`` (True = masked, (B|1, H|1, Nq|1, Nk|1)) over a block of rows: batch
+    ``b``, ``heads``, queries ``i0:i1`` and the first ``n_k`` keys, as a view broadcastable to
+    the block's (h, r, n_k) logits (a size-1 dimension stays size 1)."""
+    m = hidden[b if hidden.shape[0] > 1 else 0]
+    m = m[heads] if m.shape[0] > 1 else m
+    m = m[:, i0:i1] if m.shape[1] > 1 else m
+    return m[..., :n_k] if m.shape[2] > 1 else m
 
 
 def masked(z: Tensor, hidden: Tensor | None) -> Tensor:

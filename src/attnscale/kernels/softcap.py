@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
+from attnscale.kernels.rowsubset import block_hidden
 from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -281,11 +282,9 @@ class _Tiles:
         """Set the logits of block i (from its row ``j0`` on) that the mask hides to -inf, in
         place."""
         if self.hidden is not None:
-            i0, n_k = i * self.rows + j0, z.shape[-1]
-            m = self.hidden[b if self.hidden.shape[0] > 1 else 0]
-            m = m[heads] if m.shape[0] > 1 else m
-            m = m[:, i0:i0 + z.shape[1]] if m.shape[1] > 1 else m
-            z.masked_fill_(m[..., :n_k] if m.shape[2] > 1 else m, float("-inf"))
+            i0 = i * self.rows + j0
+            z.masked_fill_(block_hidden(self.hidden, b, heads, i0, i0 + z.shape[1], z.shape[-1]),
+                           float("-inf"))
         return z
 
     def causal_counts(self, i: int, rows: int) -> Tensor | None:
