@@ -81,7 +81,7 @@ from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.guard.clip import all_reduce_max, clip_sites
 from attnscale.io import atomic_write, check_output_path, json_safe
 from attnscale.kernels.peak import head_peaks
-from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats, logit_stats
+from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
 from attnscale.measure.monitor.observer import Monitor
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
@@ -162,7 +162,6 @@ class _Observer(Monitor):
             return
         take(_head_stats(q, k, block=self.block, **how))
 
-
     def _add_logits(self, site: str, module: str, seen, record: bool, track: bool) -> None:
         """A call whose logits the model formed and handed over (``observe_logits``): S_max and
         the statistics straight from them."""
@@ -171,8 +170,7 @@ class _Observer(Monitor):
             g._fold(module, z.amax(dim=(0, 2, 3)))
         if record:
             g._keys[site] = max(g._keys.get(site, 0), int(seen.n_keys.max()) if z.numel() else 0)
-            self._merge(site, logit_stats(z, normaliser=seen.normaliser, sink=seen.sink,
-                                          gate=seen.gate))
+            self._merge_logits(site, seen)
 
 
 def _most_keys(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> int:

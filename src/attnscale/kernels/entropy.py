@@ -207,19 +207,16 @@ def _sparse_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     z = masked(_scores(q_r, k_p.transpose(1, 2), scale), hidden)
     z = z.sub_(lse[at])                                                   # ln p, -inf if hidden
     p = torch.exp(z)
-    g_r = torch.where(rows.real[0].unsqueeze(-1), g[at], 0.0)             # padding: no gradient
+    real = rows.real[0]                                                   # (P, c)
+    g_r = torch.where(real.unsqueeze(-1), g[at], 0.0)                     # padding: no gradient
     dz = torch.where(torch.isneginf(z), 0.0, z.add_(ent[at]).mul_(p)).mul_(-g_r * scale)
     dq_r = torch.bmm(dz, k_p)                                             # dQ = s dZ K
     dk_p = torch.bmm(dz.transpose(1, 2), q_r)                             # dK = s dZᵀ Q
-    real = rows.real[0]
     where = (pb.unsqueeze(-1).expand_as(idx)[real], ph.unsqueeze(-1).expand_as(idx)[real],
              idx[real])
     dq = torch.zeros_like(q) if into is None else into
     dq.index_put_(where, dq_r[real], accumulate=True)
-    if into_k is None:
-        dk = torch.zeros_like(k)
-        dk[pb, ph] = dk_p
-        return dq, dk
+    dk = torch.zeros_like(k) if into_k is None else into_k
     for b, h, d in zip(pb.tolist(), ph.tolist(), dk_p):  # a few (batch, head) pairs: measured
-        into_k[b, h].add_(d)                              # 7x faster than index_put_ there
-    return dq, into_k
+        dk[b, h].add_(d)                                  # 7x faster than index_put_ there
+    return dq, dk

@@ -107,14 +107,14 @@ class _AdaptiveQueries(torch.autograd.Function):
         # a value would give there lands only where the attention's own backward (SDPA's, or
         # the materialised one) already puts NaN: the whole head's dQ for a NaN or inf in a
         # key, its dK (and the row's dQ) for one in a query.
-        ctx.args = (causal, scale, q.device.type == "cpu")
+        ctx.args = (causal, scale, q.device.type == "cpu")              # the skips' condition
         return q * (scale * b), k.view_as(k)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor, g_k: Tensor):
         q, k, ent, lse, b, slope, mask = ctx.saved_tensors
-        causal, scale, finite = ctx.args
+        causal, scale, may_skip = ctx.args
         grad_q = g * (scale * b)
         # ∂L/∂H = dβ/dH · s Σ_d g q on the rows where β has a slope.  Elsewhere it is 0 even for a
         # NaN in g (autograd would give 0 · NaN there): such a g already makes every gradient of
@@ -122,5 +122,5 @@ class _AdaptiveQueries(torch.autograd.Function):
         g_ent = torch.zeros_like(ent)
         rows = slope.squeeze(-1).nonzero(as_tuple=True)
         g_ent[rows] = slope[rows] * scale * torch.linalg.vecdot(g[rows], q[rows]).unsqueeze(-1)
-        return (*entropy_backward(q, k, ent, lse, g_ent, mask, causal, scale, finite=finite,
+        return (*entropy_backward(q, k, ent, lse, g_ent, mask, causal, scale, finite=may_skip,
                                   into=grad_q, into_k=_owned(g_k)), None, None, None)

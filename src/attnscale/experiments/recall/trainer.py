@@ -283,8 +283,7 @@ def train_runs(configs: Sequence[RecallConfig], *, show_progress: bool | None = 
     for m, cfg in enumerate(configs):
         loss = losses[:, m].tolist()
         smoothed = metrics.ema(loss)
-        rows = [{k: (v if k == "step" else float(v)) for k, v in step[m].items()}
-                for step in trace]
+        rows = [step[m] for step in trace]
         results.append(RunResult(
             config=cfg, loss=loss, smoothed=smoothed.tolist(),
             steps_to_loss_1=metrics.first_below(smoothed, metrics.MILESTONES[0]),

@@ -243,8 +243,7 @@ class Monitor:
         # statistics then arrive once the call's output is computed.
         gate = None if seen is None else seen.gate  # the output gate, where there is one
         if seen is not None and seen.logits is not None:  # formed by the model itself
-            self._merge(site, logit_stats(seen.logits, normaliser=seen.normaliser,
-                                          sink=seen.sink, gate=gate))
+            self._merge_logits(site, seen)
             return
 
         def from_kernel(rows: Tensor) -> None:
@@ -255,6 +254,11 @@ class Monitor:
                 and seen.request_rows(from_kernel)):
             return
         self._merge(site, _head_stats(q, k, block=self.block, gate=gate, **how))
+
+    def _merge_logits(self, site: str, seen: Observation) -> None:
+        """The statistics of a call whose logits the model handed over (``observe_logits``)."""
+        self._merge(site, logit_stats(seen.logits, normaliser=seen.normaliser, sink=seen.sink,
+                                      gate=seen.gate))
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):
