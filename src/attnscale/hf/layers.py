@@ -1,0 +1,127 @@
+"""Which modules of an HF model are attention layers, and swapping their temperature
+(:func:`set_mechanism`)."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from attnscale.errors import ConfigError
+from attnscale.hf.attention import ATTN_IMPLEMENTATION, MECHANISM_ATTR, register
+from attnscale.mechanisms import MECHANISMS, build_mechanism, check_mechanism
+
+def _uses_interface(module: nn.Module) -> bool:
+    """Whether ``module.forward`` dispatches through HF's ALL_ATTENTION_FUNCTIONS."""
+    forward = inspect.unwrap(type(module).forward)  # past HF's deprecation decorators
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every attention layer that goes through HF's interface."""
+    return [(name, m) for name, m in model.named_modules()
+            if _uses_interface(m) and getattr(m, "head_dim", None)]
+
+
+def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`attention_layers`, or a ConfigError naming the family when there are none."""
+    layers = attention_layers(model)
+    if not layers:
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError(f"model family {family!r} does not route attention through "
+                          "transformers' AttentionInterface, so attnscale cannot run, observe or "
+                          "swap its temperature.")
+    return layers
+
+
+def _n_heads(layer: nn.Module) -> int:
+    config = getattr(layer, "config", None)
+    n = getattr(config, "num_attention_heads", None) or getattr(layer, "num_heads", None)
+    if not n:
+        raise ConfigError(f"cannot tell the number of heads of {type(layer).__name__}.")
+    return int(n)
+
+
+def check_swappable(name: str, **options) -> None:
+    """ConfigError unless :func:`set_mechanism` can install ``name`` with options of these names.
+
+    Checks the name and option names without building anything (the option values are checked
+    when :func:`set_mechanism` builds each layer's mechanism, before it changes the model).
+    """
+    check_swappable_options(name, options, "name")
+
+
+def check_swappable_options(name: str, options: dict, param: str) -> None:
+    """:func:`check_swappable` for an options dict, with errors prefixed by ``param`` (where the
+    name came from: a parameter, or a config.json entry)."""
+    check_mechanism(name, options, param=param)  # unknown name or option: did-you-mean
+    if MECHANISMS[name].gate:
+        raise ConfigError(f"mechanism {name!r} gates the attention output with the layer's "
+                          "input, which HF's attention function does not see; use "
+                          "attnscale.MultiHeadAttention or attnscale.lm for it.")
+    if not MECHANISMS[name].defined_at_init:
+        raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the q and "
+                          "k HF passes to the attention function; use "
+                          "attnscale.MultiHeadAttention for it.")
+
+
+def _require_attnscale(layer: nn.Module, args) -> None:
+    """Forward pre-hook of a layer holding a mechanism: its attention must still run on
+    ``"attnscale"``.  However the implementation was changed afterwards
+    (``model.set_attn_implementation("sdpa")``, ``config._attn_implementation = ...``), another
+    one would drop the mechanism silently while ``config.attnscale_mechanism`` still names it."""
+    implementation = getattr(getattr(layer, "config", None), "_attn_implementation", None)
+    if hasattr(layer, MECHANISM_ATTR) and implementation != ATTN_IMPLEMENTATION:
+        name = getattr(getattr(layer, MECHANISM_ATTR), "name", "") or "a mechanism"
+        raise ConfigError(f"{type(layer).__name__} holds mechanism {name!r}, which only "
+                          f"attn_implementation={ATTN_IMPLEMENTATION!r} applies, but the model now "
+                          f"runs {implementation!r}: set it back, or remove the mechanism first "
+                          "with attnscale.hf.set_mechanism(model, None).")
+
+
+def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
+    """Make mechanism ``name`` own the temperature of every attention layer of ``model``.
+
+    Each layer gets a fresh ``build_mechanism(name, head_dim, num_attention_heads, **options)``
+    as its submodule ``attnscale_mechanism`` (in the dtype and device of the layer's weights), and
+    the model is switched to ``attn_implementation="attnscale"``.  ``name=None`` removes them and
+    restores the native temperature.  Returns the qualified names of the layers changed.
+
+    Only ``"attnscale"`` applies the mechanism: a forward pass after the implementation was
+    changed (``model.set_attn_implementation("sdpa")``, ``config._attn_implementation = ...``)
+    is a ConfigError, not a silent return to the native temperature.
+
+    Raises:
+        ConfigError: unknown name or option (with a did-you-mean), a mechanism that acts on
+            W_Q/W_K (init-reparam, sigma-reparam), or a model family outside the interface.
+    """
+    layers = check_supported(model)
+    mechanisms = {}
+    if name is not None:
+        check_swappable(name, **options)
+        # Built before anything changes, so a bad option value leaves the model as it was.
+        for qualified, layer in layers:
+            weight = next((p for p in layer.parameters() if p.is_floating_point()), None)
+            mechanism = build_mechanism(name, layer.head_dim, _n_heads(layer), **options)
+            if weight is not None:
+                mechanism = mechanism.to(device=weight.device, dtype=weight.dtype)
+            mechanisms[qualified] = mechanism
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for qualified, layer in layers:
+        if hasattr(layer, MECHANISM_ATTR):
+            delattr(layer, MECHANISM_ATTR)
+        if name is not None:  # a submodule: trains and saves with the model
+            setattr(layer, MECHANISM_ATTR, mechanisms[qualified])
+            if not any(hook is _require_attnscale for hook in layer._forward_pre_hooks.values()):
+                layer.register_forward_pre_hook(_require_attnscale)
+    if name is None:
+        if hasattr(model.config, MECHANISM_ATTR):
+            delattr(model.config, MECHANISM_ATTR)
+    else:  # written to config.json by save_pretrained; read back by from_pretrained below
+        setattr(model.config, MECHANISM_ATTR, {"name": name, "options": dict(options)})
+    return [qualified for qualified, _ in layers]
+
+
