@@ -97,9 +97,19 @@ def yarn_slope(records: Sequence[dict]) -> dict | None:
         fits = [(math.log(y["factor"]), y["fit"]["x"]) for y in r["result"].get("yarn") or []
                 if y["fit"]["x"] is not None]
         if len(fits) >= 2:
-            per_seed.append(float(np.polyfit(*zip(*fits), 1)[0]))
+            per_seed.append(_slope(fits))
             span = max(x for x, _ in fits) - min(x for x, _ in fits)
     return {"per_seed": per_seed, "span": span, **spread(per_seed)} if per_seed else None
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y on x, Σ(x - x̄)(y - ȳ) / Σ(x - x̄)², in exactly rounded sums
+    (math.fsum): the same bits on every CPU, where a LAPACK fit (numpy.polyfit) differs in the
+    last digits between BLAS builds and the shipped pages would not redraw byte for byte."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    x_mean, y_mean = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    return (math.fsum((x - x_mean) * (y - y_mean) for x, y in points)
+            / math.fsum((x - x_mean) ** 2 for x in xs))
 
 
 _interval = claim_rules.interval
