@@ -165,3 +165,10 @@ def test_reproduce_cli_with_all_registered_sections(cli, tmp_path):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
         assert f"]({png})" in md
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [MANIFEST]  # no staging
+
+
+def test_version_needs_no_command(cli):
+    import attnscale
+
+    code, out, err = cli("--version")
+    assert (code, out, err) == (0, f"attnscale {attnscale.__version__}\n", "")

@@ -33,3 +33,10 @@ def test_python_m_passes_on_the_exit_code(module):
     done = _run("-m", module, "saturation", "--dk", "0")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "attnscale saturation: error:" in done.stderr
+
+
+@pytest.mark.parametrize("module", ["attnscale", "attnscale.cli"])
+def test_version_prints_the_package_version(module):
+    done = _run("-m", module, "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"attnscale {attnscale.__version__}\n"

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from attnscale import __version__
 from attnscale.cli._common import check_outputs
 from attnscale.errors import ConfigError
 from attnscale.io import Terminated, sigterm_as_exit
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "temperature.",
         epilog="Run 'attnscale COMMAND --help' for worked examples of each command.",
     )
+    parser.add_argument("--version", action="version", version=f"attnscale {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMAND_MODULES:
