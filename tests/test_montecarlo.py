@@ -14,9 +14,10 @@ import torch
 
 from attnscale.errors import ConfigError
 from attnscale.rng import rng
+import attnscale.measure.montecarlo as montecarlo
 from attnscale.measure.montecarlo import (
-    jacobian_crossing, sample_logits_direct, saturation, saturation_direct, small_head_thresholds,
-    variance,
+    jacobian_crossing, sample_gamma, sample_logits_direct, sample_normal, saturation,
+    saturation_direct, small_head_thresholds, variance,
 )
 
 BAND = 4.0
@@ -76,6 +77,75 @@ def test_variance_std_matches_direct_sampling(d_k):
     se_direct = std * math.sqrt((kurt - 1.0) / raw.numel()) / 2.0   # delta method, large N
     assert_in_band(row["std"], row["std_se"], std, se_direct, f"d_k={d_k}")
     assert abs(std - math.sqrt(d_k)) <= BAND * se_direct
+
+
+# ---------------------------------------------------------------------------------------------
+# The samplers behind the variance check
+
+
+def _assert_cdf_bins(u: torch.Tensor, what: str, bins: int = 50) -> None:
+    """``u`` = F(x) for samples x of a distribution with CDF F is uniform: every one of ``bins``
+    equal bins holds its expected count within BAND binomial standard errors."""
+    count = torch.histc(u, bins=bins, min=0.0, max=1.0)
+    n, p = u.numel(), 1.0 / bins
+    assert int(count.sum()) == n, what
+    worst = float(((count - n * p).abs() / math.sqrt(n * p * (1 - p))).max())
+    assert worst <= BAND, f"{what}: a bin is {worst:.2f} standard errors off"
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0, 32.0, 512.0])
+def test_sample_gamma_has_the_gamma_distribution(alpha):
+    n = 200_000
+    x = sample_gamma(alpha, n, rng(0, "gamma", alpha))
+    assert x.shape == (n,) and x.dtype == torch.float64
+    assert bool((x > 0).all()) and bool(x.isfinite().all())   # every rejected draw was redrawn
+    _assert_cdf_bins(torch.special.gammainc(torch.tensor(alpha, dtype=torch.float64), x),
+                     f"Gamma({alpha})")
+    # Mean and variance are both alpha; the mean's se is sqrt(alpha / n).
+    assert abs(float(x.mean()) - alpha) <= BAND * math.sqrt(alpha / n)
+    var_se = math.sqrt((2 * alpha ** 2 + 6 * alpha) / n)     # (mu_4 - sigma^4) / n
+    assert abs(float(x.var()) - alpha) <= BAND * var_se
+
+
+def test_sample_gamma_is_deterministic_per_stream():
+    a = sample_gamma(3.0, 10_000, rng(1, "gamma"))
+    b = sample_gamma(3.0, 10_000, rng(1, "gamma"))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sample_normal_is_standard_normal():
+    z = sample_normal(200_001, rng(0, "normal"))
+    assert z.shape == (200_001,) and z.dtype == torch.float64
+    _assert_cdf_bins(torch.special.ndtr(z), "N(0, 1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads and batches do not change the rows
+
+
+def test_rows_are_the_same_on_one_and_two_threads():
+    before = torch.get_num_threads()
+    try:
+        out = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out.append((variance([4, 64, 256], 3000, seed=5),
+                        saturation([4, 64, 256], [16, 100], 300, seed=5,
+                                   mechanisms=("scaled", "unscaled", "ssmax"))))
+    finally:
+        torch.set_num_threads(before)
+    assert out[0] == out[1]
+
+
+def test_shortcut_batches_score_the_same_samples(monkeypatch):
+    """The shortcut draws in chunks and scores them in batches; the batch size changes only the
+    order of the floating-point sums, never the samples."""
+    whole = saturation([16, 256], 64, 3000, seed=2)
+    monkeypatch.setattr(montecarlo, "SHORTCUT_BATCH_ELEMENTS", 1)    # one draw per batch
+    chunked = saturation([16, 256], 64, 3000, seed=2)
+    for a, b in zip(whole, chunked):
+        for key in STAT_KEYS:
+            torch.testing.assert_close(a[f"{key}_mean"], b[f"{key}_mean"], rtol=1e-12, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

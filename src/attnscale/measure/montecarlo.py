@@ -23,6 +23,9 @@ Work is done in chunks of about :data:`CHUNK_ELEMENTS` logits, so memory does no
 vectors) must fit at once, and a request that would need more than half the machine's RAM is
 refused up front (:func:`attnscale.memory.check_memory`), and so is one that would run for
 more than a day even on a fast machine (:func:`check_time`).  Long runs show a progress bar.
+
+Cells run side by side on ``torch.get_num_threads()`` worker threads; each draws from its own
+stream, so the rows are the same bits on any number of threads.
 """
 
 from __future__ import annotations
@@ -30,35 +33,43 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from attnscale.columns import MEAN_STATS, named
+from attnscale.columns import MEAN_STATS, ROW_STATS_COLUMNS, named
 from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_int_or_list, check_name_list,
 )
-from attnscale.memory import check_memory
+from attnscale.memory import check_memory, memory_budget
 from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
 from attnscale.mechanisms.base import Mechanism
 from attnscale.progress import progress
 from attnscale.rng import rng
-from attnscale.stats import (Moments, columns, mean_se_from_sums, row_mass, row_stats, std_ci,
+from attnscale.stats import (Moments, mean_se_from_sums, row_mass, row_stats, std_ci,
                              std_se)
-from attnscale.workers import num_threads
+from attnscale.workers import num_threads, parallel_map
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
 # (fresh multi-MB buffers cost a page fault per 4 KB), large enough to amortise Python overhead.
 CHUNK_ELEMENTS = 1 << 16
+# Logits of the chi-square shortcut scored per call of the row statistics: whole chunks of
+# CHUNK_ELEMENTS, gathered so that one call covers 2 MB of float32 logits (the essay's 2000 trials
+# of 256 keys at once) instead of eight; each row is reduced while it sits in L1, so the batch
+# need not fit in cache.
+SHORTCUT_BATCH_ELEMENTS = 1 << 19
 # Elements of the (trials, n, d_k) key tensor sampled per chunk by the module paths.
 DIRECT_CHUNK_ELEMENTS = 1 << 23
-# Samples of q.k per chunk in the variance check.
-VARIANCE_CHUNK = 1 << 18
-# torch threads for the sampling loops.  The chunks are 64k logits (8M key coordinates on the
-# module paths): an OpenMP fork-join per op costs more than it saves, and on a loaded machine
+# Samples of q.k per chunk in the variance check: 256 KiB float64 tensors.  Larger chunks are
+# slower (1.7x at 2^17, measured): malloc hands buffers that big out as fresh pages.
+VARIANCE_CHUNK = 1 << 15
+# torch intra-op threads for the sampling loops.  The chunks are 64k logits (8M key coordinates on
+# the module paths): an OpenMP fork-join per op costs more than it saves, and on a loaded machine
 # spinning threads slow it down by an order of magnitude (3x measured for the rotated-frame path
-# at n = 65536 on 2 busy cores).
+# at n = 65536 on 2 busy cores).  The cores are used by running cells side by side instead, one
+# per worker thread (_cell_workers).
 MONTE_CARLO_THREADS = 1
 # Bytes per logit of a chunk's working set: float32 logits, the float64 shortcut samples and the
 # statistics' temporaries (the PyTorch formulation holds about ten row-sized tensors).
@@ -81,6 +92,8 @@ ESSAY_PAIRS = 100_000  # query-key pairs per d_k in the variance check
 # the keys' total weight (attnscale.columns.WEIGHT_COLUMNS' mass: 1 under softmax, less with a
 # sink, anything in [0, n] under sigmoid).
 SATURATION_STATS = (*MEAN_STATS, *named("mass"))
+# Where row_stats' result holds the averaged statistics (all of SATURATION_STATS but the mass).
+_SUMMED = [ROW_STATS_COLUMNS.index(key) for key in MEAN_STATS]
 
 
 def check_time(what: str, seconds: float) -> None:
@@ -93,9 +106,71 @@ def check_time(what: str, seconds: float) -> None:
 
 def _chi(dof: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Samples of ``chi(dof)``, the norm of a ``N(0, I_dof)`` vector, float64: ``chi^2(d)`` is
-    ``2 Gamma(d / 2, 1)``."""
+    ``2 Gamma(d / 2, 1)``.  torch's own gamma sampler, for the saturation experiments, whose rows
+    (and the report's figures drawn from them) stay as they were; the variance check, which
+    draws a gamma per pair, uses :func:`sample_gamma`."""
     alpha = torch.full(shape, dof / 2.0, dtype=torch.float64)
     return (2.0 * torch._standard_gamma(alpha, generator=gen)).sqrt_()
+
+
+def sample_normal(size: int, gen: torch.Generator) -> torch.Tensor:
+    """``size`` standard normals as float64: torch's float32 normals (its vectorised Box-Muller
+    on 24-bit uniforms, the same the saturation shortcut draws its logits from), widened.
+
+    Their tails end at ``sqrt(-2 ln 2^-24) = 5.77`` (probability 8e-9 beyond, which moves the
+    kurtosis of ``q.k`` by about 1e-6, a ten-thousandth of its standard error at 100k pairs),
+    and they cost 2.4 ns a sample on one core against 14 ns for ``torch.randn`` in float64, a
+    scalar loop (measured on an AVX-512 EPYC).
+    """
+    return torch.randn(size, generator=gen).double()
+
+
+def sample_gamma(alpha: float, size: int, gen: torch.Generator) -> torch.Tensor:
+    """``size`` samples of ``Gamma(alpha, 1)``, float64, by Marsaglia and Tsang's method.
+
+    Marsaglia & Tsang 2000 ("A simple method for generating gamma variables", ACM TOMS 26):
+    with ``d = alpha - 1/3`` and ``c = 1 / sqrt(9 d)``, draw ``x ~ N(0, 1)`` and ``u ~ U(0, 1)``,
+    set ``v = (1 + c x)^3`` and accept ``d v`` when ``v > 0`` and
+    ``ln u < x^2 / 2 + d - d v + d ln v``, or at once when ``u < 1 - 0.0331 x^4`` (their squeeze,
+    which implies it and never passes ``v <= 0``); exact, and at least 95% of candidates are
+    accepted for ``alpha >= 1``.  Below 1, ``Gamma(alpha) = Gamma(alpha + 1) U^(1/alpha)``.
+
+    One candidate per sample is drawn and tested as whole tensors, the logarithms only where the
+    squeeze fails, and the rejected samples are drawn again until none is left (with
+    :func:`sample_normal`'s normals): about 12 ns a sample on one core, where
+    ``torch._standard_gamma``'s per-sample loop takes 28 ns (measured on an AVX-512 EPYC) and
+    dominated the variance check.
+    """
+    boost = alpha < 1.0
+    a = alpha + 1.0 if boost else alpha
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    out = torch.empty(size, dtype=torch.float64)
+    todo = None                                        # positions still to draw; None: all
+    while todo is None or todo.numel():
+        m = size if todo is None else todo.numel()
+        x = sample_normal(m, gen)
+        u = torch.rand(m, generator=gen, dtype=torch.float64)
+        v = (x * c).add_(1.0)
+        v = v * v * v
+        x2 = x.square_()
+        ok = u < (x2 * x2).mul_(-0.0331).add_(1.0)     # the squeeze
+        hard = (~ok).nonzero().squeeze(1)
+        if hard.numel():                               # the full test; NaN or -inf for v <= 0
+            vh = v[hard]
+            bound = vh.log().sub_(vh).add_(1.0).mul_(d).add_(x2[hard], alpha=0.5)
+            ok[hard] = u[hard].log_() < bound
+        v *= d
+        if todo is None:
+            out.copy_(v)
+            todo = (~ok).nonzero().squeeze(1)
+        else:
+            out[todo[ok]] = v[ok]
+            todo = todo[~ok]
+    if boost:
+        out *= torch.rand(size, generator=gen, dtype=torch.float64).neg_().add_(1.0) \
+            .pow_(1.0 / alpha)
+    return out
 
 
 def kurtosis_dot(d_k: int) -> float:
@@ -126,31 +201,57 @@ def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: i
     pairs = check_int("pairs", pairs, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     check_time(f"pairs={pairs} for {len(d_ks)} d_k", len(d_ks) * pairs * SECONDS_PER_PAIR)
-    rows = []
     bar = progress(None, desc="variance", total=len(d_ks) * pairs, enabled=show_progress)
     with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
-        for d_k in d_ks:
-            gen = rng(seed, "variance", d_k)
-            moments = Moments()
-            for size in _chunk_sizes(pairs, VARIANCE_CHUNK):
-                # Exact shortcut: q.k = |q| g with |q| ~ chi(d_k), g ~ N(0, 1) independent.
-                x = _chi(d_k, (size,), gen)
-                x *= torch.randn(size, generator=gen, dtype=torch.float64)
-                moments.add(x)
-                bar.update(size)
-            m2, m4 = moments.central()
-            std = math.sqrt(m2 * pairs / (pairs - 1))
-            predicted = math.sqrt(d_k)
-            se = std_se(std, pairs, kurtosis_dot(d_k))
-            lo, hi = std_ci(std, se)
-            rows.append({
-                "d_k": d_k, "pairs": pairs, "seed": seed, "std": std, "predicted": predicted,
-                "rel_error": std / predicted - 1.0, "std_se": se, "std_ci95": [lo, hi],
-                "rel_error_ci95": [lo / predicted - 1.0, hi / predicted - 1.0],
-                "kurtosis_theory": kurtosis_dot(d_k),
-                "kurtosis_measured": m4 / (m2 * m2) if m2 > 0 else math.nan,
-            })
-    return rows
+        advance = _locked(bar.update)
+        return parallel_map(lambda d_k: _variance_row(d_k, pairs, seed, advance), d_ks,
+                            _cell_workers(len(d_ks), 0))
+
+
+def _variance_row(d_k: int, pairs: int, seed: int, advance) -> dict:
+    """The row of :func:`variance` for one ``d_k``; ``advance(pairs)`` reports progress."""
+    gen = rng(seed, "variance", d_k)
+    moments = Moments()
+    for size in _chunk_sizes(pairs, VARIANCE_CHUNK):
+        # Exact shortcut: q.k = |q| g with |q| ~ chi(d_k), g ~ N(0, 1) independent.
+        x = sample_gamma(d_k / 2.0, size, gen).mul_(2.0).sqrt_()
+        x *= sample_normal(size, gen)
+        moments.add(x)
+        advance(size)
+    m2, m4 = moments.central()
+    std = math.sqrt(m2 * pairs / (pairs - 1))
+    predicted = math.sqrt(d_k)
+    se = std_se(std, pairs, kurtosis_dot(d_k))
+    lo, hi = std_ci(std, se)
+    return {
+        "d_k": d_k, "pairs": pairs, "seed": seed, "std": std, "predicted": predicted,
+        "rel_error": std / predicted - 1.0, "std_se": se, "std_ci95": [lo, hi],
+        "rel_error_ci95": [lo / predicted - 1.0, hi / predicted - 1.0],
+        "kurtosis_theory": kurtosis_dot(d_k),
+        "kurtosis_measured": m4 / (m2 * m2) if m2 > 0 else math.nan,
+    }
+
+
+def _cell_workers(cells: int, need: int) -> int:
+    """Threads to run ``cells`` independent cells on side by side: ``torch.get_num_threads()``
+    (read before the sampling loops set their own count), at most one per cell, and no more
+    working sets of ``need`` bytes than the memory budget holds.  Each cell draws from its own
+    stream, so the rows do not depend on the number."""
+    workers = min(torch.get_num_threads(), cells)
+    budget = memory_budget()
+    if budget is not None and need > 0:
+        workers = min(workers, budget[0] // need)
+    return max(1, workers)
+
+
+def _locked(update):
+    """``update`` behind a lock, for cells that report progress from several threads."""
+    lock = threading.Lock()
+
+    def locked(k: int) -> None:
+        with lock:
+            update(k)
+    return locked
 
 
 def sample_logits_direct(d_k: int, n: int, trials: int, gen: torch.Generator) -> torch.Tensor:
@@ -169,13 +270,13 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
     squares (float64); under ``mech``'s normaliser (softmax without one)."""
     normaliser = "softmax" if mech is None else mech.normaliser
     sink = mech.sink_logits().detach() if normaliser == "sink" else None
-    stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink))
-    stats["mass"] = row_mass(z, normaliser, sink)
-    for key in SATURATION_STATS:
-        v = stats[key]
+    rows = row_stats(z, threads=1, normaliser=normaliser, sink=sink)              # (T, 7)
+    values = torch.cat([rows[:, _SUMMED], row_mass(z, normaliser, sink)[:, None]], dim=1)
+    sums = torch.stack([values.sum(0), values.square().sum(0)]).tolist()         # (2, stats)
+    for key, total, total_sq in zip(SATURATION_STATS, *sums):
         s = acc.setdefault(key, [0.0, 0.0])
-        s[0] += float(v.sum())
-        s[1] += float(torch.linalg.vecdot(v, v))
+        s[0] += total
+        s[1] += total_sq
 
 
 def summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
@@ -217,20 +318,23 @@ def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]
 
 def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) -> dict:
     """How each (d_k, n) cell samples each mechanism: ``{(d_k, n): {method: {name: how}}}`` with
-    ``how`` the shortcut's scale or the mechanism module.  Every cell's memory, and the time of
+    ``how`` the shortcut's scale or the mechanism module, and the largest cell's working set
+    (bytes).  Every cell's memory, and the time of
     the whole request, are checked before any mechanism is built at its ``d_k``."""
-    plan, shortcut, seconds = {}, {}, 0.0
+    plan, shortcut, seconds, largest = {}, {}, 0.0, 0
     for n in ns:
         # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
         shortcut[n] = {m for m in mechanisms
                        if _shortcut_scale(build_mechanism(m, 1, 1), n) is not None}
         for d_k in d_ks:
-            need = max(CHUNK_ELEMENTS, n) * BYTES_PER_LOGIT + d_k * BYTES_PER_KEY_COORDINATE
+            need = max(SHORTCUT_BATCH_ELEMENTS, n) * BYTES_PER_LOGIT \
+                + d_k * BYTES_PER_KEY_COORDINATE
             seconds += n * len(mechanisms) * SECONDS_PER_LOGIT
             if len(shortcut[n]) < len(mechanisms):
                 need += max(DIRECT_CHUNK_ELEMENTS, n * d_k) * BYTES_PER_KEY_COORDINATE
                 seconds += n * d_k * SECONDS_PER_KEY_COORDINATE
             check_memory(f"n={n} keys per query at d_k={d_k}", need)
+            largest = max(largest, need)
     check_time(f"trials={trials} over {len(d_ks) * len(ns)} (d_k, n) cells", trials * seconds)
     for d_k in d_ks:
         modules = {m: build_mechanism(m, d_k, 1) for m in mechanisms}
@@ -242,7 +346,7 @@ def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) ->
                           "rotation-frame" if mod.rotation_invariant else "direct")
                 cell.setdefault(method, {})[name] = mod if scale is None else scale
             plan[d_k, n] = cell
-    return plan
+    return plan, largest
 
 
 def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_N,
@@ -269,14 +373,16 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     trials = check_int("trials", trials, minimum=2)
     seed = check_int("seed", seed, minimum=0)
     mechanisms = check_mechanisms(mechanisms)
-    plan = _plan(d_ks, ns, trials, mechanisms)
+    plan, need = _plan(d_ks, ns, trials, mechanisms)
     bar = progress(None, desc="saturation", total=trials * sum(map(len, plan.values())),
                    enabled=show_progress)
-    rows = []
+    workers = _cell_workers(len(plan), need)
     with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
-        for (d_k, n_keys), cell in plan.items():
-            rows += _saturation_cell(d_k, n_keys, trials, seed, mechanisms, cell, bar.update)
-    return rows
+        advance = _locked(bar.update)
+        cells = parallel_map(lambda item: _saturation_cell(*item[0], trials, seed, mechanisms,
+                                                           item[1], advance),
+                             plan.items(), workers)
+    return [row for cell in cells for row in cell]
 
 
 def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[str],
@@ -298,13 +404,27 @@ def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[
 
 def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trials: int,
                     gen: torch.Generator, advance=lambda k: None) -> None:
-    """Accumulate statistics of ``scale * q.k`` logits sampled by the chi-square shortcut."""
-    for size in _chunk_sizes(trials, max(1, CHUNK_ELEMENTS // n)):
-        # Exact shortcut: logits q.k_i = |q| g_i, |q| ~ chi(d_k), g ~ N(0, I_n).
-        norm_q = _chi(d_k, (size, 1), gen).float()                    # (T, 1)
-        raw = torch.randn(size, n, generator=gen).mul_(norm_q)        # (T, n) float32
+    """Accumulate statistics of ``scale * q.k`` logits sampled by the chi-square shortcut.
+
+    The draws come in chunks of :data:`CHUNK_ELEMENTS` logits (the stream's unit: the samples
+    do not depend on the batching below) and are scored a batch of :data:`SHORTCUT_BATCH_ELEMENTS`
+    at a time, into two buffers kept over the batches.
+    """
+    per = max(1, CHUNK_ELEMENTS // n)                                 # trials per draw
+    batch = max(1, SHORTCUT_BATCH_ELEMENTS // (n * per)) * per        # whole draws per batch
+    raw_buf = torch.empty(min(batch, trials), n)                      # (T, n) float32
+    scaled_buf = torch.empty_like(raw_buf) if any(v != 1.0 for v in scales.values()) else None
+    for size in _chunk_sizes(trials, batch):
+        raw = raw_buf[:size]
+        start = 0
+        for part in _chunk_sizes(size, per):
+            # Exact shortcut: logits q.k_i = |q| g_i, |q| ~ chi(d_k), g ~ N(0, I_n).
+            norm_q = _chi(d_k, (part, 1), gen).float()                # (part, 1)
+            torch.randn(part, n, generator=gen, out=raw[start:start + part]).mul_(norm_q)
+            start += part
         for name, scale in scales.items():
-            _accumulate(acc[name], raw if scale == 1.0 else raw * scale)
+            _accumulate(acc[name], raw if scale == 1.0 else
+                        torch.mul(raw, scale, out=scaled_buf[:size]))
         advance(size)
 
 
