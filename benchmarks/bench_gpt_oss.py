@@ -26,6 +26,7 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import machine
 from attnscale import hf
 
 GOAL = 0.5
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt-oss, {args.layers} layers, {args.heads} heads of 64, N = {args.n}, float32, "
           f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    print(machine.describe((1, args.heads, args.n, 64), causal=True))
     with torch.no_grad():
         outs = {attn: model(x).logits for attn, model in models.items()}  # also the warm-up
         print(f"max |Δ logit| attnscale vs eager: "

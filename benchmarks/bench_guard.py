@@ -33,6 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+import machine
+
 GOALS = {"guard": 1.05, "guard+clip": 1.3, "guard+strict": None}
 TRACK_GOAL = 1.15
 
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} CPUs, {args.rounds} rounds")
+    print(machine.describe((1, 4, args.seq_len, 64), causal=True))
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s): {args.every} training steps of a tiny Llama, N = "

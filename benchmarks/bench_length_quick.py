@@ -23,6 +23,7 @@ def main() -> int:
     parser.add_argument("--out", help="study folder (default: a new temporary folder)")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
+    import machine
     from attnscale import sweep
     from attnscale.study import STUDIES, launcher
     study = STUDIES["length"]
@@ -33,6 +34,7 @@ def main() -> int:
     wall = time.perf_counter() - start
     print(f"study length --quick: {wall:.0f} s on {cores} core(s), --workers {args.workers}, "
           f"load average at the end {os.getloadavg()[0]:.1f}; folder {out}")
+    print(machine.describe((16, 2, 128, 32), causal=True))  # the quick LM: width 64, 2 heads
     for store, path in launcher.store_paths(study, out).items():
         times: dict[str, list[float]] = {}
         for r in sweep.load(path).ok:

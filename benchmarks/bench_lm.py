@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+import machine
 from attnscale.experiments.lm.model import (MLP_RATIO, NORM_EPS, VOCAB_SIZE, LMConfig,
                                             apply_rope, build_lm)
 from attnscale.experiments.lm.train import (ADAM_BETAS, ADAM_EPS, GRAD_CLIP, LMRunConfig,
@@ -187,6 +188,9 @@ def main() -> None:
                    help="also time 'attnscale study lm --quick --workers 2'")
     args = p.parse_args()
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [1]
+    print(machine.describe((args.batch_size, args.heads, args.seq_len, args.width // args.heads),
+                           torch.bfloat16 if args.bf16 else torch.float32, args.device,
+                           causal=True))
     for n in threads:
         row = measure(args, n)
         print(json.dumps(row))

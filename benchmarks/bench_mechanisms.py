@@ -40,6 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import machine
 from attnscale.attention import attention, attention_reference
 from attnscale.errors import parse_name_list
 from attnscale.mechanisms import MECHANISMS, build_mechanism
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     # team whose second thread is descheduled stalls for a scheduler slice.
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    print(machine.describe(shape, device=args.device))
     out_err, grad_err = softcap_error(shape, args.device)
     print(f"softcap (causal) vs float64 reference: max |Δ out| {out_err:.1e}, "
           f"max |Δ grad| {grad_err:.1e}")

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+import machine
+
 GOAL = 1.5
 MODES = ("attnscale", "attnscale+monitor", "eager+output_attentions")
 TORCH_STATS = "attnscale+monitor, PyTorch stats"
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the compiled row-statistics kernel is not available ({native.NATIVE_ENV}=0 or "
               "built without a C compiler): reinstall attnscale with a C compiler")
         return 1
-    print(f"row-statistics kernel: {native.isa()}")
+    print(machine.describe((1, 4, args.seq_len, 64), causal=True))
     times = time_rounds(args.seq_len, args.rounds, args.block)
     plain = times["attnscale"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; ratio: median over "

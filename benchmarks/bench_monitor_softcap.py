@@ -27,6 +27,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+import machine
+
 MODES = ("plain", "monitor, kernel rows", "monitor, recomputed")
 
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Capped()
     print(f"softcap, causal, B={args.batch}, H={args.heads}, N={args.seq_len}, d={args.d_head}, "
           f"float32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(machine.describe(tuple(qkv[0].shape), causal=True))
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for mode in MODES:  # warm-up
         forward(model, qkv, mode, args.block)

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+import machine
 from attnscale.experiments.recall import RecallConfig, compare, train_runs
 from attnscale.experiments.recall.model import RecallNet
 from attnscale.experiments.recall.task import CHUNK_STEPS, train_chunk
@@ -60,6 +61,7 @@ def main() -> None:
     base = replace(RecallConfig(), steps=args.steps)
     print(f"d_k={base.d_k} d_model={base.d_model} batch={base.batch_size} steps={args.steps} "
           f"models={','.join(MECHANISMS)}; attnscale trains on {TRAIN_THREADS} thread(s)")
+    print(machine.describe((base.batch_size, 1, base.pairs, base.d_k)))
 
     naive = {}
     for threads in sorted({TRAIN_THREADS, torch.get_num_threads()}):

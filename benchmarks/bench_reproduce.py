@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
+from attnscale.experiments.recall import RecallConfig
+
 SECTION = """
 import json, sys, tempfile, time
 from pathlib import Path
@@ -66,6 +69,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections-only", action="store_true", help="skip the whole command")
     args = ap.parse_args()
+    recall = RecallConfig()
+    print(machine.describe((recall.batch_size, 1, recall.pairs, recall.d_k)))  # the recall sections
+    print(machine.load())
     _sections()
     if args.sections_only:
         return

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+import machine
 from attnscale import workers
 from attnscale.errors import parse_int_list
 from attnscale.kernels import native
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"B,H,N,d = {(b, h, n, d)}, float32, torch {torch.__version__}, compiled kernels: "
           f"{native.isa() or 'no'}, {args.rounds} rounds, forward + backward")
+    print(machine.describe((b, h, n, d), causal=True))
     print(f"{'threads':>7}  {'variant':<12}{'best ms':>9}{'median ms':>11}{'best÷best':>11}"
           f"{'median ÷':>10}")
     for t in counts:

@@ -31,7 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
 from attnscale import sweep
+from attnscale.experiments.recall import RecallConfig
 from attnscale.experiments import registry
 from attnscale.sweep.trial import canonical_json
 from attnscale.experiments.saturation import saturation_cell
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--only-batching", action="store_true", help="only the batching comparison")
     ap.add_argument("--full-study", action="store_true", help="also time the whole study")
     args = ap.parse_args()
+    recall = RecallConfig()
+    print(machine.describe((recall.batch_size, 1, recall.pairs, recall.d_k)))  # the recall trials
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
         root = Path(tmp)
         if not args.only_batching:
