@@ -1,7 +1,7 @@
 """One prepared GPU run: every check that needs a GPU, in one command of at most 8 minutes.
 
-    pip install --no-deps --no-build-isolation -e .     # on the GPU machine, once
-    python benchmarks/gpu.py --out gpu-run.json          # CUDA, full sizes, about 4 minutes
+    pip install --no-deps --no-build-isolation -e .     # on the GPU machine, once (or
+    python benchmarks/gpu.py --out gpu-run.json          #   PYTHONPATH=src): full sizes, ~4 min
     python benchmarks/gpu.py --device cpu --out x.json   # the same run at small sizes (the tests)
 
 It prints one table, a line per check as the check finishes, and writes the same rows as JSON
@@ -343,8 +343,10 @@ def check_flex(name: str, dtype: torch.dtype, device: torch.device, sizes: Sizes
 
 
 def fused_path(call: Callable[[], tuple], device: torch.device) -> tuple[str, list[str]]:
-    """Which kernels one fused call ran, from the profiler: "FlexAttention" when a kernel or op
-    of that name ran, and the three that took longest."""
+    """Which kernels one fused call ran, from the profiler: "FlexAttention" when an op or kernel
+    of that name ran (eagerly: ``FlexAttentionAutogradOp``), or a Triton template kernel
+    (``triton_tem_*``, which inductor generates FlexAttention from under the default compile
+    mode), and the three that took longest."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
@@ -362,7 +364,7 @@ def fused_path(call: Callable[[], tuple], device: torch.device) -> tuple[str, li
         return 0.0
 
     top = [e.key for e in sorted(events, key=spent, reverse=True)[:3]]
-    flex_ran = any("flex" in e.key.lower() for e in events)
+    flex_ran = any("flex" in e.key.lower() or e.key.startswith("triton_tem") for e in events)
     if flex_ran:
         return "FlexAttention", top
     return ("no FlexAttention kernel" if device.type == "cuda" else "CPU kernels"), top
