@@ -97,6 +97,21 @@ def test_a_study_registered_from_a_test_file_runs_resumes_and_redraws(cli, tiny,
     assert "saturation, mechanism (2) x seed (2) = 4 trials" in stdout
 
 
+def test_a_metric_edited_to_nan_or_null_stops_the_redraw_naming_file_line_and_field(cli, tiny,
+                                                                                     tmp_path):
+    out = tmp_path / "tiny"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+    fragment = (out / "fragment.json").read_bytes()
+    good = (out / "results.jsonl").read_text()
+    for token in ("NaN", "null"):
+        (out / "results.jsonl").write_text(good.replace('"max_weight_mean": ',
+                                                        f'"max_weight_mean": {token}, "x": ', 1))
+        code, _, err = cli("study", "tiny-test", "--from", str(out), "--force")
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "results.jsonl" in err and "line 1" in err and "'result.max_weight_mean'" in err
+        assert (out / "fragment.json").read_bytes() == fragment   # no null drawn into it
+
+
 def test_quick_and_explicit_options(cli, tiny, tmp_path):
     out = tmp_path / "q"
     code, _, err = cli("study", "tiny-test", "--out", str(out), "--quick", "--mechanisms",

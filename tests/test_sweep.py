@@ -199,7 +199,7 @@ def test_store_layout_and_load(tmp_path):
     assert spec["fixed"] == SAT_FIXED and spec["base"] == {**SAT_FIXED, "seed": 0}
     lines = _lines(out)
     assert len(lines) == 4 and all(list(r) == ["trial", "config", "status", "result", "error",
-                                               "wall_seconds", "host"] for r in lines)
+                                               "wall_seconds", "host", "nulls"] for r in lines)
     assert all(r["trial"] == trial_id("saturation", r["config"]) for r in lines)
     frame = res.to_frame()
     assert list(frame["mechanism"]) == ["scaled", "scaled", "ssmax", "ssmax"]
