@@ -236,7 +236,7 @@ def test_a_different_grid_is_refused_and_extend_runs_only_new_trials(tmp_path, m
     assert {r["trial"] for r in first} <= {r["trial"] for r in moved}
     with pytest.raises(ConfigError, match="must include the sweep's value 0.0"):
         sweep.resume(out, grid={"sleep": [0.1]}, extend=True)
-    with pytest.raises(ConfigError, match=r"grid x: 0,1,2 -> 0,1,2,3.*--extend"):
+    with pytest.raises(ConfigError, match=r"grid x: 0,1,2 -> 0,1,2,3.*extend=True"):
         sweep.resume(out, grid={"x": [0, 1, 2, 3]})
 
 
@@ -450,7 +450,7 @@ SAT = ["sweep", "saturation", "--grid", "mechanism=scaled", "--grid", "d_k=4"]
     ([*SAT, "--grid", "seed=1", "--out", "{other}"], "holds another sweep (grid seed"),
     ([*SAT, "--out", "{tmp}/a", "--workers", "0"], "workers must be >= 1"),
     ([*SAT, "--out", "{tmp}/a", "--ray", "--workers", "2"], "workers applies to the local"),
-    ([*SAT, "--out", "{tmp}/a", "--gpus-per-trial", "1"], "gpus_per_trial needs the Ray"),
+    ([*SAT, "--out", "{tmp}/a", "--gpus-per-trial", "1"], "--gpus-per-trial needs the Ray"),
     ([*SAT], "--out DIR is required"),
     (["sweep", "--resume", "{tmp}/nothing"], "holds no sweep"),
     (["sweep", "--resume", "{other}", "--grid", "d_k=4,8"], "pass --extend"),
