@@ -97,6 +97,21 @@ def test_a_study_registered_from_a_test_file_runs_resumes_and_redraws(cli, tiny,
     assert "saturation, mechanism (2) x seed (2) = 4 trials" in stdout
 
 
+def test_a_metric_edited_to_nan_or_null_stops_the_redraw_naming_file_line_and_field(cli, tiny,
+                                                                                     tmp_path):
+    out = tmp_path / "tiny"
+    assert cli("study", "tiny-test", "--out", str(out), "--workers", "1")[0] == 0
+    fragment = (out / "fragment.json").read_bytes()
+    good = (out / "results.jsonl").read_text()
+    for token in ("NaN", "null"):
+        (out / "results.jsonl").write_text(good.replace('"max_weight_mean": ',
+                                                        f'"max_weight_mean": {token}, "x": ', 1))
+        code, _, err = cli("study", "tiny-test", "--from", str(out), "--force")
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "results.jsonl" in err and "line 1" in err and "'result.max_weight_mean'" in err
+        assert (out / "fragment.json").read_bytes() == fragment   # no null drawn into it
+
+
 def test_quick_and_explicit_options(cli, tiny, tmp_path):
     out = tmp_path / "q"
     code, _, err = cli("study", "tiny-test", "--out", str(out), "--quick", "--mechanisms",
@@ -260,9 +275,7 @@ def test_from_refuses_what_it_cannot_honour(cli, tmp_path, name):
     study = STUDIES[name]
     folder = tmp_path / "f"
     folder.mkdir()
-    given = [("--workers", "2"), ("--ray", "auto"), ("--set", "seed=3")]
-    if study.quick is not None:
-        given.append(("--quick",))
+    given = [("--workers", "2"), ("--ray", "auto"), ("--set", "seed=3"), ("--quick",)]
     given += [(o.flag, _a_value(study, o)) for o in study.options]
     for argv in given:
         code, out, err = cli("study", name, "--from", str(folder), *argv)
@@ -277,9 +290,8 @@ def test_resume_refuses_options_it_cannot_honour_and_changes_nothing(cli, tiny, 
     folder = tmp_path / "s"
     assert cli("study", "tiny-test", "--out", str(folder), "--workers", "1")[0] == 0
     before = _snapshot(folder)
-    given = [[o.flag, _a_value(study, o)] for o in study.options] + [["--set", "seed=0"]]
-    if study.quick is not None:
-        given.append(["--quick"])
+    given = [[o.flag, _a_value(study, o)] for o in study.options] + [["--set", "seed=0"],
+                                                                     ["--quick"]]
     for argv in given:
         code, _, err = cli("study", name, "--resume", str(folder), *argv)
         assert code == 2 and "drop " + argv[0] in err and err.count("\n") == 1, (argv, err)
@@ -303,8 +315,8 @@ def test_one_folder_one_study_even_with_force(cli, tiny, tmp_path, name):
     assert launcher._check_owner(STUDIES[name], empty, "--out") is None
 
 
-@pytest.mark.parametrize("name", [n for n in STUDY_NAMES if STUDIES[n].quick is not None
-                                  and any(o.axis for o in STUDIES[n].options)])
+@pytest.mark.parametrize("name", [n for n in STUDY_NAMES
+                                  if any(o.axis for o in STUDIES[n].options)])
 def test_explicit_options_win_over_quick(name):
     """``--quick --widths 64,128`` runs widths 64 and 128: what was given, not the default."""
     study = STUDIES[name]
@@ -319,11 +331,50 @@ def test_explicit_options_win_over_quick(name):
 
 
 def test_every_study_parser_has_the_shared_options(cli):
+    code, listed, _ = cli("study", "--list")
+    assert code == 0
     for name in STUDY_NAMES:
         code, out, _ = cli("study", name, "--help")
         assert code == 0
-        for flag in ("--out", "--resume", "--from", "--workers", "--ray", "--set", "--json"):
+        for flag in ("--out", "--resume", "--from", "--quick", "--workers", "--ray", "--set",
+                     "--json", "--force"):
             assert re.search(rf"\s{flag}\b", out), (name, flag)
+        # --list says what --quick runs for every study, and its grid
+        entry = listed.split(f"{name}: ", 1)[1].split("\n\n", 1)[0]
+        assert f"  --quick: {launcher.quick_doc(STUDIES[name])}\n" in entry, (name, entry)
+        assert re.search(r"^  quick ", entry, re.M), (name, entry)
+
+
+def test_a_study_without_its_own_quick_variant_runs_one_seed(cli, tmp_path):
+    bare = register(dataclasses.replace(TINY, name="bare-test", quick=None, quick_doc=""))
+    try:
+        assert launcher.quick_doc(bare) == "the full grid on one seed (the first of each store's)"
+        plan = launcher.settings(bare, quick=True)
+        assert plan["saturation"]["grid"] == {"mechanism": ["scaled", "unscaled"], "seed": [0]}
+        code, stdout, _ = cli("study", "bare-test", "--help")
+        assert code == 0 and "--quick" in stdout
+        one = dataclasses.replace(bare, stores={"saturation": Trials(
+            "saturation", {"mechanism": ("scaled",), "seed": (0,)}, TINY.stores["saturation"].fixed)})
+        with pytest.raises(ConfigError, match=r"no quick=True variant.*without quick=True\.$"):
+            launcher.settings(one, quick=True)
+    finally:
+        del STUDIES["bare-test"]
+
+
+def test_launcher_errors_spell_options_as_the_interface_that_raised_them(cli, tiny, tmp_path):
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as caught:
+        launcher.run(TINY, folder, workers=1)
+    assert str(caught.value).startswith("out ") and "pass force=True" in str(caught.value)
+    assert "--" not in str(caught.value)
+    code, _, err = cli("study", "tiny-test", "--out", str(folder), "--workers", "1")
+    assert code == 2 and "--out " in err and "pass --force" in err and "=True" not in err, err
+    with pytest.raises(ConfigError, match=r"^workers must be"):
+        launcher.check_executor(0, None)
+    code, _, err = cli("study", "tiny-test", "--out", str(tmp_path / "n"), "--workers", "0")
+    assert code == 2 and "--workers must be" in err, err
 
 
 # --- the search-grid edge ---------------------------------------------------------------------

@@ -61,8 +61,8 @@ def test_figure_suffix_is_checked(tmp_path):
 def test_existing_user_file_is_refused_unless_force(tmp_path):
     user = tmp_path / "runs.json"
     user.write_text("mine")
-    with pytest.raises(ConfigError, match="attnscale did not write it.*--force"):
-        io.check_output_path("--output", user)
+    with pytest.raises(ConfigError, match="attnscale did not write it.*force=True"):
+        io.check_output_path("output", user)
     assert io.check_output_path("--output", user, force=True) == user
     with pytest.raises(ConfigError, match="did not write"):
         io.atomic_write(user, "theirs", param="--output")
@@ -70,6 +70,48 @@ def test_existing_user_file_is_refused_unless_force(tmp_path):
     io.atomic_write(user, "theirs", force=True)
     assert user.read_text() == "theirs" and io.owned(user)
     io.check_output_path("--output", user)                    # now attnscale's: replaceable
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ConfigError) as caught:
+        call()
+    return str(caught.value)
+
+
+def test_every_refusal_spells_force_as_the_interface_that_raised_it(cli, tmp_path):
+    # From Python the override is the keyword force=True; from the command line, --force.
+    from attnscale import sweep
+    from attnscale.errors import command_line
+    user = tmp_path / "runs.json"
+    user.write_text("mine")
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    calls = [lambda: io.check_output_path("output", user),
+             lambda: io.check_output_path("out", folder, kind="dir"),
+             lambda: io.check_output_path("out", tmp_path, kind="dir", files=["runs.json"]),
+             lambda: io.atomic_write(user, "x", param="output"),
+             lambda: sweep.run("saturation", {"d_k": [4], "mechanism": ["scaled"]}, folder,
+                                       fixed={"n": 4, "trials": 2})]
+    for call in calls:
+        text = _refusal(call)
+        assert "pass force=True" in text and "--force" not in text, text
+        with command_line():
+            text = _refusal(call)
+        assert "pass --force" in text and "force=True" not in text, text
+    assert _names(folder) == ["notes.txt"]
+    # a sweep.json edited by hand: sweep.resume(force=True) / sweep --resume --force
+    out = tmp_path / "s"
+    sweep.run("saturation", {"d_k": [4], "mechanism": ["scaled"]}, out, fixed={"n": 4, "trials": 2}, workers=1,
+              show_progress=False)
+    spec = out / "sweep.json"
+    spec.write_text(spec.read_text().replace('"trials": 2', '"trials":  2'))
+    text = _refusal(lambda: sweep.resume(out, workers=1, show_progress=False))
+    assert "pass force=True" in text and "--force" not in text, text
+    code, _, err = cli("sweep", "--resume", str(out), "--workers", "1")
+    assert code == 2 and "pass --force" in err and "force=True" not in err, err
+    text = _refusal(lambda: sweep.resume(out, grid={"d_k": [4, 8]}, force=True, workers=1))
+    assert "pass extend=True" in text and "--extend" not in text, text
 
 
 def test_atomic_write_refuses_a_directory_even_with_force(tmp_path):

@@ -199,7 +199,7 @@ def test_store_layout_and_load(tmp_path):
     assert spec["fixed"] == SAT_FIXED and spec["base"] == {**SAT_FIXED, "seed": 0}
     lines = _lines(out)
     assert len(lines) == 4 and all(list(r) == ["trial", "config", "status", "result", "error",
-                                               "wall_seconds", "host"] for r in lines)
+                                               "wall_seconds", "host", "nulls"] for r in lines)
     assert all(r["trial"] == trial_id("saturation", r["config"]) for r in lines)
     frame = res.to_frame()
     assert list(frame["mechanism"]) == ["scaled", "scaled", "ssmax", "ssmax"]
@@ -236,7 +236,7 @@ def test_a_different_grid_is_refused_and_extend_runs_only_new_trials(tmp_path, m
     assert {r["trial"] for r in first} <= {r["trial"] for r in moved}
     with pytest.raises(ConfigError, match="must include the sweep's value 0.0"):
         sweep.resume(out, grid={"sleep": [0.1]}, extend=True)
-    with pytest.raises(ConfigError, match=r"grid x: 0,1,2 -> 0,1,2,3.*--extend"):
+    with pytest.raises(ConfigError, match=r"grid x: 0,1,2 -> 0,1,2,3.*extend=True"):
         sweep.resume(out, grid={"x": [0, 1, 2, 3]})
 
 
@@ -450,7 +450,7 @@ SAT = ["sweep", "saturation", "--grid", "mechanism=scaled", "--grid", "d_k=4"]
     ([*SAT, "--grid", "seed=1", "--out", "{other}"], "holds another sweep (grid seed"),
     ([*SAT, "--out", "{tmp}/a", "--workers", "0"], "workers must be >= 1"),
     ([*SAT, "--out", "{tmp}/a", "--ray", "--workers", "2"], "workers applies to the local"),
-    ([*SAT, "--out", "{tmp}/a", "--gpus-per-trial", "1"], "gpus_per_trial needs the Ray"),
+    ([*SAT, "--out", "{tmp}/a", "--gpus-per-trial", "1"], "--gpus-per-trial needs the Ray"),
     ([*SAT], "--out DIR is required"),
     (["sweep", "--resume", "{tmp}/nothing"], "holds no sweep"),
     (["sweep", "--resume", "{other}", "--grid", "d_k=4,8"], "pass --extend"),

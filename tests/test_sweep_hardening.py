@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -449,6 +450,55 @@ def test_a_damaged_record_is_one_line_naming_file_line_and_field(cli, tmp_path, 
                  ["--resume", str(out), "--extend", "--grid", "d_k=4,8,16"]):
         code, _, err = cli("sweep", *argv)
         _one_line(code, err, RESULTS_FILE, "line 2", repr(field))
+
+
+# A recorded metric edited to something that is not a finite number: NaN and Infinity are not
+# JSON attnscale writes (a trial's result is strict JSON), and null where the trial wrote a number
+# contradicts the record's own list of nulls.
+METRIC_EDITS = ["NaN", "Infinity", "-Infinity", "null"]
+
+
+@pytest.mark.parametrize("token", METRIC_EDITS)
+def test_a_metric_edited_to_a_non_number_is_one_line_naming_file_line_and_field(cli, tmp_path,
+                                                                                token):
+    out = _sat_store(cli, tmp_path / "s")
+    lines = _lines(out)
+    assert json.loads(lines[1])["nulls"] == []
+    lines[1] = lines[1].replace('"entropy_mean": ', f'"entropy_mean": {token}, "was": ', 1)
+    (out / RESULTS_FILE).write_text("\n".join(lines) + "\n")
+    for argv in (["--show", str(out)], ["--resume", str(out), "--workers", "1"]):
+        code, _, err = cli("sweep", *argv)
+        _one_line(code, err, RESULTS_FILE, "line 2", "'result.entropy_mean'", "finite number")
+    with pytest.raises(ConfigError, match=r"line 2 .*'result\.entropy_mean'"):
+        sweep.load(out)
+
+
+def test_nulls_the_trial_wrote_are_kept_and_checked(tmp_path):
+    from attnscale.sweep.store import Store, record_line, result_nulls
+    result = {"loss": [2.0, 1.5, None, None, None], "final": None, "steps": 3,
+              "trace": [{"h": 0.5}, {"h": None}]}
+    assert result_nulls(result) == ["result.loss[2:5]", "result.final", "result.trace[1].h"]
+    record = {"trial": "t1", "config": {}, "status": "ok", "result": result,
+              "wall_seconds": 1.0}
+    store = Store(tmp_path)
+    store.results_path.write_text(record_line(record))
+    assert store.records()[0]["result"] == result           # a diverged run's nulls are data
+    for path, edit in (("result.loss[1]", lambda r: r["loss"].__setitem__(1, None)),
+                       ("result.steps", lambda r: r.__setitem__("steps", None)),
+                       ("result.trace[0].h", lambda r: r["trace"][0].__setitem__("h", None))):
+        changed = json.loads(json.dumps(result))
+        edit(changed)
+        line = json.loads(record_line(record))
+        store.results_path.write_text(json.dumps({**line, "result": changed}) + "\n")
+        with pytest.raises(ConfigError, match=rf"line 1 .*'{re.escape(path)}'.*got null"):
+            store.records()
+    # a record from before nulls were listed: its nulls cannot be told apart, its NaN can
+    legacy = {k: v for k, v in json.loads(record_line(record)).items() if k != "nulls"}
+    store.results_path.write_text(json.dumps(legacy) + "\n")
+    assert store.records()[0]["result"] == result
+    store.results_path.write_text(json.dumps({**legacy, "result": {"x": float("nan")}}) + "\n")
+    with pytest.raises(ConfigError, match="'result.x' must be a finite number, got NaN"):
+        store.records()
 
 
 @pytest.mark.parametrize("edit, field", [

@@ -7,14 +7,39 @@ code 2; any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 
 class ConfigError(ValueError):
     """Bad user input (an API argument or a CLI option)."""
+
+
+# Whether the running call came from the command line: an error then names an option as the
+# CLI spells it (--force), else as the Python API does (force=True).  Context-local.
+_COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("attnscale_command_line",
+                                                                     default=False)
+
+
+@contextlib.contextmanager
+def command_line() -> Iterator[None]:
+    """Run the block as the command line: :func:`spelled` gives the CLI's spelling inside it.
+    ``attnscale``'s ``main`` runs every command in it."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def spelled(flag: str, keyword: str) -> str:
+    """An option as the interface that raised the error spells it: ``flag`` (``--force``) on
+    the command line, ``keyword`` (``force=True``) from Python."""
+    return flag if _COMMAND_LINE.get() else keyword
 
 
 T = TypeVar("T")

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, spelled
 
 __all__ = ["LOCK", "MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write",
            "check_output_path", "exclusive", "figure_suffixes", "folder_marks", "fsync_dir",
@@ -65,6 +65,11 @@ _MANIFEST_DEPTH = 3
 _STAGING_PID = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-")
 
 Data = str | bytes | Callable[[Path], object]
+
+
+def _force() -> str:
+    """The override of the output-folder policy, as the interface that raised spells it."""
+    return spelled("--force", "force=True")
 
 
 def json_safe(obj):
@@ -146,7 +151,7 @@ def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str =
         _writable_folder(param, out.parent, shown)
         if out.exists() and not force and not owned(out):
             raise ConfigError(f"{param} {shown!r} exists and attnscale did not write it; choose "
-                              "another name, or pass --force to overwrite it.")
+                              f"another name, or pass {_force()} to overwrite it.")
         return out
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{param} {shown!r} is a file, not a directory.")
@@ -156,7 +161,8 @@ def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str =
         if present and not (out / MANIFEST).is_file():
             listed = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
             raise ConfigError(f"{param} {shown!r} holds files attnscale did not write ({listed}); "
-                              "choose an empty or new folder, or pass --force to write into it.")
+                              f"choose an empty or new folder, or pass {_force()} to write into "
+                              "it.")
         _refuse_foreign(param, out, [n for n in files if (out / n).exists()])
     return out
 
@@ -166,7 +172,8 @@ def _refuse_foreign(param: str, folder: Path, names: Iterable[str]) -> None:
     for name in names:
         if (folder / name).is_dir() or not owned(folder / name):
             raise ConfigError(f"{param}: {str(folder / name)!r} exists and attnscale did not "
-                              "write it; choose another folder, or pass --force to overwrite it.")
+                              f"write it; choose another folder, or pass {_force()} to overwrite "
+                              "it.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,9 @@ and returns every intermediate as an :class:`AttentionTrace`.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
-attend gives zero output and zero gradients, never NaN.  fp16 and bf16 inputs are computed with
+attend gives zero output and zero gradients, never NaN.  A NaN in q, k or v reaches exactly the
+outputs that depend on it, on every path (the rule and what SDPA does instead:
+:mod:`attnscale.kernels.nans`).  fp16 and bf16 inputs are computed with
 float32 accumulation (:func:`attnscale.precision.upcast`) and returned in their own dtype.
 
 Observers
@@ -92,7 +94,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -100,6 +102,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnscale.errors import ConfigError
+from attnscale.kernels import nans
 from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
@@ -475,11 +478,24 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
-        return _fused(qs, ks, v, how, None, causal, rows)
+        out = _fused(qs, ks, v, how, None, causal, rows)
+        return _nan_ruled(out, qs, ks, v, how, None, causal)
     # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
     # which also zeroes their gradients.  O(mask) work, only when a mask is given.
     empty = n_keys == 0  # (..., Nq, 1)
-    return _fused(qs, ks, v, how, full_mask | empty, False, rows).masked_fill(empty, 0.0)
+    out = _fused(qs, ks, v, how, full_mask | empty, False, rows)
+    return _nan_ruled(out, qs, ks, v, how, full_mask, False).masked_fill(empty, 0.0)
+
+
+def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
+               causal: bool) -> Tensor:
+    """``out`` of :func:`_fused` with its NaN where the rule of :mod:`attnscale.kernels.nans`
+    puts them (a cheap screen first; the exact path recomputes on the same kernels)."""
+    def recompute(q: Tensor, k: Tensor, v: Tensor, scale: Scale, offset: float | Tensor,
+                  sink: Tensor | None, mask: Tensor | None) -> Tensor:
+        return _fused(q, k, v, replace(how, scale=scale, offset=offset, sink=sink), mask, causal)
+    return nans.ruled(out, q, k, v, how.scale, how.offset, how.sink, mask, causal, recompute,
+                      flash=how.cap is None and how.normaliser in ("softmax", "sink"))
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
@@ -497,6 +513,11 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | Non
     if mask is not None:
         p = p.masked_fill(empty, 0.0)
     out = p @ upcast(v)                                            # (B, H, Nq, d_v)
+    if mask is not None and not nans.recording(v) and nans.has_nan(out):
+        # p · v carries a hidden key's NaN value on as 0 · NaN: the values' NaN reach only the
+        # rows that attend them (the rule of attnscale.kernels.nans)
+        hit = nans.reach(v.isnan(), mask, False, q.shape[-2])
+        out = (p @ upcast(nans.without_nan(v))).masked_fill(hit, float("nan"))
     return AttentionTrace(logits=z, weights=p, out=out.to(v.dtype))
 
 

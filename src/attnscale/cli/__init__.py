@@ -15,7 +15,7 @@ import sys
 
 from attnscale import __version__
 from attnscale.cli._common import check_outputs
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, command_line
 from attnscale.io import Terminated, sigterm_as_exit
 
 # Explicit list, in the order ``attnscale --help`` shows them.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with sigterm_as_exit():
+        with sigterm_as_exit(), command_line():  # errors spell options as the CLI does
             check_outputs(args)
             return int(args.func(args) or 0)
     except ConfigError as err:

@@ -32,8 +32,8 @@ def _examples(study: Study) -> str:
     n = study.name
     shared = f"""
   attnscale study {n} --out {n}/                 # the full study, one trial per core
-""" + (f"""  attnscale study {n} --out {n}/ --quick         # {study.quick_doc}
-""" if study.quick is not None else "") + f"""  attnscale study {n} --resume {n}/              # after Ctrl-C or a crash: the rest only
+  attnscale study {n} --out {n}/ --quick         # {launcher.quick_doc(study)}
+  attnscale study {n} --resume {n}/              # after Ctrl-C or a crash: the rest only
   attnscale study {n} --from {n}/                # redraw figures and fragment; no training
   attnscale study {n} --out {n}/ --ray auto      # on the Ray cluster of 'ray start'
 """
@@ -76,10 +76,9 @@ def _add_study(studies, study: Study) -> None:
                     + " (see 'attnscale sweep'), and the tables, figures and fragment drawn "
                       "from them; the same settings again continue it")
     add_study_store_options(q, "the tables, figures and fragment")
-    if study.quick is not None:
-        q.add_argument("--quick", action="store_true",
-                       help=f"the quick variant: {study.quick_doc} (options given explicitly "
-                            "still win)")
+    q.add_argument("--quick", action="store_true",
+                   help=f"the quick variant: {launcher.quick_doc(study)} (options given "
+                        "explicitly still win)")
     add_executor_options(q)
     q.add_argument("--set", action="append", default=[], metavar="[STORE:]KEY=VALUE",
                    help="one fixed setting of every store that has KEY (or of STORE alone); "
@@ -158,12 +157,18 @@ def _show(outcome: launcher.Outcome, as_json: bool) -> None:
 
 
 def list_studies() -> str:
-    """``attnscale study --list``: each study, its stores' grids (full and quick) and its doc."""
+    """``attnscale study --list``: each study, its doc, what ``--quick`` runs, and its stores'
+    grids (full and quick)."""
     lines = []
     for study in STUDIES.values():
-        lines += [f"{study.name}: {study.title}", f"  {study.doc}"]
-        for label, stores in (("full", study.stores), ("quick", study.quick)):
-            for key, trials in (stores or {}).items():
+        lines += [f"{study.name}: {study.title}", f"  {study.doc}",
+                  f"  --quick: {launcher.quick_doc(study)}"]
+        try:
+            quick = launcher.stores_for(study, quick=True)
+        except ConfigError:  # nothing to cut: --quick is refused, as the line above says
+            quick = {}
+        for label, stores in (("full", study.stores), ("quick", quick)):
+            for key, trials in stores.items():
                 grid, fixed = trials.resolved()
                 axes = " x ".join(f"{k} ({len(v)})" for k, v in grid.items())
                 n = 1

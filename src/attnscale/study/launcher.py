@@ -27,11 +27,11 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from attnscale.errors import ConfigError, check_int, split_key_value
+from attnscale.errors import ConfigError, check_int, spelled, split_key_value
 from attnscale.io import atomic_write, check_output_path, folder_marks, mark_folder
 from attnscale.study.fragment import fragment_files, write_fragment
 from attnscale.study.registry import STUDIES
@@ -208,6 +208,39 @@ def parse_sets(study: Study, items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# The axis a study without a quick variant of its own is cut on for --quick (to its first value).
+QUICK_AXIS = "seed"
+
+
+def stores_for(study: Study, quick: bool = False) -> Mapping[str, Trials]:
+    """The stores a run of ``study`` starts: the full study's, or with ``quick`` its quick
+    variant.  ``--quick`` is one of the launcher's shared options, so a study that defines no
+    quick variant gets one: its full grids on one seed (each ``seed`` axis cut to its first
+    value); one with no seeds to cut is a ConfigError that says so."""
+    if not quick:
+        return study.stores
+    if study.quick is not None:
+        return study.quick
+    cut = {}
+    for key, trials in study.stores.items():
+        seeds = trials.resolved()[0].get(QUICK_AXIS, [])
+        cut[key] = trials if len(seeds) < 2 else \
+            replace(trials, grid={**trials.grid, QUICK_AXIS: seeds[:1]})
+    if cut == dict(study.stores):
+        quick_flag = spelled("--quick", "quick=True")
+        raise ConfigError(f"the {study.name} study defines no {quick_flag} variant, and none of "
+                          f"its stores runs more than one {QUICK_AXIS} to cut; run it without "
+                          f"{quick_flag}.")
+    return cut
+
+
+def quick_doc(study: Study) -> str:
+    """What ``--quick`` runs for ``study``, in words."""
+    if study.quick is not None:
+        return study.quick_doc
+    return f"the full grid on one {QUICK_AXIS} (the first of each store's)"
+
+
 def settings(study: Study, *, quick: bool = False, axes: Mapping[str, Sequence] | None = None,
              fixed: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict]:
     """The stores a run starts: ``{key: {"experiment", "grid", "fixed"}}`` of the full study or
@@ -216,7 +249,7 @@ def settings(study: Study, *, quick: bool = False, axes: Mapping[str, Sequence] 
     for a grid axis, is an error."""
     axes, fixed = dict(axes or {}), {k: dict(v) for k, v in (fixed or {}).items()}
     out, used = {}, set()
-    for key, trials in study.trials(quick).items():
+    for key, trials in stores_for(study, quick).items():
         if axes and trials.default_only:
             continue
         grid, fx = trials.resolved()
@@ -238,13 +271,14 @@ def settings(study: Study, *, quick: bool = False, axes: Mapping[str, Sequence] 
 
 def check_executor(workers: int | None, ray: str | None) -> None:
     """``workers`` and ``ray`` before anything is written (the engine's own rules)."""
+    flag, ray_flag = spelled("--workers", "workers"), spelled("--ray", "ray")
     if workers is not None:
-        check_int("--workers", workers, minimum=1)
+        check_int(flag, workers, minimum=1)
         if ray is not None:
-            raise ConfigError("--workers applies to the local executor; with --ray, each trial "
-                              "takes its share of the cluster.")
+            raise ConfigError(f"{flag} applies to the local executor; with {ray_flag}, each "
+                              "trial takes its share of the cluster.")
     if ray is not None and (not isinstance(ray, str) or not ray.strip()):
-        raise ConfigError(f"--ray must be an address, 'local' or 'auto', got {ray!r}.")
+        raise ConfigError(f"{ray_flag} must be an address, 'local' or 'auto', got {ray!r}.")
 
 
 # --- run, resume, redraw ----------------------------------------------------------------------
@@ -262,10 +296,11 @@ def run(study: Study, out: str | os.PathLike, *, quick: bool = False,
     from attnscale.experiments import registry
     from attnscale.sweep.grid import SweepSpec, differences
     from attnscale.sweep.store import Store
-    folder = check_output_path("--out", out, kind="dir",
+    param = spelled("--out", "out")
+    folder = check_output_path(param, out, kind="dir",
                                files=[STUDY_FILE, *fragment_files(study)],
                                force=force)
-    _check_owner(study, folder, "--out")
+    _check_owner(study, folder, param)
     check_executor(workers, ray)
     plan = settings(study, quick=quick, axes=axes, fixed=fixed)
     stored = _read_settings(folder)
@@ -284,11 +319,12 @@ def run(study: Study, out: str | os.PathLike, *, quick: bool = False,
         if old is not None:
             diffs = differences(old, spec)
             if diffs:
-                raise ConfigError(f"--out {str(out)!r} holds {held} {study.name} study under "
+                raise ConfigError(f"{param} {str(out)!r} holds {held} {study.name} study under "
                                   f"other settings ({'; '.join(diffs)}); resume it as it is "
-                                  "(--resume) or choose another folder.")
+                                  f"({spelled('--resume', 'resume()')}) or choose another "
+                                  "folder.")
         if not store.exists():
-            check_output_path("--out", paths[key], kind="dir", files=_STORE_FILES, force=force)
+            check_output_path(param, paths[key], kind="dir", files=_STORE_FILES, force=force)
             if exp.check is not None:
                 for trial in spec.trials():
                     exp.check(dict(trial.config))
@@ -296,7 +332,7 @@ def run(study: Study, out: str | os.PathLike, *, quick: bool = False,
     if stored is None:
         atomic_write(folder / STUDY_FILE, json.dumps(
             {"study": study.name, "quick": quick, "stores": plan}, indent=1) + "\n",
-            param="--out", force=force)
+            param=param, force=force)
     results = {key: sweep.run(s["experiment"], s["grid"], paths[key], fixed=s["fixed"],
                               workers=workers, ray_address=ray, force=force,
                               show_progress=show_progress)
@@ -334,8 +370,8 @@ def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = Non
     from attnscale.experiments import registry
     from attnscale.sweep.engine import experiment_of
     from attnscale.sweep.store import Store
-    folder = Path(folder)
-    _check_holds(study, folder, "--resume")
+    folder, param = Path(folder), spelled("--resume", "folder")
+    _check_holds(study, folder, param)
     check_executor(workers, ray)
     stored = _read_settings(folder) or {"stores": {}}
     paths = store_paths(study, folder)
@@ -344,14 +380,14 @@ def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = Non
         store = Store(path)
         if store.exists():
             experiment_of(store.read_spec())  # importable, and a readable spec
-            check_output_path("--resume", path, kind="dir", files=("sweep.json",))
+            check_output_path(param, path, kind="dir", files=("sweep.json",))
             jobs[key] = ("resume", None)
         elif key in stored["stores"]:
             s = stored["stores"][key]
             registry.get(s["experiment"])
             jobs[key] = ("start", s)
     if not jobs:
-        raise ConfigError(f"--resume {str(folder)!r} holds no {study.name} study to resume.")
+        raise ConfigError(f"{param} {str(folder)!r} holds no {study.name} study to resume.")
     results = {}
     for key, (how, s) in jobs.items():
         if how == "resume":
@@ -368,9 +404,9 @@ def redraw(study: Study, folder: str | os.PathLike, *, force: bool = False) -> O
     """Draw the study in ``folder`` from its stores alone, running nothing."""
     from attnscale import sweep
     from attnscale.sweep.store import Store
-    folder = Path(folder)
-    _check_holds(study, folder, "--from")
-    check_output_path("--from", folder, kind="dir", files=fragment_files(study), force=force)
+    folder, param = Path(folder), spelled("--from", "folder")
+    _check_holds(study, folder, param)
+    check_output_path(param, folder, kind="dir", files=fragment_files(study), force=force)
     results = {key: sweep.load(path) if Store(path).exists() else None
                for key, path in store_paths(study, folder).items()}
     return _draw(study, folder, results, force=force)

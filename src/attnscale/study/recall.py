@@ -19,6 +19,9 @@ from attnscale.study.spec import Analysis, Option, Study, Trials
 # settings otherwise (RecallConfig's defaults).
 D_KS = (16, 64, 256, 1024)
 SEEDS = (0, 1, 2)
+# --quick: every mechanism at the two smaller head sizes on one seed (a sixth of the runs, and
+# the cheaper ones).
+QUICK_D_KS, QUICK_SEEDS = D_KS[:2], SEEDS[:1]
 DEFAULT = RecallConfig()
 FIXED = ("pairs", "steps", "lr", "batch_size", "optimizer")   # the options a user may change
 SUMMARY = "study_recall.json"
@@ -152,6 +155,11 @@ STUDY = register(Study(
     stores={"recall": Trials("recall", {"mechanism": every_mechanism, "d_k": D_KS,
                                         "seed": SEEDS},
                              {k: getattr(DEFAULT, k) for k in FIXED})},
+    quick={"recall": Trials("recall", {"mechanism": every_mechanism, "d_k": QUICK_D_KS,
+                                       "seed": QUICK_SEEDS},
+                            {k: getattr(DEFAULT, k) for k in FIXED})},
+    quick_doc=f"every mechanism x d_k {', '.join(map(str, QUICK_D_KS))} x seed "
+              f"{QUICK_SEEDS[0]}",
     analyse=analyse, summary=SUMMARY, figures=(FIGURE,),
     options=(
         Option("--mechanisms", "mechanism", "comma-separated mechanism names, or 'all'",

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from attnscale.errors import ConfigError, check_float, check_int, did_you_mean
+from attnscale.errors import ConfigError, check_float, check_int, did_you_mean, spelled
 from attnscale.io import owned, sigterm_as_exit
 from attnscale.progress import progress
 from attnscale.experiments import registry
@@ -80,12 +80,13 @@ def run(experiment: str, grid: Mapping[str, Sequence[Any]], out: str | os.PathLi
         if diffs and extend:
             spec = extended(old, spec, exp)
         elif diffs:
-            raise ConfigError(f"out {str(store.path)!r} holds another sweep ({'; '.join(diffs)}); "
-                              f"resume it as it is, pass extend to add values to its grid, or "
-                              f"choose another folder.")
+            raise ConfigError(f"{spelled('--out', 'out')} {str(store.path)!r} holds another "
+                              f"sweep ({'; '.join(diffs)}); resume it as it is, pass "
+                              f"{spelled('--extend', 'extend=True')} to add values to its grid, "
+                              f"or choose another folder.")
         elif not resume:
-            raise ConfigError(f"out {str(store.path)!r} already holds this sweep; resume it or "
-                              f"choose another folder.")
+            raise ConfigError(f"{spelled('--out', 'out')} {str(store.path)!r} already holds this "
+                              f"sweep; resume it or choose another folder.")
         else:
             spec = old
         return _execute(store, spec, exp, executor, retry_errors, show_progress,
@@ -116,7 +117,8 @@ def resume(out: str | os.PathLike, *, grid: Mapping[str, Sequence[Any]] | None =
             diffs = differences(old, new, exp)
             if diffs and not extend:
                 raise ConfigError(f"the grid differs from the sweep in {str(store.path)!r} "
-                                  f"({'; '.join(diffs)}); pass --extend to add these trials.")
+                                  f"({'; '.join(diffs)}); pass "
+                                  f"{spelled('--extend', 'extend=True')} to add these trials.")
             spec = extended(old, new, exp) if diffs else old
         return _execute(store, spec, exp, executor, retry_errors, show_progress,
                         write_spec=spec is not old or force, new=False)
@@ -129,8 +131,9 @@ def _stored(store: Store, force: bool) -> SweepSpec:
     experiment_of(spec, store)  # a bad value is named before --force is suggested
     if not force and not owned(store.spec_path):
         raise ConfigError(f"{str(store.spec_path)!r} was changed since attnscale wrote it; "
-                          f"restore it, or pass --force to continue the sweep as the file now "
-                          f"reads (see it with 'attnscale sweep --show {store.path}').")
+                          f"restore it, or pass {spelled('--force', 'force=True')} to continue "
+                          f"the sweep as the file now reads (see it with 'attnscale sweep --show "
+                          f"{store.path}').")
     return spec
 
 
@@ -201,26 +204,31 @@ def _check_main_importable() -> None:
 def _executor(exp: registry.Experiment, workers, ray_address, cpus_per_trial,
               gpus_per_trial) -> dict:
     """Check the executor options; return how to run tasks."""
-    gpus = check_float("gpus_per_trial", gpus_per_trial)
+    gpus_name = spelled("--gpus-per-trial", "gpus_per_trial")
+    gpus = check_float(gpus_name, gpus_per_trial)
     if gpus < 0:
-        raise ConfigError(f"gpus_per_trial must be >= 0, got {gpus_per_trial!r}.")
+        raise ConfigError(f"{gpus_name} must be >= 0, got {gpus_per_trial!r}.")
     if ray_address is None:
         if gpus:
-            raise ConfigError("gpus_per_trial needs the Ray executor (ray_address / --ray).")
+            raise ConfigError(f"{gpus_name} needs the Ray executor "
+                              f"({spelled('--ray', 'ray_address')}).")
         if cpus_per_trial is not None:
-            raise ConfigError("cpus_per_trial applies to the Ray executor; locally, --workers "
-                              "sets the processes and each gets cores / workers threads.")
-        workers = cpu_count() if workers is None else check_int("workers", workers, minimum=1)
+            raise ConfigError(f"{spelled('--cpus-per-trial', 'cpus_per_trial')} applies to the "
+                              f"Ray executor; locally, {spelled('--workers', 'workers')} sets "
+                              f"the processes and each gets cores / workers threads.")
+        workers = cpu_count() if workers is None else \
+            check_int(spelled("--workers", "workers"), workers, minimum=1)
         _check_main_importable()
         return {"kind": "local", "workers": workers, "threads": threads_per_worker(workers)}
+    cpus_name = spelled("--cpus-per-trial", "cpus_per_trial")
     if workers is not None:
-        raise ConfigError("workers applies to the local executor; with Ray, cpus_per_trial "
-                          "sets each trial's share of the cluster.")
+        raise ConfigError(f"{spelled('--workers', 'workers')} applies to the local executor; "
+                          f"with Ray, {cpus_name} sets each trial's share of the cluster.")
     if not isinstance(ray_address, str) or not ray_address:
-        raise ConfigError(f"ray_address must be an address, 'local' or 'auto', "
-                          f"got {ray_address!r}.")
+        raise ConfigError(f"{spelled('--ray', 'ray_address')} must be an address, 'local' or "
+                          f"'auto', got {ray_address!r}.")
     cpus = exp.threads or 1 if cpus_per_trial is None else \
-        check_float("cpus_per_trial", cpus_per_trial, positive=True)
+        check_float(cpus_name, cpus_per_trial, positive=True)
     from attnscale.sweep.ray_exec import import_ray
     import_ray()  # fail now, before any file is written, when Ray is missing
     return {"kind": "ray", "address": ray_address, "cpus": cpus, "gpus": gpus,

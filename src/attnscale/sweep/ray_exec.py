@@ -26,7 +26,7 @@ import logging
 import socket
 from collections.abc import Callable, Hashable, Iterable, Iterator
 
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, spelled
 from attnscale.sweep.batch import Chunk, chunks, run_chunk
 from attnscale.sweep.trial import Task, error_text, outcome
 
@@ -45,8 +45,8 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ConfigError("--ray needs Ray, which is not installed: "
-                          "pip install 'attnscale[ray]'.") from None
+        raise ConfigError(f"{spelled('--ray', 'ray_address')} needs Ray, which is not "
+                          f"installed: pip install 'attnscale[ray]'.") from None
     return ray
 
 
@@ -75,7 +75,8 @@ def _check_reachable(address: str) -> None:
     except OSError as err:
         why = f"no answer within {CONNECT_TIMEOUT:g} s" if isinstance(err, TimeoutError) \
             else (err.strerror or str(err))
-        raise ConfigError(f"--ray: no Ray cluster answers at {address!r} ({why}); check the "
+        raise ConfigError(f"{spelled('--ray', 'ray_address')}: no Ray cluster answers at "
+                          f"{address!r} ({why}); check the "
                           f"address, or start the cluster with 'ray start --head'.") from None
 
 
@@ -91,7 +92,8 @@ def connected(address: str) -> Iterator[None]:
         try:
             ray.init(address=address, logging_level=logging.WARNING, **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as err:
-            raise ConfigError(f"--ray: cannot start or join Ray at {address!r} "
+            raise ConfigError(f"{spelled('--ray', 'ray_address')}: cannot start or join Ray "
+                              f"at {address!r} "
                               f"({' '.join(str(err).split())}).") from None
     try:
         yield

@@ -7,7 +7,7 @@ Layout of ``DIR``::
                      manifest (the output-folder policy of :mod:`attnscale.io`)
     results.jsonl    one JSON line per finished trial:
                      {"trial", "config", "status": "ok" | "error", "result", "error",
-                      "wall_seconds", "host"}
+                      "wall_seconds", "host", "nulls"}
 
     .attnscale-lock  the writer's lock (:meth:`Store.locked`): one process writes a store
 
@@ -21,15 +21,21 @@ has several lines (an error, then a retry), the last one counts; :meth:`Store.co
 the file (atomically) with one line per trial.
 
 Every record is checked on read (:func:`check_record`): a line changed by hand is a ConfigError
-that names the file, the line and the field, never a traceback later.
+that names the file, the line and the field, never a traceback later.  That includes a result's
+numbers: a trial's result is strict JSON (a diverged number is written as null, never NaN), and
+``nulls`` lists where its result holds null (:func:`result_nulls`), so a ``NaN``, an infinity,
+or a null where the trial recorded a number is such an error, not a null drawn into a report.
+(Records from before ``nulls`` was written are checked for NaN and infinities only.)
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from attnscale.errors import ConfigError, parse_json
@@ -41,7 +47,71 @@ SPEC_FILE = "sweep.json"
 RESULTS_FILE = "results.jsonl"
 FORMAT = "attnscale-sweep"
 FORMAT_VERSION = 1
-RECORD_KEYS = ("trial", "config", "status", "result", "error", "wall_seconds", "host")
+RECORD_KEYS = ("trial", "config", "status", "result", "error", "wall_seconds", "host", "nulls")
+# A run of list entries in a path of ``nulls``: ``result.loss[57:100]`` is entries 57 to 99.
+_RUN = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+
+
+def _leaves(value: object, path: str) -> Iterator[tuple[str, object]]:
+    """(path, value) of every number and null in a JSON value, in document order; paths as
+    ``result.trace[3].loss``."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{i}]")
+    elif value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        yield path, value
+
+
+def result_nulls(result: object) -> list[str]:
+    """Where ``result`` holds null, as paths (``result.final_loss``), consecutive list entries
+    as one run (``result.loss[57:100]``: a diverged run's loss from step 57 on)."""
+    out: list[list] = []   # [prefix, first, end] for a run, [path] otherwise
+    for path, value in _leaves(result, "result"):
+        if value is not None:
+            continue
+        prefix, _, index = path.rpartition("[")
+        if index.endswith("]") and index[:-1].isdigit():
+            i = int(index[:-1])
+            if out and len(out[-1]) == 3 and out[-1][0] == prefix and out[-1][2] == i:
+                out[-1][2] = i + 1
+                continue
+            out.append([prefix, i, i + 1])
+        else:
+            out.append([path])
+    return [p[0] if len(p) == 1 else f"{p[0]}[{p[1]}]" if p[2] == p[1] + 1
+            else f"{p[0]}[{p[1]}:{p[2]}]" for p in out]
+
+
+def _recorded_nulls(nulls: list[str]) -> set[str]:
+    """The single paths of ``nulls`` (its runs expanded)."""
+    out = set()
+    for path in nulls:
+        run = _RUN.match(path)
+        if run:
+            out.update(f"{run[1]}[{i}]" for i in range(int(run[2]), int(run[3])))
+        else:
+            out.add(path)
+    return out
+
+
+def _check_result(record: dict) -> None:
+    """A ValueError naming the first number of an ok record's result that is not finite, or
+    null where the trial recorded a number (when the record says where it wrote null)."""
+    nulls = record.get("nulls")
+    if nulls is not None and not (isinstance(nulls, list)
+                                  and all(isinstance(p, str) for p in nulls)):
+        raise ValueError(f"field 'nulls' must be a list of result paths, got {json.dumps(nulls)}")
+    recorded = _recorded_nulls(nulls) if nulls is not None else None
+    for path, value in _leaves(record.get("result"), "result"):
+        if value is None:
+            if recorded is not None and path not in recorded:
+                raise ValueError(f"field {path!r} must be a finite number, as the trial "
+                                 "recorded it, got null")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"field {path!r} must be a finite number, got {json.dumps(value)}")
 
 
 def check_record(record: object) -> dict:
@@ -70,12 +140,18 @@ def check_record(record: object) -> dict:
     if record["status"] == "error" and not record.get("error"):
         raise ValueError("field 'error' must hold the message of a failed trial, got "
                          f"{json.dumps(record.get('error'))}")
+    if record["status"] == "ok":
+        _check_result(record)
     return record
 
 
 def record_line(record: dict) -> str:
-    """One line of ``results.jsonl`` (strict JSON, fixed key order, newline-terminated)."""
-    return json.dumps({k: record.get(k) for k in RECORD_KEYS}, allow_nan=False) + "\n"
+    """One line of ``results.jsonl`` (strict JSON, fixed key order, newline-terminated); an ok
+    record gets its ``nulls`` (:func:`result_nulls`) when it has none yet."""
+    line = {k: record.get(k) for k in RECORD_KEYS}
+    if line["status"] == "ok" and line["nulls"] is None:
+        line["nulls"] = result_nulls(line["result"])
+    return json.dumps(line, allow_nan=False) + "\n"
 
 
 class Store:
