@@ -54,8 +54,8 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "entropy", "fit_line",
-           "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "coherence", "columns", "entropy",
+           "fit_line", "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
            "mean_se_from_sums", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats",
            "std_ci", "std_se", "t975"]
 
@@ -317,6 +317,44 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
 
 # The row statistics of the weights p (the others, count and the logit statistics, are of z).
 _WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
+
+
+def coherence(q: Tensor, k: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    """How aligned each query is with its keys, against what independent q and k would give:
+
+        coherence = std_i(q·k_i) / (|q| · rms_i |k_i| / √d)
+
+    over the keys ``i`` the row attends (std Bessel-corrected, as :func:`logit_std`; rms over
+    the same keys).  For a query independent of isotropic keys, ``q·k_i`` has std
+    ``|q| · rms|k| / √d``, so coherence is about 1: the premise of the 1/√d footnote.  As
+    training aligns queries with keys it grows towards √d (keys ``±c q/|q|`` give exactly √d,
+    and Cauchy–Schwarz bounds it by ``√d · √(n/(n−1))``): the μP argument that q·k then grows
+    like d, not √d.  Scale-free (a scale on q or k cancels), so it splits a row's logit std as
+    ``logit_std = scale · √d · (|q|/√d) · (rms|k|/√d) · coherence`` (no cap or bias).
+
+    Args:
+        q: queries (..., Nq, d); k: keys (..., Nk, d), batch dims broadcastable with q's.
+        mask: optional bool, broadcastable to (..., Nq, Nk), True = attend.
+    Returns:
+        (..., Nq) in q's working dtype (float32 for half types); NaN where it is undefined: a row
+        with fewer than two keys, a zero query, or attended keys that are all zero.  Forms the
+        (..., Nq, Nk) products, so call it on blocks of query rows.
+    """
+    q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
+    d = q.shape[-1]
+    dots = q @ k.transpose(-2, -1)                                # (..., Nq, Nk)
+    k2 = (k * k).sum(dim=-1)                                      # (..., Nk), |k_i|²
+    if mask is None:
+        count = torch.full(dots.shape[:-1], k.shape[-2], dtype=q.dtype, device=q.device)
+        k_ms = k2.mean(dim=-1, keepdim=True).expand(dots.shape[:-1])
+    else:
+        keep = mask.expand(dots.shape)
+        dots = dots.masked_fill(~keep, -math.inf)
+        count = keep.sum(dim=-1).to(q.dtype)
+        k_ms = torch.where(keep, k2.unsqueeze(-2), 0.0).sum(dim=-1) / count.clamp(min=1)
+    norm = torch.linalg.vector_norm(q, dim=-1) * k_ms.sqrt() / math.sqrt(d)   # (..., Nq)
+    ok = (count >= 2) & (norm > 0)
+    return torch.where(ok, logit_std(dots) / torch.where(ok, norm, 1.0), math.nan)
 
 
 
