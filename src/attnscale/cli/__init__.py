@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "attnscale.cli.study",
     "attnscale.cli.results",
     "attnscale.cli.monitor",
+    "attnscale.cli.inspect",
     "attnscale.cli.sweep",
     "attnscale.cli.lm",
     "attnscale.cli.guard",
