@@ -79,14 +79,13 @@ def _run(args) -> int:
         hf.check_swappable(args.mechanism)  # before the (slow) load
     model, tokenizer = load_model(model_dir, dtype=args.dtype, device=device, param="MODEL_DIR")
     check_seq_len(model, args.seq_len, param="--seq-len")
-    text_param = "--text" if args.text is None else f"--text {args.text!r}"
     tokens = token_ids(tokenizer, text, args.seq_len, vocab_size=model.config.vocab_size,
-                       seed=args.seed, text_param=text_param, seq_len_param="--seq-len")
+                       seed=args.seed, text_param="--text", seq_len_param="--seq-len")
     result = inspect_model(model, tokens.ids, init=not args.no_init, seed=args.seed,
                            whatif=args.mechanism, block=args.block,
                            saturated_weight=args.saturated_weight,
                            saturated_entropy=args.saturated_entropy,
-                           meta=checkpoint_meta(model_dir, tokens, args.name))
+                           meta=checkpoint_meta(model_dir, tokens, args.name, args.text))
     out = write(result, args.out, force=args.force, param="--out")
     if args.json:
         from attnscale.io import json_safe

@@ -109,7 +109,9 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
             "batch": int(input_ids.shape[0]), "input": "the given token ids",
             "dtype": str(weight_dtype).removeprefix("torch."),
             "device": str(next(model.parameters()).device), "seed": seed, "init": bool(init),
-            "whatif": whatif, "block": block, "attnscale": __version__, **(meta or {})}
+            "whatif": whatif, "block": block, "attnscale": __version__,
+            "token_ids": input_ids.tolist(),  # the exact input, so a report can be re-measured
+            **(meta or {})}
     return {"meta": info, "summary": summary(rows, max_weight=weight, entropy_fraction=entropy),
             "owner": owner_sentence(layers, model_type), "layers": layers,
             "fields": dict(FIELDS), "records": rows}
@@ -175,7 +177,10 @@ def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
                          meta=checkpoint_meta(path, tokens, name), show_progress=show_progress)
 
 
-def checkpoint_meta(path: os.PathLike, tokens: Tokens, name: str | None) -> dict:
+def checkpoint_meta(path: os.PathLike, tokens: Tokens, name: str | None,
+                    text_file: str | None = None) -> dict:
     """The report's ``meta`` fields that say where the model and the tokens came from."""
+    source = tokens.source if text_file is None else \
+        tokens.source.replace("the given text", f"the text {os.path.basename(text_file)}")
     return {"name": name or os.path.basename(os.path.abspath(path)), "model_dir": str(path),
-            "input": tokens.source}
+            "input": source, "text_file": tokens.kind == "text"}

@@ -106,9 +106,11 @@ def default_text(min_chars: int) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Tokens:
-    """The input of the forward passes: ``ids`` (1, N) int64, and ``source`` in words."""
+    """The input of the forward passes: ``ids`` (1, N) int64, ``source`` in words, and ``kind``:
+    ``"text"`` (the caller's), ``"default"`` (text that ships with Python) or ``"random"``."""
     ids: Tensor
     source: str
+    kind: str
 
 
 def token_ids(tokenizer, text: str | None, seq_len: int, *, vocab_size: int, seed: int = 0,
@@ -129,14 +131,14 @@ def token_ids(tokenizer, text: str | None, seq_len: int, *, vocab_size: int, see
                               f"({', '.join(TOKENIZER_FILES)}) to read it with.")
         ids = torch.randint(0, int(vocab_size), (1, seq_len), generator=rng(seed))
         return Tokens(ids, f"{seq_len} random token ids (seed {seed}; the model folder has no "
-                           "tokenizer)")
+                           "tokenizer)", "random")
     if text is not None:
         ids = _encode(tokenizer, text)
         if ids.shape[1] < seq_len:
             raise ConfigError(f"{text_param} gives {ids.shape[1]} tokens, fewer than "
                               f"{seq_len_param} {seq_len}; pass a longer text or a smaller "
                               f"{seq_len_param}.")
-        return Tokens(ids[:, :seq_len], f"{text_param} (first {seq_len} tokens)")
+        return Tokens(ids[:, :seq_len], f"the given text (first {seq_len} tokens)", "text")
     chars = 8 * seq_len
     while True:  # the default text, read as far as the tokens need
         body, source = default_text(chars)
@@ -147,7 +149,7 @@ def token_ids(tokenizer, text: str | None, seq_len: int, *, vocab_size: int, see
     if ids.shape[1] < seq_len:
         raise ConfigError(f"the default text gives only {ids.shape[1]} tokens, fewer than "
                           f"{seq_len_param} {seq_len}; pass a longer text.")
-    return Tokens(ids[:, :seq_len], f"{source} (first {seq_len} tokens)")
+    return Tokens(ids[:, :seq_len], f"{source} (first {seq_len} tokens)", "default")
 
 
 def _encode(tokenizer, text: str) -> Tensor:

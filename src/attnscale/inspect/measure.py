@@ -21,6 +21,7 @@ a bias: ``logit_std = scale · √d · q_rms · k_rms · coherence``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -101,18 +102,21 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
                 count = kept.sum(dim=-1)
                 k_ms = (kept @ k_sq.unsqueeze(-1)).squeeze(-1) / count.clamp(min=1)
             has = count > 0                                            # (B, H, b)
+            q_norm = torch.linalg.vector_norm(qb, dim=-1)
             coh = coherence(qb, k, mask=keep)                          # (B, H, b)
-            defined = count >= 2
+            # Rows where coherence is undefined (one key, a zero query such as a padding
+            # token's, zero keys) are left out; a NaN query or key is not (x != 0 holds for
+            # NaN), so NaN reaches the head's mean, as in every other statistic.
+            defined = (count >= 2) & (q_norm != 0) & (k_ms != 0)
 
             def head_sum(x: Tensor, where: Tensor) -> Tensor:
                 return torch.where(where, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
 
             sums["rows"] += head_sum(torch.ones_like(count), has)
             sums["ln_keys"] += head_sum(count.clamp(min=1).log(), has)
-            sums["q_rms"] += head_sum(torch.linalg.vector_norm(qb, dim=-1) / math.sqrt(d), has)
+            sums["q_rms"] += head_sum(q_norm / math.sqrt(d), has)
             sums["k_rms"] += head_sum(k_ms.sqrt(), has)
             sums["coherent_rows"] += head_sum(torch.ones_like(count), defined)
-            # A NaN query or key leaves coherence NaN on its rows, and the head's mean with it.
             sums["coherence"] += head_sum(coh, defined)
         return QKTotals(sums, d, n_k)
 
@@ -172,8 +176,12 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
         if on_layer is not None:
             on_layer()
 
-    with torch.no_grad(), monitor(model, block=block, on_call=on_call) as mon:
-        model(**inputs)
+    with warnings.catch_warnings():
+        # A pass that reaches no attention call is the caller's error to raise, not a warning.
+        warnings.filterwarnings("ignore", "attnscale.monitor observed no attention call",
+                                RuntimeWarning)
+        with torch.no_grad(), monitor(model, block=block, on_call=on_call) as mon:
+            model(**inputs)
     records = []
     means = {site: t.means() for site, t in totals.items()}
     for r in mon.records:

@@ -288,6 +288,24 @@ def max_of(rows: Sequence[Mapping], key: str) -> float:
     return max(values) if values else math.nan
 
 
+def _reproduce(meta: Mapping) -> list[str]:
+    """The command that measures a checkpoint the same way (for a checkpoint read from a folder)."""
+    if "model_dir" not in meta:
+        return []
+    argv = ["attnscale inspect MODEL_DIR"]
+    if meta.get("text_file"):
+        argv.append("--text FILE")
+    argv.append(f"--seq-len {meta['seq_len']}")
+    if meta.get("seed"):
+        argv.append(f"--seed {meta['seed']}")
+    if not meta.get("init", True):
+        argv.append("--no-init")
+    if meta.get("whatif"):
+        argv.append(f"--mechanism {meta['whatif']}")
+    argv.append(f"--name {meta['name']}")
+    return [f"Measured with `{' '.join(argv)}`.", ""]
+
+
 def render(payload: Mapping) -> str:
     """``report.md`` from the contents of ``records.json``."""
     meta, s = payload["meta"], payload["summary"]
@@ -297,7 +315,8 @@ def render(payload: Mapping) -> str:
              f"{meta['dtype']} on {meta['device']}, statistics in float32 or better over the keys "
              f"each query attends ({meta['model_type']}, {s['layers']} attention layers, "
              f"{s['heads']} heads; attnscale {meta['attnscale']}). Every number here is read from "
-             f"[{RECORDS}]({RECORDS}).", "",
+             f"[{RECORDS}]({RECORDS}); `attnscale inspect --from DIR` redraws this page and its "
+             "figures from it.", "", *_reproduce(meta),
              "## Who owns the temperature", "", payload["owner"], "",
              *_owner_table(payload), "",
              "## What the temperature is now", "",
