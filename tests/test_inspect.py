@@ -262,8 +262,10 @@ OWNERS = {
     "llama": ("the divisor (scale 1/sqrt(d_head) = 1/sqrt(8)) in every layer", "`scaled`"),
     "gemma2": ("query_pre_attn_scalar^-1/2 = 12^-1/2) and a soft-cap at 2 in every layer",
                "`scaled`, `softcap`"),
-    "qwen3": ("the q/k normalisation per head and its learned gains", "`qk-rmsnorm`"),
-    "olmo2": ("the q/k normalisation over the full width", "`qk-layernorm(over=model)`"),
+    "qwen3": ("the q/k normalisation per head and its learned gains", "`qk-rmsnorm(over=head)`"),
+    "olmo2": ("the q/k normalisation over the full width", "`qk-rmsnorm(over=model)`"),
+    "gemma3": ("per head and its learned gains (then scale query_pre_attn_scalar^-1/2 = 12^-1/2)",
+               "`qk-rmsnorm(over=head)`"),
     "gpt_oss": ("and learned attention sinks in every layer", "`scaled`, `sink`"),
 }
 
@@ -277,6 +279,8 @@ def test_the_owner_is_named_per_family(family):
     layer = result["layers"][0]
     if family in ("qwen3", "olmo2"):   # the gains' spread, as set in make_model
         assert 0.5 <= layer["q_gain"]["min"] < layer["q_gain"]["max"] <= 2.0
+    if family == "gemma3":             # Gemma's RMSNorm multiplies by 1 + w
+        assert 1.5 <= layer["q_gain"]["min"] < layer["q_gain"]["max"] <= 3.0
 
 
 def test_owner_of_a_swapped_model_and_the_whatif_side_by_side():
@@ -498,6 +502,6 @@ def test_a_family_outside_the_interface_is_refused_in_one_line(tmp_path):
     config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2)
     torch.manual_seed(0)
     transformers.BloomModel(config).save_pretrained(tmp_path / "bloom")
-    with pytest.raises(ConfigError, match="family 'bloom'") as err:
+    with pytest.raises(ConfigError, match="model family .bloom. cannot be inspected: no layer") as err:
         inspect_checkpoint(tmp_path / "bloom", seq_len=8)
     assert "\n" not in str(err.value)

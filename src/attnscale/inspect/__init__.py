@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from attnscale import __version__
+from attnscale import __version__, families
 from attnscale.errors import ConfigError, check_int
 from attnscale.inspect.inputs import (DTYPES, Tokens, check_model_dir, check_seq_len,
                                       fresh_model, load_model, model_inputs, resolve_device,
@@ -73,6 +73,11 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
     from attnscale import hf
 
     weight, entropy = check_thresholds(saturated_weight, saturated_entropy)
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if not any(families.is_attention_layer(m) for m in model.modules()):
+        raise ConfigError(f"model family {family!r} cannot be inspected: no layer of it routes "
+                          "attention through transformers' AttentionInterface, which attnscale "
+                          "observes.")
     if whatif is not None:
         hf.check_swappable(whatif)
     inputs = model_inputs(model, input_ids)
@@ -85,9 +90,8 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
     try:
         trained = measure(model, inputs, block=block, on_layer=tick)
         if not trained.records:
-            family = getattr(model.config, "model_type", type(model).__name__)
-            raise ConfigError(f"model family {family!r}: no attention call was observed; its "
-                              "attention does not go through transformers' AttentionInterface.")
+            raise ConfigError(f"model family {family!r} cannot be inspected: no attention call "
+                              "of it was observed on attn_implementation='attnscale'.")
         bar.total = passes * len(trained.calls)
         bar.refresh()
         layers = owners(model, trained.calls, trained.records)

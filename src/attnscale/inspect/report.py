@@ -16,6 +16,7 @@ from pathlib import Path
 
 from attnscale.errors import ConfigError
 from attnscale.formatting import cell, number
+from attnscale.inspect.owner import QK_NORM_WORDS
 from attnscale.inspect.records import COMPARED, FIELDS, median
 from attnscale.io import check_output_path, staged_dir
 
@@ -208,20 +209,28 @@ def _layer_table(payload: Mapping) -> list[str]:
 
 
 def _owner_table(payload: Mapping) -> list[str]:
-    head = ["layer", "module", "scale", "equals", "q/k norm", "soft-cap", "sinks",
+    """The owner's facts per layer; consecutive layers with the same facts share one row."""
+    head = ["layers", "scale", "equals", "family's rule", "q/k norm", "soft-cap", "sinks",
             "sliding window", "position bias", "mechanisms"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    runs: list[tuple[list[int], list[str]]] = []
     for r in payload["layers"]:
-        qk = "—" if not r["qk_norm"] else ("per head" if r["qk_norm"] == "head" else "full width")
+        qk = "—" if not r["qk_norm"] else QK_NORM_WORDS.get(r["qk_norm"], r["qk_norm"])
         if r.get("q_gain") and r.get("k_gain"):
             qk += (f" (gains q {_fmt(r['q_gain']['min'])}–{_fmt(r['q_gain']['max'])}, "
                    f"k {_fmt(r['k_gain']['min'])}–{_fmt(r['k_gain']['max'])}; q rms · k rms "
                    f"{_fmt(r['qk_scale_median'])})")
-        out.append("| " + " | ".join(cell(x) for x in [
-            str(r["layer"]), f"`{r['module']}`", _fmt(r["scale"], "{:.6g}"), r["scaling"], qk,
-            _fmt(r["softcap"], "{:g}"), "yes" if r["sinks"] else "no",
-            _fmt(r["sliding_window"], "{}"), r["position_bias"] or "—",
-            ", ".join(f"`{m}`" for m in r["mechanisms"]) or "—"]) + " |")
+        cells = [_fmt(r["scale"], "{:.6g}"), r["scaling"], r.get("scaling_rule") or "unknown",
+                 qk, _fmt(r["softcap"], "{:g}"), "yes" if r["sinks"] else "no",
+                 _fmt(r["sliding_window"], "{}"), r["position_bias"] or "—",
+                 ", ".join(f"`{m}`" for m in r["mechanisms"]) or "—"]
+        if runs and runs[-1][1] == cells and runs[-1][0][-1] == r["layer"] - 1:
+            runs[-1][0].append(r["layer"])
+        else:
+            runs.append(([r["layer"]], cells))
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for layers, cells in runs:
+        which = str(layers[0]) if len(layers) == 1 else f"{layers[0]}–{layers[-1]}"
+        out.append("| " + " | ".join(cell(x) for x in [which, *cells]) + " |")
     return out
 
 
