@@ -27,7 +27,7 @@ from attnscale.inspect.measure import qk_totals
 from attnscale.inspect.records import COMPARED
 from attnscale.inspect.report import OUT_FILES, RECORDS, REPORT
 from attnscale.measure.monitor import monitor
-from attnscale.stats import coherence
+from attnscale.stats import coherence, logit_std, qk_row_stats
 
 hf.register()
 
@@ -187,6 +187,25 @@ def test_coherence_equals_its_formula_and_is_scale_free():
     torch.testing.assert_close(coherence(3 * q, 0.25 * k, mask=mask), got, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_qk_row_stats_split_the_logit_std_and_limit_is_a_causal_mask(dtype):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 11, 8, generator=g, dtype=dtype) * 3
+    k = torch.randn(2, 3, 11, 8, generator=g, dtype=dtype) + 0.5
+    tri = torch.ones(11, 11, dtype=torch.bool).tril()
+    limit = torch.arange(1, 12)
+    by_mask, by_limit = qk_row_stats(q, k, mask=tri), qk_row_stats(q, k, limit=limit)
+    for key in by_mask:
+        torch.testing.assert_close(by_limit[key], by_mask[key], equal_nan=True)
+    scale = 0.3
+    z = (scale * q @ k.transpose(-2, -1)).masked_fill(~tri, -math.inf)
+    split = scale * math.sqrt(8) * by_mask["q_rms"] * by_mask["k_rms"] * by_mask["coherence"]
+    torch.testing.assert_close(split[..., 1:], logit_std(z).double()[..., 1:],
+                               rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0)
+    assert torch.isnan(by_mask["coherence"][..., 0]).all()           # one key: undefined
+    torch.testing.assert_close(by_mask["count"][0, 0], limit.double())
+
+
 def test_coherence_is_one_for_independent_and_sqrt_d_for_aligned_keys():
     g = torch.Generator().manual_seed(1)
     d, n, rows = 64, 128, 1024
@@ -215,6 +234,16 @@ def test_qk_totals_do_not_depend_on_the_block(causal):
         part = qk_totals(q, k, mask=mask, causal=causal, block=block).means()
         for key, value in whole.items():
             torch.testing.assert_close(torch.tensor(part[key]), torch.tensor(value))
+
+
+def test_qk_totals_read_an_additive_mask_as_its_masked_keys():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 9, 4, generator=g), torch.randn(1, 2, 9, 4, generator=g)
+    keep = torch.rand(1, 1, 9, 9, generator=g) > 0.3
+    bias = torch.where(keep, torch.randn(1, 1, 9, 9, generator=g), -math.inf)  # ALiBi-like
+    want, got = qk_totals(q, k, mask=keep).means(), qk_totals(q, k, mask=bias).means()
+    for key in want:
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]))
 
 
 def test_the_monitor_hands_each_call_to_on_call_under_its_record_name():
@@ -505,3 +534,28 @@ def test_a_family_outside_the_interface_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="model family .bloom. cannot be inspected: no layer") as err:
         inspect_checkpoint(tmp_path / "bloom", seq_len=8)
     assert "\n" not in str(err.value)
+
+
+def test_a_progress_bar_counts_the_layers_of_every_pass(monkeypatch):
+    import attnscale.inspect as engine
+
+    class Bar:
+        def __init__(self, iterable, *, desc, total=None, enabled=None):
+            self.desc, self.total, self.n, self.closed = desc, total, 0, False
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    bars = []
+    monkeypatch.setattr(engine, "progress", Bar)
+    engine.inspect_model(make_model("llama", dtype=torch.float32), ids(1), whatif="mup")
+    (bar,) = bars
+    assert bar.desc == "inspect: layers" and bar.closed
+    assert bar.n == bar.total == 3 * COMMON["num_hidden_layers"]  # checkpoint, what-if, init

@@ -74,7 +74,8 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
 
     weight, entropy = check_thresholds(saturated_weight, saturated_entropy)
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if not any(families.is_attention_layer(m) for m in model.modules()):
+    n_layers = sum(families.is_attention_layer(m) for m in model.modules())
+    if not n_layers:
         raise ConfigError(f"model family {family!r} cannot be inspected: no layer of it routes "
                           "attention through transformers' AttentionInterface, which attnscale "
                           "observes.")
@@ -82,7 +83,7 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
         hf.check_swappable(whatif)
     inputs = model_inputs(model, input_ids)
     passes = 1 + bool(init) + (whatif is not None)
-    bar = progress(None, desc="inspect: layers", enabled=show_progress)
+    bar = progress(None, desc="inspect: layers", total=passes * n_layers, enabled=show_progress)
 
     def tick() -> None:
         bar.update(1)
@@ -92,7 +93,7 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
         if not trained.records:
             raise ConfigError(f"model family {family!r} cannot be inspected: no attention call "
                               "of it was observed on attn_implementation='attnscale'.")
-        bar.total = passes * len(trained.calls)
+        bar.total = passes * sum(trained.counts.values())  # calls, where a layer makes several
         bar.refresh()
         layers = owners(model, trained.calls, trained.records)
         what = _whatif(model, inputs, whatif, block, tick) if whatif is not None else None

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from attnscale.measure.monitor import DEFAULT_BLOCK, monitor
-from attnscale.pipeline import Observation
+from attnscale.pipeline import MASKED_BIAS, Observation
 from attnscale.precision import work_dtype
-from attnscale.stats import coherence
+from attnscale.stats import qk_row_stats
 
 # Per-head sums kept for each attention site, merged exactly over blocks and calls (float64).
 QK_SUMS = ("rows", "ln_keys", "q_rms", "k_rms", "coherent_rows", "coherence")
@@ -70,9 +70,12 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
               block: int = DEFAULT_BLOCK) -> QKTotals:
     """:class:`QKTotals` of queries q (B, H, Nq, d) against keys k (B, Hk, Nk, d), ``H % Hk == 0``.
 
-    ``mask``: bool broadcastable to (B, H, Nq, Nk), True = attend; ``causal``: query i attends keys
-    0..i (top-left, as the pipeline's).  Computed ``block`` queries at a time in float32 or better:
-    the largest tensor is (B, H, block, Nk).
+    ``mask``: broadcastable to (B, H, Nq, Nk): bool, True = attend, or additive float, where
+    entries at or below :data:`~attnscale.pipeline.MASKED_BIAS` mark masked keys (its finite
+    values, position biases, are part of the logits, not of q·k, so coherence leaves them out);
+    ``causal``: query i attends keys 0..i (top-left, as the pipeline's).  Computed ``block``
+    queries at a time by :func:`attnscale.stats.qk_row_stats`, in float32 or better, over only
+    the key columns some query of the block attends: the largest tensor is (B, H, block, Nk).
     """
     with torch.no_grad():
         work = work_dtype(q.dtype)
@@ -81,43 +84,44 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
         if k.shape[-3] != n_heads:  # grouped-query attention: an O(Nk d) copy
             k = k.repeat_interleave(n_heads // k.shape[-3], dim=-3)
         n_k = k.shape[-2]
-        k_sq = (k * k).sum(dim=-1) / d                                 # (B, H, Nk), |k_i|²/d
+        if mask is not None and mask.dtype != torch.bool:  # additive: masked keys and biases
+            mask = mask.detach() > MASKED_BIAS
         sums = {name: torch.zeros(n_heads, dtype=torch.float64, device=q.device)
                 for name in QK_SUMS}
-        keys = torch.arange(n_k, device=q.device)
         for i0 in range(0, n_q, block):
             qb = q[..., i0:i0 + block, :]                              # (B, H, b, d)
+            rows = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
             keep = None
             if mask is not None:
                 keep = mask[..., i0:i0 + block, :] if mask.shape[-2] > 1 else mask
-            if causal:
-                rows = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
-                tri = keys <= rows.unsqueeze(-1)                       # (b, Nk)
-                keep = tri if keep is None else keep & tri
-            if keep is None:
-                count = torch.full(qb.shape[:-1], n_k, dtype=work, device=q.device)
-                k_ms = k_sq.mean(dim=-1, keepdim=True).expand(qb.shape[:-1])
-            else:
-                kept = keep.expand(*qb.shape[:-1], n_k).to(work)       # (B, H, b, Nk)
-                count = kept.sum(dim=-1)
-                k_ms = (kept @ k_sq.unsqueeze(-1)).squeeze(-1) / count.clamp(min=1)
-            has = count > 0                                            # (B, H, b)
-            q_norm = torch.linalg.vector_norm(qb, dim=-1)
-            coh = coherence(qb, k, mask=keep)                          # (B, H, b)
-            # Rows where coherence is undefined (one key, a zero query such as a padding
-            # token's, zero keys) are left out; a NaN query or key is not (x != 0 holds for
-            # NaN), so NaN reaches the head's mean, as in every other statistic.
-            defined = (count >= 2) & (q_norm != 0) & (k_ms != 0)
+                keep = keep.expand(*keep.shape[:-1], n_k)
+            # The key columns some row of the block attends: causality ends them at the block's
+            # last row, a mask (sliding window, padding) may start them later.
+            lo, hi = 0, min(n_k, i0 + qb.shape[-2]) if causal else n_k
+            if keep is not None:
+                cols = keep[..., :hi].reshape(-1, hi).any(dim=0).nonzero()
+                lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
+            if hi <= lo:
+                continue                                               # no row has a key
+            limit = (rows + 1 - lo) if causal else None                # keys 0..i, from lo
+            got = qk_row_stats(qb, k[..., lo:hi, :],
+                               mask=None if keep is None else keep[..., lo:hi], limit=limit)
 
             def head_sum(x: Tensor, where: Tensor) -> Tensor:
                 return torch.where(where, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
 
+            count = got["count"].expand(*qb.shape[:-1])
+            has = count > 0                                            # (B, H, b)
+            # Rows where coherence is undefined (one key, a zero query such as a padding
+            # token's, zero keys) are left out; a NaN query or key is not (x != 0 holds for
+            # NaN), so NaN reaches the head's mean, as in every other statistic.
+            defined = (count >= 2) & (got["q_rms"] != 0) & (got["k_rms"] != 0)
             sums["rows"] += head_sum(torch.ones_like(count), has)
             sums["ln_keys"] += head_sum(count.clamp(min=1).log(), has)
-            sums["q_rms"] += head_sum(q_norm / math.sqrt(d), has)
-            sums["k_rms"] += head_sum(k_ms.sqrt(), has)
+            sums["q_rms"] += head_sum(got["q_rms"], has)
+            sums["k_rms"] += head_sum(got["k_rms"], has)
             sums["coherent_rows"] += head_sum(torch.ones_like(count), defined)
-            sums["coherence"] += head_sum(coh, defined)
+            sums["coherence"] += head_sum(got["coherence"], defined)
         return QKTotals(sums, d, n_k)
 
 
@@ -155,6 +159,7 @@ class Measured:
     ``coherent_rows``) and each site's :class:`Call`, by module name."""
     records: list[dict]
     calls: dict[str, Call]
+    counts: dict[str, int]  # attention calls per site in the pass
 
 
 def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFAULT_BLOCK,
@@ -167,12 +172,14 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
     """
     totals: dict[str, QKTotals] = {}
     calls: dict[str, Call] = {}
+    counts: dict[str, int] = {}
 
     def on_call(site: str, seen: Observation) -> None:
         if seen.q is not None:  # None: a model that handed its logits (observe_logits)
             got = qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block)
             totals[site] = totals[site].merge(got) if site in totals else got
         calls.setdefault(site, describe_call(seen))
+        counts[site] = counts.get(site, 0) + 1
         if on_layer is not None:
             on_layer()
 
@@ -192,4 +199,4 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
                         **{key: math.nan if got is None else got[key][h]
                            for key in ("mean_ln_keys", "q_rms", "k_rms", "coherence",
                                        "coherent_rows")}})
-    return Measured(records, calls)
+    return Measured(records, calls, counts)
