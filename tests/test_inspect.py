@@ -489,6 +489,7 @@ def test_cli_writes_the_report_and_prints_the_verdict(cli, saved, tmp_path):
     ("from-and-model", "--from DIR redraws"),
     ("nothing", "give MODEL_DIR"),
     ("bad-threshold", "--saturated-weight must be in (0, 1)"),
+    ("text-without-tokenizer", "--text was given, but the model folder has no tokenizer"),
 ])
 def test_cli_bad_inputs_are_one_line_errors_with_exit_2(cli, saved, tmp_path, case, fragment):
     model = saved / "tokenized"
@@ -517,6 +518,9 @@ def test_cli_bad_inputs_are_one_line_errors_with_exit_2(cli, saved, tmp_path, ca
         argv = []
     elif case == "bad-threshold":
         argv += ["--saturated-weight", "1.5"]
+    elif case == "text-without-tokenizer":
+        (tmp_path / "t.txt").write_text("a b c " * 20)
+        argv = [str(saved / "bare"), *argv[1:], "--text", str(tmp_path / "t.txt")]
     code, out, err = cli("inspect", *argv)
     assert code == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and "Traceback" not in err and fragment in err, err

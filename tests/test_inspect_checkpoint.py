@@ -162,3 +162,11 @@ def test_the_results_page_links_the_checkpoint_report(shipped):
     text = page.render(SHIPPED.parent)
     assert f"[{shipped['meta']['name']}](checkpoints/{REPORT})" in text
     assert shipped["owner"] in text
+
+
+def test_the_readme_quotes_the_shipped_verdict(shipped):
+    from attnscale.inspect.report import verdict
+    readme = (SHIPPED.parents[2] / "README.md").read_text(encoding="utf-8")
+    for line in verdict(shipped):
+        assert f"> {line}\n" in readme, line
+    assert "(docs/results/checkpoints/report.md)" in readme
