@@ -63,7 +63,7 @@ class QKTotals:
         return {"mean_ln_keys": mean(s["ln_keys"], s["rows"]),
                 "q_rms": mean(s["q_rms"], s["rows"]), "k_rms": mean(s["k_rms"], s["rows"]),
                 "coherence": mean(s["coherence"], s["coherent_rows"]),
-                "coherent_rows": s["coherent_rows"].tolist()}
+                "coherent_rows": [int(x) for x in s["coherent_rows"].tolist()]}
 
 
 def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool = False,

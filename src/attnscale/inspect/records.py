@@ -31,6 +31,21 @@ COMPARED = ("logit_std", "entropy_ratio", "max_weight_mean", "jacobian_fro_mean"
             "q_rms", "k_rms")
 PASSES = {"init": "init_", "whatif": "whatif_"}
 
+# What the monitor's record statistics (attnscale.columns.RECORD_STATS) mean; every one of them
+# is a field of the report, so a statistic added there reaches it too.
+MONITOR_MEANINGS = {
+    "entropy_mean": "mean attention entropy H(p) over the rows, nats",
+    "entropy_min": "smallest row entropy, nats",
+    "max_weight_mean": "mean of max_i p_i over the rows",
+    "logit_std": "mean over rows of the std of the logits entering the normaliser (0 for a row "
+                 "with one key)",
+    "logit_absmax": "largest |logit| over every row and attended key",
+    "jacobian_fro_mean": "mean Frobenius norm of the softmax Jacobian diag(p) - p p^T: the "
+                         "factor every gradient to W_Q and W_K passes through",
+    "mass_mean": "mean weight on the keys, sum_i p_i (1 under softmax; less with a sink)",
+    "sink_mass_mean": "mean weight left on the head's attention sink (0 without one)",
+    "gate_mean": "mean output gate (1 without a gate)",
+}
 # Every field of a record, in order, with its meaning (written into records.json).
 FIELDS: dict[str, str] = {
     "layer": "attention module, in the order of its first call in the forward pass (from 0)",
@@ -39,16 +54,8 @@ FIELDS: dict[str, str] = {
     "d_head": "head dimension d the statistics are measured at",
     "n_keys": "the most keys a query attends (the sequence length for self-attention)",
     "queries": "(batch, query) rows with at least one key",
-    "entropy_mean": "mean attention entropy H(p) over the rows, nats",
-    "entropy_min": "smallest row entropy, nats",
-    "max_weight_mean": "mean of max_i p_i over the rows",
-    "logit_std": "mean over rows of the std of the logits entering the normaliser",
-    "logit_absmax": "largest |logit| over every row and attended key",
-    "jacobian_fro_mean": "mean Frobenius norm of the softmax Jacobian diag(p) - p p^T: the "
-                         "factor every gradient to W_Q and W_K passes through",
-    "mass_mean": "mean weight on the keys, sum_i p_i (1 under softmax; less with a sink)",
-    "sink_mass_mean": "mean weight left on the head's attention sink (0 without one)",
-    "gate_mean": "mean output gate (1 without a gate)",
+    **{key: MONITOR_MEANINGS.get(key, "the monitor's statistic of that name "
+                                      "(attnscale.columns)") for key in RECORD_STATS},
     "mean_ln_keys": "mean over the rows of ln n, n the keys the row attends",
     "entropy_ratio": "entropy_mean / mean_ln_keys: 1 for uniform attention, 0 for one-hot",
     "q_rms": "mean over rows of |q| / sqrt(d), the rms of one query component after the "
@@ -56,7 +63,8 @@ FIELDS: dict[str, str] = {
     "k_rms": "mean over rows of the rms of |k_i| / sqrt(d) over the keys the row attends",
     "coherence": "mean over rows (two keys or more) of std_i(q.k_i) / (|q| rms_i|k_i| / "
                  "sqrt(d)): about 1 for independent q and k, up to sqrt(d) when aligned",
-    "coherent_rows": "rows the coherence is averaged over (those with two keys or more)",
+    "coherent_rows": "rows the coherence is averaged over (two keys or more and a nonzero "
+                     "query: a padding token's zero query has none)",
     "sqrt_d": "sqrt(d_head), the coherence of fully aligned q and k",
     "saturated": f"mean max weight > the threshold (default {SATURATED_MAX_WEIGHT}) or "
                  f"entropy_ratio < the threshold (default {SATURATED_ENTROPY_FRACTION})",
@@ -117,8 +125,7 @@ def join(trained: Sequence[dict], init: Sequence[dict] | None = None,
                               "checkpoint's; they cannot be compared head by head.")
     out = []
     for raw in trained:
-        r = _with_ratio(raw)
-        row = {key: r.get(key) for key in FIELDS if key in r or key in RECORD_STATS}
+        row = r = _with_ratio(raw)
         row["saturated"] = is_saturated(r, max_weight, entropy_fraction)
         at = (r["layer"], r["head"])
         init_row = keyed.get("init", {}).get(at)

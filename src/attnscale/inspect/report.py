@@ -17,7 +17,7 @@ from pathlib import Path
 from attnscale.errors import ConfigError
 from attnscale.formatting import cell, number
 from attnscale.inspect.owner import QK_NORM_WORDS
-from attnscale.inspect.records import COMPARED, FIELDS, median
+from attnscale.inspect.records import COMPARED, median
 from attnscale.io import check_output_path, staged_dir
 
 RECORDS = "records.json"
@@ -404,8 +404,3 @@ def redraw(folder: str | os.PathLike, *, force: bool = False, param: str = "from
     with staged_dir(folder, param=param, force=force) as staging:
         _draw(payload, staging)
     return Path(folder)
-
-
-def fields_doc() -> dict[str, str]:
-    """:data:`FIELDS`, as records.json carries it."""
-    return dict(FIELDS)
