@@ -37,6 +37,8 @@ HEATMAP_STATS = (("logit_std", "logit std", None),
 DRIFT_STATS = ("logit_std", "entropy_ratio", "max_weight_mean", "jacobian_fro_mean", "coherence",
                "q_rms", "k_rms")
 LOG_STATS = ("logit_std", "q_rms", "k_rms")
+# The statistics that the footnote's premise puts at 1 (dotted lines in the scatter).
+UNIT_STATS = ("logit_std", "coherence", "q_rms", "k_rms")
 LABELS = {"logit_std": "logit std", "entropy_ratio": "entropy ÷ ln n",
           "max_weight_mean": "max weight", "jacobian_fro_mean": "‖J‖_F", "coherence": "coherence",
           "q_rms": "q rms", "k_rms": "k rms"}
@@ -104,7 +106,7 @@ def draw_scatter(rows: Sequence[Mapping], path: Path, title: str, prefix: str,
     """Per statistic, the checkpoint's value per head (y) against the ``prefix`` pass's (x), with
     y = x; one colour per layer, log axes for scales."""
     import matplotlib
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     from attnscale.plotting import plt, save
 
@@ -127,14 +129,20 @@ def draw_scatter(rows: Sequence[Mapping], path: Path, title: str, prefix: str,
             if s in LOG_STATS:
                 ax.set_xscale("log")
                 ax.set_yscale("log")
-                for axis in (ax.xaxis, ax.yaxis):  # labelled major ticks only
+                for axis in (ax.xaxis, ax.yaxis):  # 0.1, 0.2, 0.5, 1, 2, 5... written plainly
+                    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
                     axis.set_minor_formatter(NullFormatter())
+            if s in UNIT_STATS:  # the footnote's premise: 1 for each of these
+                ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+                ax.axvline(1.0, color="grey", lw=0.6, ls=":")
         ax.set_title(LABELS[s], fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel("checkpoint", fontsize=8)
     for ax in axes[len(stats):]:
         ax.axis("off")
-    fig.suptitle(f"{title} (colour: layer 0 to {n_layers - 1}; dashed: y = x)", fontsize=10)
+    fig.suptitle(f"{title} (colour: layer 0 to {n_layers - 1}; dashed: y = x; dotted: the "
+                 "footnote's premise, 1)", fontsize=10)
     save(fig, path)
 
 
