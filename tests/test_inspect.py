@@ -495,6 +495,7 @@ def test_cli_writes_the_report_and_prints_the_verdict(cli, saved, tmp_path):
     ("nothing", "give MODEL_DIR"),
     ("bad-threshold", "--saturated-weight must be in (0, 1)"),
     ("text-without-tokenizer", "--text was given, but the model folder has no tokenizer"),
+    ("bad-device", "argument --device: 'nope' is not a torch device"),
 ])
 def test_cli_bad_inputs_are_one_line_errors_with_exit_2(cli, saved, tmp_path, case, fragment):
     model = saved / "tokenized"
@@ -523,6 +524,8 @@ def test_cli_bad_inputs_are_one_line_errors_with_exit_2(cli, saved, tmp_path, ca
         argv = []
     elif case == "bad-threshold":
         argv += ["--saturated-weight", "1.5"]
+    elif case == "bad-device":
+        argv += ["--device", "nope"]
     elif case == "text-without-tokenizer":
         (tmp_path / "t.txt").write_text("a b c " * 20)
         argv = [str(saved / "bare"), *argv[1:], "--text", str(tmp_path / "t.txt")]

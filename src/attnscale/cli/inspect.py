@@ -71,10 +71,9 @@ def _run(args) -> int:
         return _redraw(args)
     from attnscale import hf
     from attnscale.inspect import checkpoint_meta, inspect_model, write
-    from attnscale.inspect.inputs import (check_seq_len, load_model, resolve_device,
-                                          token_ids)
+    from attnscale.inspect.inputs import check_seq_len, load_model, token_ids
 
-    device = resolve_device(args.device, param="--device")
+    device = args.device  # checked by argparse (_device)
     if args.mechanism is not None:
         hf.check_swappable(args.mechanism)  # before the (slow) load
     model, tokenizer = load_model(model_dir, dtype=args.dtype, device=device, param="MODEL_DIR")
@@ -112,8 +111,19 @@ def _per_layer(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _device(text: str):
+    """--device, checked as it is parsed, so that a bad one is refused before anything else."""
+    import argparse
+
+    from attnscale.inspect.inputs import resolve_device
+    try:
+        return resolve_device(text, param="--device")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--device: ")) from None
+
+
 def register(sub) -> None:
-    from attnscale.inspect.inputs import DEVICES, DTYPES
+    from attnscale.inspect.inputs import DTYPES
     from attnscale.inspect.records import SATURATED_ENTROPY_FRACTION, SATURATED_MAX_WEIGHT
     from attnscale.inspect.report import OUT_FILES
     from attnscale.measure.monitor import DEFAULT_BLOCK
@@ -143,9 +153,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the fresh initialisation and of random token ids "
                         "(default: %(default)s)")
-    p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help=f"{', '.join(DEVICES)} or cuda:N (default: %(default)s: CUDA where "
-                        "available)")
+    p.add_argument("--device", default="auto", metavar="DEVICE", type=_device,
+                   help="auto, cpu, cuda or cuda:N (default: %(default)s: CUDA where available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="dtype to run the model in (default: %(default)s, as saved); statistics "
                         "are float32 or better")

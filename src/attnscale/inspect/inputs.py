@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_choice, check_int, parse_json
 from attnscale.rng import rng
+from attnscale.workers import check_device
 
 # Files whose presence means the folder ships a tokenizer (any one is enough for AutoTokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -27,7 +28,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 # The dtypes a model can be run in; "auto" is the dtype it was saved in.
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 # The default text's first part: the licence of the running Python, English prose that ships
 # with CPython (lib/python3.X/LICENSE.txt); the standard library's .py files (the LM corpus,
 # attnscale.experiments.lm.data) follow where it is too short or missing.
@@ -159,18 +159,11 @@ def _encode(tokenizer, text: str) -> Tensor:
 
 
 def resolve_device(device: str | None, param: str = "device") -> torch.device:
-    """``auto`` (CUDA where available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
-    name = "auto" if device is None else str(device)
-    base = name.split(":")[0]
-    check_choice(param, base, DEVICES)
-    if base == "auto":
+    """``auto`` or None (CUDA where available, else the CPU), or any device
+    :func:`attnscale.workers.check_device` accepts (``cpu``, ``cuda``, ``cuda:N``...)."""
+    if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if base == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{param} {name!r}: CUDA is not available on this machine.")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"{param} {name!r} is not a device (cpu, cuda or cuda:N).") from None
+    return check_device(param, device)
 
 
 def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | None = None,
