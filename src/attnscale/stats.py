@@ -54,10 +54,10 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "entropy", "fit_line",
-           "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
-           "mean_se_from_sums", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats",
-           "std_ci", "std_se", "t975"]
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "coherence", "columns", "entropy",
+           "fit_line", "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
+           "mean_se_from_sums", "qk_row_stats", "row_mass", "row_stats", "sigmoid_stats",
+           "softmax_stats", "std_ci", "std_se", "t975"]
 
 # The normalisers a mechanism can name, and the statistics are defined for (the pipeline reads it).
 NORMALISERS = ("softmax", "sink", "sigmoid")
@@ -318,6 +318,75 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
 # The row statistics of the weights p (the others, count and the logit statistics, are of z).
 _WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
 
+
+def coherence(q: Tensor, k: Tensor, *, mask: Tensor | None = None,
+              limit: Tensor | None = None) -> Tensor:
+    """How aligned each query is with its keys, against what independent q and k would give:
+
+        coherence = std_i(q·k_i) / (|q| · rms_i |k_i| / √d)
+
+    over the keys ``i`` the row attends (std Bessel-corrected, as :func:`logit_std`; rms over
+    the same keys).  For a query independent of isotropic keys, ``q·k_i`` has std
+    ``|q| · rms|k| / √d``, so coherence is about 1: the premise of the 1/√d footnote.  As
+    training aligns queries with keys it grows towards √d (keys ``±c q/|q|`` give exactly √d,
+    and Cauchy–Schwarz bounds it by ``√d · √(n/(n−1))``): the μP argument that q·k then grows
+    like d, not √d.  Scale-free (a scale on q or k cancels).  Shape (..., Nq), float64; NaN where
+    it is undefined (see :func:`qk_row_stats`, which gives it with its factors).
+    """
+    return qk_row_stats(q, k, mask=mask, limit=limit)["coherence"]
+
+
+def qk_row_stats(q: Tensor, k: Tensor, *, mask: Tensor | None = None,
+                 limit: Tensor | None = None) -> dict[str, Tensor]:
+    """Per query row, over the keys it attends: ``count``, ``q_rms`` = |q| / √d, ``k_rms`` =
+    rms_i |k_i| / √d (the rms of one component) and :func:`coherence`, which split a row's logit
+    std into the footnote's factors, exactly without a cap or bias::
+
+        logit_std(scale · q kᵀ) = scale · √d · q_rms · k_rms · coherence
+
+    (the footnote's premise is q_rms = k_rms = coherence = 1, so that scale = 1/√d gives unit
+    logits).
+
+    Args:
+        q: queries (..., Nq, d); k: keys (..., Nk, d), batch dims broadcastable with q's.
+        mask: optional bool, broadcastable to (..., Nq, Nk), True = attend.
+        limit: optional int64 (Nq,): row i attends only its first ``limit[i]`` keys (causal
+            attention without writing a mask), as in :func:`row_stats`.
+    Returns:
+        dict of float64 (..., Nq) tensors.  ``coherence`` is NaN where it is undefined: a row
+        with fewer than two keys, a zero query (a padding token's), or attended keys that are
+        all zero.  Forms the (..., Nq, Nk) products (the std through :func:`row_stats`, so the
+        compiled kernel where it runs): call it on blocks of query rows.
+    """
+    q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
+    d, n_k = q.shape[-1], k.shape[-2]
+    dots = q @ k.transpose(-2, -1)                                # (..., Nq, Nk)
+    k_sq = (k * k).sum(dim=-1).double() / d                       # (..., Nk), |k_i|²/d
+    if mask is not None and limit is not None:                    # one mask for both
+        mask = mask & (torch.arange(n_k, device=q.device) < limit.to(q.device).unsqueeze(-1))
+        limit = None
+    if mask is not None:
+        keep = mask.expand(dots.shape)
+        dots = dots.masked_fill(~keep, -math.inf)
+    stats = columns(row_stats(dots, limit=limit))
+    count = stats["count"]
+    if mask is not None:
+        k_ms = (keep.to(k_sq.dtype) @ k_sq.unsqueeze(-1)).squeeze(-1)
+    elif limit is not None:                                       # prefix sums of |k_i|²/d
+        seen = limit.to(q.device).clamp(0, n_k)
+        sums = torch.nn.functional.pad(k_sq.cumsum(dim=-1), (1, 0))
+        k_ms = sums[..., seen].expand(count.shape)
+    else:
+        k_ms = k_sq.sum(dim=-1, keepdim=True).expand(count.shape)
+    k_rms = (k_ms / count.clamp(min=1)).sqrt()
+    q_rms = torch.linalg.vector_norm(q, dim=-1).double() / math.sqrt(d)
+    norm = q_rms * k_rms * math.sqrt(d)                           # |q| · rms|k| / √d
+    ok = (count >= 2) & (norm > 0)
+    coh = torch.where(ok, stats["logit_std"] / torch.where(ok, norm, 1.0), math.nan)
+    # A NaN in q or k makes every quantity of its rows NaN, as in every other statistic.
+    return {"count": count, "q_rms": q_rms, "k_rms": torch.where(count > 0, k_rms, 0.0),
+            "coherence": torch.where(torch.isnan(stats["logit_std"]) | torch.isnan(norm),
+                                     math.nan, coh)}
 
 
 # ---------------------------------------------------------------------------------------------

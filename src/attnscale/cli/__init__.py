@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "attnscale.cli.study",
     "attnscale.cli.results",
     "attnscale.cli.monitor",
+    "attnscale.cli.inspect",
     "attnscale.cli.sweep",
     "attnscale.cli.lm",
     "attnscale.cli.guard",

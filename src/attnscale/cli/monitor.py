@@ -12,7 +12,9 @@ from pathlib import Path
 
 from attnscale.columns import RECORD_STATS
 from attnscale.cli._common import add_command, add_output, format_table
-from attnscale.errors import ConfigError, check_int, parse_json
+from attnscale.errors import ConfigError, check_int
+from attnscale.inspect.inputs import (TOKENIZER_FILES, check_model_dir, check_seq_len,
+                                      read_text)
 from attnscale.io import staged_dir
 from attnscale.mechanisms import check_mechanism
 from attnscale.rng import rng
@@ -24,9 +26,6 @@ EXAMPLES = """
   attnscale monitor ./my-model --text essay.txt --mechanism qk-rmsnorm --out runs/qk-rmsnorm
 """
 
-# Files whose presence means MODEL_DIR ships a tokenizer (any one is enough for AutoTokenizer).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "spiece.model")
 OUT_FILES = ("records.json", "entropy_heatmap.png")
 TABLE_COLUMNS = ("layer", "module", "heads", "queries", *RECORD_STATS)
 
@@ -34,45 +33,14 @@ TABLE_COLUMNS = ("layer", "module", "heads", "queries", *RECORD_STATS)
 def _check_inputs(args) -> tuple[Path, dict, str | None]:
     """Everything that can be checked before transformers is imported (the --out folder was
     checked by :func:`attnscale.cli.main`); returns MODEL_DIR, its config.json and the text."""
-    model_dir = Path(args.model_dir)
-    if not model_dir.is_dir():
-        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} is not a directory "
-                          "(attnscale monitor never downloads; pass a local model folder).")
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"MODEL_DIR {str(model_dir)!r} has no config.json "
-                          "(save the model with save_pretrained).")
-    try:
-        config = parse_json("config.json", config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json is not valid JSON "
-                          f"({err}).") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"MODEL_DIR {str(model_dir)!r}: config.json must hold a JSON object, "
-                          f"got a {type(config).__name__}.")
+    model_dir, config = check_model_dir(args.model_dir, param="MODEL_DIR")
     check_int("--seq-len", args.seq_len, minimum=1)
     check_int("--block", args.block, minimum=1)
     check_int("--seed", args.seed, minimum=0)
-    text = None
-    if args.text is not None:
-        if not Path(args.text).is_file():
-            raise ConfigError(f"--text {args.text!r} is not a file.")
-        try:
-            text = Path(args.text).read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"--text {args.text!r} is not UTF-8 text (byte "
-                              f"{err.object[err.start]:#04x} at offset {err.start}).") from None
+    text = None if args.text is None else read_text(args.text, param="--text")
     if args.mechanism is not None:
         check_mechanism(args.mechanism, param="--mechanism")
     return model_dir, config, text
-
-
-def _check_seq_len(args, model) -> None:
-    """--seq-len must fit the model's position table (learned positions index past it)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and args.seq_len > limit:
-        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's maximum of {limit} "
-                          "positions (max_position_embeddings in config.json).")
 
 
 def _load(model_dir: Path, mechanism: str | None):
@@ -153,7 +121,7 @@ def _write_outputs(out_dir: Path, records: list[dict], meta: dict, force: bool) 
 def _run(args) -> int:
     model_dir, _, text = _check_inputs(args)
     model, tokenizer = _load(model_dir, args.mechanism)
-    _check_seq_len(args, model)
+    check_seq_len(model, args.seq_len, param="--seq-len")
     ids, source = _input_ids(args, text, model, tokenizer)
 
     import torch

@@ -25,6 +25,8 @@ STUDY_FOLDERS = ("lm", "length", "recall")
 # its trained context.
 RECALL_PAIRS = 512
 LM_CONTEXT_FACTOR = 8
+# The folder of `attnscale inspect`'s report on a real pretrained checkpoint, linked when present.
+CHECKPOINTS = "checkpoints"
 # Held-out recall accuracy at which the page calls the task solved by a mechanism (every seed,
 # every d_k), so that the recall study's column compares speed alone.
 RECALL_SOLVED = 0.95
@@ -173,6 +175,24 @@ def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
         lines.append(f"- **{name}**: {got.ok} of {got.total} runs, {state}; "
                      f"{got.wall_seconds / 3600:.1f} h of trial time.{details}")
     return lines
+
+
+def _checkpoints(root: Path) -> list[str]:
+    """A link to the temperature report of a real checkpoint (``attnscale inspect``), with the
+    owner sentence read from its records; nothing when the folder has none."""
+    import json
+    records = root / CHECKPOINTS / "records.json"
+    if not records.is_file():
+        return []
+    got = json.loads(records.read_text(encoding="utf-8"))
+    s = got["summary"]
+    verb = "is" if s["saturated_heads"] == 1 else "are"
+    return ["## A real checkpoint", "",
+            f"The temperature report of the pretrained [{got['meta']['name']}]"
+            f"({CHECKPOINTS}/report.md) (`attnscale inspect`). {got['owner']} "
+            f"{s['saturated_heads']} of {s['heads']} heads {verb} saturated. The report measures "
+            "each head against the same architecture freshly initialised and asks the essay's "
+            "questions of it.", ""]
 
 
 def _steps_text(row: dict | None) -> str:
@@ -354,7 +374,7 @@ def render(root: str | os.PathLike) -> str:
              "Measured by attnscale's studies, every number read from the stores in this folder "
              "by `attnscale results` (redraw any study with `attnscale study NAME --from NAME`). "
              "Numbers are the mean over seeds with the seed-to-seed [min, max].", "",
-             "## The studies", "", *_evidence(loaded), ""]
+             "## The studies", "", *_evidence(loaded), "", *_checkpoints(Path(root))]
     answer = _answer(lm, length)
     if answer:
         lines += ["## The short answer", "", *answer, "",

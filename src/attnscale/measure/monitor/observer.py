@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.columns import RECORD_STATS
-from attnscale.errors import check_int
+from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism
 from attnscale.measure.monitor.blocks import (DEFAULT_BLOCK, HeadStats, _head_stats,
                                               logit_stats)
@@ -108,7 +109,8 @@ class Monitor:
     """
 
     def __init__(self, model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None,
-                 step: int = 0, every: int = 1):
+                 step: int = 0, every: int = 1,
+                 on_call: Callable[[str, Observation], None] | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"monitor() needs a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -116,6 +118,9 @@ class Monitor:
         self.writer = writer      # SummaryWriter-like: add_scalar(tag, value, step)
         self.step = check_int("step", step, minimum=0)  # index of the model's next forward pass
         self.every = check_int("every", every, minimum=1)
+        if on_call is not None and not callable(on_call):
+            raise ConfigError(f"on_call must be callable, got {type(on_call).__name__}.")
+        self.on_call = on_call  # (site, observation) of every observed pipeline call
         self._observing = True  # whether the current forward pass is one in `every`
         self._totals: dict[str, HeadStats] = {}   # insertion order is layer order
         self._pending: dict[str, HeadStats] = {}  # since the last writer flush
@@ -239,6 +244,8 @@ class Monitor:
         if site is None:
             return
         self._seen += 1
+        if self.on_call is not None and seen is not None:
+            self.on_call(site, seen)  # a record's `module` is this site
         # From the kernel that forms the logits, when the pipeline's path has one; the
         # statistics then arrive once the call's output is computed.
         gate = None if seen is None else seen.gate  # the output gate, where there is one
@@ -313,7 +320,8 @@ class Monitor:
 
 
 def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: int = 0,
-            every: int = 1) -> Monitor:
+            every: int = 1,
+            on_call: Callable[[str, Observation], None] | None = None) -> Monitor:
     """Observe the attention statistics of ``model`` per (layer, head) inside a ``with`` block.
 
     Args:
@@ -328,10 +336,14 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: 
             it counts forward passes of ``model`` and can be set at any time (``mon.step = i``).
         every: observe one forward pass of ``model`` in ``every`` (those whose step is a multiple
             of it), so a training loop pays for the statistics only there.
+        on_call: optional ``fn(site, observation)``, called with the record's ``module`` name and
+            the pipeline's :class:`~attnscale.pipeline.Observation` of every pipeline call the
+            monitor records (not SDPA-tapped calls), for measurements of q and k beyond the row
+            statistics (``attnscale inspect``'s coherence).
     Returns:
         a :class:`Monitor`; after the block, ``mon.records`` and ``mon.to_frame()`` hold the
         statistics (entropy in nats, weights in [0, 1], logits in logit units).
     """
-    return Monitor(model, block=block, writer=writer, step=step, every=every)
+    return Monitor(model, block=block, writer=writer, step=step, every=every, on_call=on_call)
 
 

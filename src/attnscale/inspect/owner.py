@@ -1,0 +1,213 @@
+"""Who owns the attention temperature, per layer: read from the model's family facts
+(:mod:`attnscale.families`, the one table of per-family facts) and checked against what the
+attention calls actually applied.
+
+Two sources, each for what it knows best:
+
+* the family's facts of each attention layer (:func:`attnscale.families.facts`): the scaling
+  rule, q/k normalisation (per head or over the full width) with its learned gains, soft-cap,
+  sinks, sliding window, position bias, YaRN / DeepSeek mscale, Llama 4's temperature tuning;
+* the calls themselves (:class:`~attnscale.inspect.measure.Call`): the softmax scale, cap and
+  normaliser that the pipeline received, so the report states the value used, not only the rule.
+
+A family missing from the table is still measured (its calls say its scale, cap and sinks); its
+layers say that the rest is unknown.  From both, :func:`owners` gives one row per attention layer
+and :func:`owner_sentence` one plain sentence naming the owner, with the registry mechanism(s).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from attnscale import families
+from attnscale.errors import ConfigError
+from attnscale.inspect.measure import Call
+
+# Relative tolerance for naming a measured scale by a rule (float32 rounding of a config value).
+SCALE_RTOL = 1e-4
+# How the report words the q/k normalisation kinds of the family table (LayerFacts.qk_norm_over).
+QK_NORM_WORDS = {"head": "per head", "model": "over the full width"}
+
+
+def layer_facts(module: nn.Module | None) -> tuple[families.LayerFacts | None, str | None]:
+    """The family facts of one attention layer, or None and the reason they are unknown (a
+    family missing from the table: its calls are still measured)."""
+    if module is None or not families.is_attention_layer(module):
+        return None, "not an attention layer of transformers' AttentionInterface"
+    try:
+        return families.facts(module), None
+    except ConfigError as err:
+        return None, str(err)
+
+
+def scaling_equals(scale: float | None, d_head: int, facts: families.LayerFacts | None,
+                   config) -> str:
+    """What a measured softmax scale equals, in words: ``1/sqrt(d_head)``, ``1/d_head``,
+    ``query_pre_attn_scalar^-1/2``, YaRN's ``mscale/sqrt(d_head)``, ``1`` (no divisor), or its
+    value."""
+    if scale is None:
+        return "varies per query (a length-dependent temperature)"
+
+    def near(x: float) -> bool:
+        return math.isclose(scale, x, rel_tol=SCALE_RTOL)
+
+    mscale = None if facts is None else facts.mscale
+    pre = getattr(config, "query_pre_attn_scalar", None)
+    if mscale and not near(1 / math.sqrt(d_head)) and near(mscale / math.sqrt(d_head)):
+        return f"mscale/sqrt(d_head) = {mscale:.4g}/sqrt({d_head})"
+    if near(1 / math.sqrt(d_head)):
+        return f"1/sqrt(d_head) = 1/sqrt({d_head})"
+    if isinstance(pre, (int, float)) and pre > 0 and near(pre ** -0.5):
+        return f"query_pre_attn_scalar^-1/2 = {pre:g}^-1/2"
+    if near(1 / d_head):
+        return f"1/d_head = 1/{d_head}"
+    if near(1.0):
+        return "1 (no divisor: the 1/sqrt(d) lives in the initialisation of W_Q)"
+    return f"{scale:.6g} (neither 1/sqrt(d_head) = {1 / math.sqrt(d_head):.6g} nor 1/d_head)"
+
+
+def _gain(module: nn.Module | None, facts: families.LayerFacts, side: str) -> dict | None:
+    """min / median / max of a q or k norm's effective per-channel gain (``w``, or Gemma's
+    ``1 + w``); None without a learned gain."""
+    norm = facts.qk_norm
+    if norm is None or norm.gain is None or module is None:
+        return None
+    weight = getattr(getattr(module, getattr(norm, side), None), "weight", None)
+    if weight is None:
+        return None
+    w = weight.detach().double().flatten() + (1.0 if norm.gain == "1+w" else 0.0)
+    return {"min": float(w.min()), "median": float(w.median()), "max": float(w.max())}
+
+
+def mechanisms_of(call: Call, facts: families.LayerFacts | None, equals: str) -> list[str]:
+    """The registry mechanisms a layer's temperature corresponds to."""
+    if call.mechanism != "native":
+        return [call.mechanism]
+    out = []
+    if facts is not None and facts.qk_norm is not None:
+        name, options = facts.qk_norm.mechanism
+        out.append(name + "(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
+                   if options else name)
+    elif equals.startswith("1/d_head"):
+        out.append("mup")
+    elif equals.startswith("1 ("):
+        out.append("init-reparam")
+    elif equals.startswith("mscale"):
+        out.append("yarn")
+    else:
+        out.append("scaled")
+    if facts is not None and facts.temperature_tuning is not None:
+        out.append("llama4-temp")
+    if call.cap is not None:
+        out.append("softcap")
+    if call.sinks:
+        out.append("sink")
+    return out
+
+
+def owners(model: nn.Module, calls: Mapping[str, Call], records: Sequence[Mapping]) -> list[dict]:
+    """One row per attention layer (in record order): the measured scale and what it equals, the
+    family's facts, q/k gains with their measured effect (median q_rms · k_rms over the layer's
+    heads: what the gains make of unit-rms normalised q and k), the registry mechanisms and who
+    owns the temperature."""
+    modules = dict(model.named_modules())
+    by_layer: dict[int, list[Mapping]] = {}
+    for r in records:
+        by_layer.setdefault(r["layer"], []).append(r)
+    out = []
+    for layer, heads in sorted(by_layer.items()):
+        site = heads[0]["module"]
+        module = modules.get(site.split("#")[0])
+        facts, unknown = layer_facts(module)
+        call = calls.get(site)
+        d = heads[0].get("d_head") or 0
+        scale = None if call is None else call.scale
+        equals = (scaling_equals(scale, d, facts, getattr(module, "config", None))
+                  if call is not None and d else "not observed")
+        effect = sorted(h["q_rms"] * h["k_rms"] for h in heads
+                        if math.isfinite(h.get("q_rms", math.nan)))
+        tuning = None if facts is None else facts.temperature_tuning
+        row = {"layer": layer, "module": site, "d_head": d,
+               "family": None if facts is None else facts.family,
+               "mechanism": None if call is None else call.mechanism,
+               "scale": scale, "mean_scale": None if call is None else call.mean_scale,
+               "scaling": equals,
+               "scaling_rule": None if facts is None else facts.scaling_rule,
+               "softcap": None if call is None else call.cap,
+               "sinks": bool(call is not None and call.sinks),
+               "qk_norm": None if facts is None or facts.qk_norm is None else facts.qk_norm_over,
+               "q_gain": None if facts is None else _gain(module, facts, "q"),
+               "k_gain": None if facts is None else _gain(module, facts, "k"),
+               "qk_scale_median": effect[len(effect) // 2] if effect else None,
+               "sliding_window": None if facts is None else facts.sliding_window,
+               "position_bias": None if facts is None else facts.position_bias,
+               "mscale": None if facts is None else facts.mscale,
+               "temperature_tuning": None if tuning is None else
+               {"floor_scale": tuning.floor_scale, "attn_scale": tuning.attn_scale},
+               "facts_unknown": unknown,
+               "mechanisms": [] if call is None else mechanisms_of(call, facts, equals)}
+        row["owner"] = layer_owner(row)
+        out.append(row)
+    return out
+
+
+def layer_owner(row: Mapping) -> str:
+    """Who owns one layer's temperature, as a phrase."""
+    if row["mechanism"] not in (None, "native"):
+        return f"the swapped-in mechanism {row['mechanism']!r}"
+    parts = []
+    if row["qk_norm"]:
+        parts.append(f"the q/k normalisation {QK_NORM_WORDS.get(row['qk_norm'], row['qk_norm'])}"
+                     f" and its learned gains (then scale {row['scaling']})")
+    elif row["scaling"].startswith("1 ("):
+        parts.append("the initialisation of W_Q (the scale is 1: no divisor)")
+    else:
+        parts.append(f"the divisor (scale {row['scaling']})")
+    if row["temperature_tuning"]:
+        parts.append("Llama 4's length-dependent temperature tuning")
+    if row["softcap"]:
+        parts.append(f"a soft-cap at {row['softcap']:g}")
+    if row["sinks"]:
+        parts.append("learned attention sinks")
+    if row["position_bias"]:
+        parts.append(f"an additive {row['position_bias']} position bias")
+    phrase = _and(parts)
+    if row.get("facts_unknown"):
+        phrase += " (as measured; the family's q/k norms and biases are unknown to attnscale)"
+    return phrase
+
+
+def _and(parts: Sequence[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def owner_sentence(layers: Sequence[Mapping], model_type: str) -> str:
+    """One plain sentence naming the owner of the temperature (per group of layers where they
+    differ), with the registry mechanism(s)."""
+    groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for row in layers:
+        groups.setdefault((row["owner"], tuple(row["mechanisms"])), []).append(row["layer"])
+    if not groups:
+        return f"No attention call of this {model_type} model was observed."
+    phrases = []
+    for (owner, mechs), idx in groups.items():
+        which = "in every layer" if len(groups) == 1 else f"in layers {_ranges(idx)}"
+        names = ", ".join(f"`{m}`" for m in mechs)
+        phrases.append(f"{owner} {which} (attnscale: {names})")
+    return (f"The attention temperature of this {model_type} model is owned by "
+            + "; and by ".join(phrases) + ".")
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    """0,1,2,5 -> '0-2, 5'."""
+    out, start = [], None
+    for i, x in enumerate(idx):
+        if start is None:
+            start = x
+        if i + 1 == len(idx) or idx[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
