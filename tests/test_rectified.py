@@ -314,3 +314,49 @@ def test_statistics_stay_exact_near_one_hot(name, dtype):
         rtol = 1e-4 if dtype == torch.float32 else 1e-9
         assert got["jacobian_fro"].item() == pytest.approx(jac, rel=rtol)
         assert got["entropy"].item() == pytest.approx(ent, rel=rtol, abs=1e-12)
+
+
+# --- QK-Clip and the guard ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, options", [("softpick", {}), ("stick-breaking", {}),
+                                           ("mscale", {"factor": 40.0})])
+def test_qk_clip_holds_the_logits_of_the_new_mechanisms(name, options):
+    """Their logits are scale · q kᵀ of the projections (``bilinear``): S_max is the largest
+    logit entering the normaliser and the clip bounds it; the guard's records are the
+    normaliser's statistics."""
+    import attnscale
+    from attnscale.attention import MultiHeadAttention
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, name, **options)
+    x = torch.randn(4, 12, 32)
+    opt = torch.optim.SGD(mha.parameters(), lr=2.0)
+    with attnscale.guard(mha, optimizer=opt, qk_clip=1.0, strict=True, every=1,
+                         alarm_logit=None, alarm_entropy_fraction=None) as g:
+        for step in range(4):
+            mha(x, causal=True).square().mean().neg().backward()
+            opt.step()
+            opt.zero_grad()
+            g.step(step)
+    with torch.no_grad():
+        z = mha.logits(x).masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), -math.inf)
+    assert float(z.amax()) <= 1.0 + 1e-5
+    assert any(r["clip_gamma"] < 1 for r in g.records)
+    assert all(math.isfinite(r["entropy_mean"]) for r in g.records)
+    # The guard's statistics are the monitor's, under the mechanism's normaliser.
+    with attnscale.monitor(mha) as mon, torch.no_grad():
+        mha(x, causal=True)
+    want = reference_distribution_stats(z.double(), torch.isfinite(z), mha.mechanism.normaliser)
+    for key, column in (("entropy_mean", "entropy"), ("jacobian_fro_mean", "jacobian_fro"),
+                        ("mass_mean", "mass")):
+        got = torch.tensor([r[key] for r in mon.records], dtype=torch.float64)
+        assert_close(got, want[column].mean((0, 2)), rtol=1e-4, atol=1e-6)
+
+
+def test_qk_clip_refuses_qk_rmsnorm_over_the_model_in_one_line():
+    import attnscale
+    from attnscale.attention import MultiHeadAttention
+    from attnscale.errors import ConfigError
+    for over in ("head", "model"):
+        with pytest.raises(ConfigError, match="do not scale with W_Q and W_K") as err:
+            attnscale.guard(MultiHeadAttention(16, 2, "qk-rmsnorm", over=over), qk_clip=10.0)
+        assert "\n" not in str(err.value)
