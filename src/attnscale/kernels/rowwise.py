@@ -20,6 +20,8 @@ with δ = rowsum(dO ∘ O) for a rule that asks for it.  The offset is a constan
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Protocol
 
 import torch
@@ -43,9 +45,10 @@ class RowRule(Protocol):
         the driver writes causality into z as -inf and passes ``limit=None``."""
         ...
 
-    def weights(self, z: Tensor, limit: Tensor | None, *, inplace: bool) -> tuple[Tensor, object]:
-        """(p, aux): the weights (h, r, n), in z's memory when ``inplace``, and whatever per-row
-        values ``grad`` needs (recomputed identically in the backward)."""
+    def weights(self, z: Tensor, limit: Tensor | None, out: Tensor) -> tuple[Tensor, object]:
+        """(p, aux): the weights (h, r, n), in ``out`` (z's shape, not z) where the rule can
+        write them there, and whatever per-row values ``grad`` needs (recomputed identically in
+        the backward); z may be overwritten only if ``grad`` does not read it."""
         ...
 
     def grad(self, z: Tensor, p: Tensor, aux: object, dp: Tensor, delta: Tensor | None,
@@ -77,12 +80,33 @@ def row_attention(rule: RowRule, q: Tensor, k: Tensor, v: Tensor, scale: float,
     return out.to(v.dtype)
 
 
+class _Scratch:
+    """Block buffers of one kernel call, one set per worker thread, reused block after block
+    and group after group (a causal block is a prefix of the largest): ``get(slot, shape)`` is a
+    contiguous view of that thread's memory for ``slot``.  A new tensor per block leaves freed
+    blocks in the allocator's per-thread arenas (measured: 12 MiB more peak RSS over the 32 head
+    groups of B4 H8 N1024, depending on the order of frees)."""
+
+    def __init__(self, like: Tensor):
+        self.like, self.local = like, threading.local()
+
+    def get(self, slot: str, shape: tuple[int, ...]) -> Tensor:
+        slots = self.local.__dict__.setdefault("slots", {})
+        n = math.prod(shape)
+        buf = slots.get(slot)
+        if buf is None or buf.numel() < n:
+            buf = slots[slot] = self.like.new_empty(n)
+        return buf[:n].view(shape)
+
+
 def _block_logits(rule: RowRule, tiles: _Tiles, q_blk: Tensor, k_g: Tensor, off_blk: Tensor,
-                  scale: float, b: int, heads: slice, i: int) -> tuple[Tensor, Tensor | None]:
+                  scale: float, b: int, heads: slice, i: int,
+                  scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
     """Block i's masked logits scale · q kᵀ + offset (h, r, n_k) and its causal key counts (for
     the compiled kernels; None when causality is written into the logits or absent)."""
     n_k = tiles.n_keys(i)
-    z = torch.baddbmm(off_blk, q_blk, k_g[:, :n_k].transpose(1, 2), alpha=scale)
+    z = scratch.get("z", (q_blk.shape[0], q_blk.shape[1], n_k))
+    torch.baddbmm(off_blk, q_blk, k_g[:, :n_k].transpose(1, 2), alpha=scale, out=z)
     if rule.native(z):
         return tiles.hide_masked(z, b, heads, i), tiles.causal_counts(i, z.shape[1])
     return tiles.hide(z, b, heads, i), None
@@ -94,14 +118,16 @@ class _RowAttention(torch.autograd.Function):
                 rule: RowRule, scale: float, causal: bool, block_elements: int) -> Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                  # (B, H, Nq, d_v)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        scratch = _Scratch(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, v_g = k[b, heads], v[b, heads]                        # (h, Nk, d), (h, Nk, d_v)
             blocks = zip(*tiles.split(b, heads, q, offset, out))
             for i, (q_blk, off_blk, out_blk) in enumerate(blocks):
-                z, limit = _block_logits(rule, tiles, q_blk, k_g, off_blk, scale, b, heads, i)
-                p, _ = rule.weights(z, limit, inplace=True)            # (h, r, n_k)
+                z, limit = _block_logits(rule, tiles, q_blk, k_g, off_blk, scale, b, heads, i,
+                                         scratch)
+                p, _ = rule.weights(z, limit, scratch.get("p", z.shape))  # (h, r, n_k)
                 torch.bmm(p, v_g[:, :p.shape[-1]], out=out_blk)
 
         groups = list(tiles.groups())
@@ -124,17 +150,20 @@ class _RowAttention(torch.autograd.Function):
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])     # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])     # (B, H, d_v, Nk)
         tiles = _Tiles(q, k, mask, causal, block_elements)
+        scratch = _Scratch(q)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, v_g, dk_g, dv_g = k[b, heads], v[b, heads], dk_t[b, heads], dv_t[b, heads]
             blocks = zip(*tiles.split(b, heads, q, offset, d_out, delta, dq))
             for i, (q_blk, off_blk, do_blk, delta_blk, dq_blk) in enumerate(blocks):
-                z, limit = _block_logits(rule, tiles, q_blk, k_g, off_blk, scale, b, heads, i)
-                p, aux = rule.weights(z, limit, inplace=False)         # recomputed
+                z, limit = _block_logits(rule, tiles, q_blk, k_g, off_blk, scale, b, heads, i,
+                                         scratch)
+                p, aux = rule.weights(z, limit, scratch.get("p", z.shape))  # recomputed
                 n_k = p.shape[-1]
                 dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)    # dVᵀ += dOᵀ P
-                dp = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))   # dP = dO Vᵀ
+                dp = scratch.get("dp", p.shape)
+                torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2), out=dp)  # dP = dO Vᵀ
                 dz = rule.grad(z, p, aux, dp, delta_blk if rule.needs_delta else None, limit)
                 torch.bmm(dz, k_g[:, :n_k], out=dq_blk)                # dQ = dZ K
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)    # dKᵀ += Qᵀ dZ

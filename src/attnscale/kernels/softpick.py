@@ -79,11 +79,10 @@ class SoftpickRule:
     def native(self, z: Tensor) -> bool:
         return z.dtype == torch.float32 and z.device.type == "cpu" and native.available()
 
-    def weights(self, z: Tensor, limit: Tensor | None, *, inplace: bool) -> tuple[Tensor, object]:
+    def weights(self, z: Tensor, limit: Tensor | None, out: Tensor) -> tuple[Tensor, object]:
         if limit is not None or self.native(z):
             stats = z.new_empty(*z.shape[:-1], 2)                 # (M, D) per row
-            p = native.softpick_probs(z, stats, out=z if inplace else None, limit=limit)
-            return p, stats
+            return native.softpick_probs(z, stats, out=out, limit=limit), stats
         u, d, _, m = softpick_parts(z)
         return torch.relu_(u).div_(d), (m, d)
 

@@ -76,9 +76,9 @@ class StickBreakingRule:
     def native(self, z: Tensor) -> bool:
         return z.dtype == torch.float32 and z.device.type == "cpu" and native.available()
 
-    def weights(self, z: Tensor, limit: Tensor | None, *, inplace: bool) -> tuple[Tensor, object]:
+    def weights(self, z: Tensor, limit: Tensor | None, out: Tensor) -> tuple[Tensor, object]:
         if limit is not None or self.native(z):
-            return native.stick_breaking_probs(z, out=None, limit=limit), None
+            return native.stick_breaking_probs(z, out=out, limit=limit), None
         return stick_breaking_weights(z), None
 
     def grad(self, z: Tensor, p: Tensor, aux: object, dp: Tensor, delta: Tensor | None,
