@@ -23,10 +23,10 @@ class _RowNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: Tensor | None, gain: Tensor | None, m: float,
                 eps: float, dims: tuple[int, ...] = (-1,)) -> Tensor:
-        # x (..., d); scale broadcastable to (..., 1) or None; gain (d,) or None (or, over several
-        # dims, broadcastable to x and summed over the others); ρ is reduced over ``dims``.
-        rho = torch.linalg.vector_norm(x, dim=dims, keepdim=True).square_().div_(m).add_(eps)
-        rho = rho.rsqrt_()
+        # x (..., d); scale broadcastable to (..., 1) or None; gain (d,) or None; ρ is reduced
+        # over ``dims``: (-1,) per row, or (1, 3) over the heads and d of x (B, H, N, d), with a
+        # gain (H, 1, d).
+        rho = _sum_over(torch.linalg.vecdot(x, x).unsqueeze(-1), dims).div_(m).add_(eps).rsqrt_()
         c = rho if scale is None else rho * scale  # (..., 1)
         y = x * c
         if gain is not None:
@@ -41,10 +41,7 @@ class _RowNorm(torch.autograd.Function):
         x, rho, scale, gain = ctx.saved_tensors
         c = rho if scale is None else rho * scale
         gw = g if gain is None else g * gain
-        if ctx.dims == (-1,):
-            dot = torch.linalg.vecdot(gw, x).unsqueeze(-1)      # Σ_j (w ∘ g)_j x_j, (..., 1)
-        else:
-            dot = (gw * x).sum(ctx.dims, keepdim=True)
+        dot = _sum_over(torch.linalg.vecdot(gw, x).unsqueeze(-1), ctx.dims)  # Σ (w ∘ g) x
         # dy/dx: c (w ∘ g) - c ρ² / m · x · dot   (from dρ/dx = -ρ³ x / m)
         dx = (gw * c).addcmul_(x, c * rho.square() * dot, value=-1.0 / ctx.m)
         d_scale = d_gain = None
@@ -53,9 +50,17 @@ class _RowNorm(torch.autograd.Function):
         if gain is not None and ctx.needs_input_grad[2] and ctx.dims == (-1,):
             d = x.shape[-1]
             d_gain = (g * x).reshape(-1, d).t() @ c.reshape(-1)  # Σ_rows c g ∘ x, (d,)
-        elif gain is not None and ctx.needs_input_grad[2]:
-            d_gain = (g * x).mul_(c).sum_to_size(gain.shape)
+        elif gain is not None and ctx.needs_input_grad[2]:  # Σ over batch and tokens of c g ∘ x
+            d_gain = torch.einsum("bhnd,bn->hd", g * x, c.reshape(c.shape[0], c.shape[2]))
+            d_gain = d_gain.reshape(gain.shape)
         return dx, d_scale, d_gain, None, None, None
+
+
+def _sum_over(per_row: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Per-row sums (..., 1) of the last dimension, summed further over the other ``dims`` (the
+    heads, for a norm over each token's whole projection), keeping them."""
+    others = tuple(d for d in dims if d not in (-1, per_row.dim() - 1))
+    return per_row.sum(others, keepdim=True) if others else per_row
 
 
 def unit_rows(x: Tensor, scale: Tensor | None = None) -> Tensor:
