@@ -40,19 +40,22 @@ class _RowNorm(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x, rho, scale, gain = ctx.saved_tensors
         c = rho if scale is None else rho * scale
-        gw = g if gain is None else g * gain
-        dot = _sum_over(torch.linalg.vecdot(gw, x).unsqueeze(-1), ctx.dims)  # Σ (w ∘ g) x
-        # dy/dx: c (w ∘ g) - c ρ² / m · x · dot   (from dρ/dx = -ρ³ x / m)
-        dx = (gw * c).addcmul_(x, c * rho.square() * dot, value=-1.0 / ctx.m)
         d_scale = d_gain = None
-        if scale is not None and ctx.needs_input_grad[1]:
-            d_scale = (rho * dot).sum_to_size(scale.shape)      # Σ over the rows sharing it
+        # The gain's gradient first, so that its x-sized temporary is freed before dx's.
         if gain is not None and ctx.needs_input_grad[2] and ctx.dims == (-1,):
             d = x.shape[-1]
             d_gain = (g * x).reshape(-1, d).t() @ c.reshape(-1)  # Σ_rows c g ∘ x, (d,)
         elif gain is not None and ctx.needs_input_grad[2]:  # Σ over batch and tokens of c g ∘ x
             d_gain = torch.einsum("bhnd,bn->hd", g * x, c.reshape(c.shape[0], c.shape[2]))
             d_gain = d_gain.reshape(gain.shape)
+        gw = g if gain is None else g * gain
+        dot = _sum_over(torch.linalg.vecdot(gw, x).unsqueeze(-1), ctx.dims)  # Σ (w ∘ g) x
+        if scale is not None and ctx.needs_input_grad[1]:
+            d_scale = (rho * dot).sum_to_size(scale.shape)      # Σ over the rows sharing it
+        # dy/dx: c (w ∘ g) - c ρ² / m · x · dot   (from dρ/dx = -ρ³ x / m); w ∘ g is a new
+        # tensor when there is a gain, so dx is formed in its memory
+        dx = (gw * c) if gain is None else gw.mul_(c)
+        dx.addcmul_(x, c * rho.square() * dot, value=-1.0 / ctx.m)
         return dx, d_scale, d_gain, None, None, None
 
 
