@@ -5,17 +5,20 @@
     python benchmarks/bench_mechanisms.py --mechanisms softcap,scaled --no-memory
     python benchmarks/bench_mechanisms.py --threads 1     # less sensitive to other load
     python benchmarks/bench_mechanisms.py --device cuda --mechanisms scaled,softcap   # on a GPU
+    python benchmarks/bench_mechanisms.py --mechanisms "stick-breaking,qk-rmsnorm(over=model)" --causal
 
 Each round times plain ``scaled_dot_product_attention`` and every mechanism once each, interleaved,
 so machine load hits all of them alike; a mechanism's ratio is the median over rounds of its time
 divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechanism's parameters.
 ``softcap-materialised`` (the reference path with the whole logit tensor) is an extra reference row.
 
-Goals: <= 1.15 for every mechanism a scale on q and k (sink, logn and clip-qkv included), <= 1.35
-for adaptive-temp (one extra blockwise entropy pass, forward and backward) and gated (the gate's
-projection), <= 1.5 for the blockwise kernels (softcap, sigmoid).  A gating mechanism is timed with
-its gate: σ(x W_g) of a (B, N, H·d) input, multiplied into the output.  On a machine
-shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
+Goals: <= 1.15 for every mechanism a scale on q and k (sink, logn, clip-qkv, mscale and qk-rmsnorm
+over the model included), <= 1.35 for adaptive-temp (one extra blockwise entropy pass, forward and
+backward) and gated (the gate's projection), <= 1.5 for the blockwise kernels (softcap, sigmoid,
+softpick, stick-breaking).  A mechanism may be given with options, ``qk-rmsnorm(over=model)``;
+``--causal`` times causal attention (SDPA with ``is_causal``), where stick-breaking belongs.  A
+gating mechanism is timed with its gate: σ(x W_g) of a (B, N, H·d) input, multiplied into the
+output.  On a machine shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
 blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
 taken (SDPA is one op).
 
@@ -42,32 +45,35 @@ import torch.nn.functional as F
 
 import machine
 from attnscale.attention import attention, attention_reference
-from attnscale.errors import parse_name_list
+from attnscale.experiments.lm.study import parse_variant
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 
 SDPA = "sdpa"
 MATERIALISED = "softcap-materialised"
-GOAL = {"softcap": 1.5, "sigmoid": 1.5, "adaptive-temp": 1.35, "gated": 1.35,
-        MATERIALISED: None}  # everything else: 1.15
+GOAL = {"softcap": 1.5, "sigmoid": 1.5, "softpick": 1.5, "stick-breaking": 1.5,
+        "adaptive-temp": 1.35, "gated": 1.35, MATERIALISED: None}  # everything else: 1.15
 DEFAULT_GOAL = 1.15
 
 
-def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device: str = "cpu"):
-    """A zero-argument function running one forward + backward of variant ``name``."""
+def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device: str = "cpu",
+              causal: bool = False):
+    """A zero-argument function running one forward + backward of variant ``name``
+    (``mechanism`` or ``mechanism(key=value, ...)``)."""
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to(device) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if name == SDPA:
         def forward():
-            return F.scaled_dot_product_attention(q, k, v), ()
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal), ()
     elif name == MATERIALISED:
         mech = build_mechanism("softcap", d, h)
 
         def forward():
-            return attention_reference(q, k, v, mech).out, ()
-    elif MECHANISMS[name].gate:  # the gate needs the layer input: x (B, N, H·d) and W_g
-        mech = build_mechanism(name, d, h)
+            return attention_reference(q, k, v, mech, causal=causal).out, ()
+    elif MECHANISMS[parse_variant(name)[0]].gate:  # the gate needs the layer input: x, W_g
+        base, options = parse_variant(name)
+        mech = build_mechanism(base, d, h, **options)
         proj = torch.nn.Linear(h * d, h * d, bias=False)
         mech.init_projections(proj, proj)
         mech = mech.to(device)
@@ -75,12 +81,13 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device
 
         def forward():
             gate = mech.gate_values(x)                             # (B, H, N, 1 or d)
-            return attention(q, k, v, mech, gate=gate), (x, *mech.parameters())
+            return attention(q, k, v, mech, gate=gate, causal=causal), (x, *mech.parameters())
     else:
-        mech = build_mechanism(name, d, h).to(device)
+        base, options = parse_variant(name)
+        mech = build_mechanism(base, d, h, **options).to(device)
 
         def forward():
-            return mech(q, k, v), tuple(mech.parameters())
+            return mech(q, k, v, causal=causal), tuple(mech.parameters())
 
     def step():
         out, params = forward()
@@ -108,9 +115,10 @@ def softcap_error(shape, device: str = "cpu") -> tuple[float, float]:
 
 
 def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
-                device: str = "cpu") -> dict[str, list[float]]:
+                device: str = "cpu", causal: bool = False) -> dict[str, list[float]]:
     """Seconds per forward + backward, one list per variant, measured interleaved."""
-    steps = {name: make_step(name, shape, device=device) for name in [SDPA, *names]}
+    steps = {name: make_step(name, shape, device=device, causal=causal)
+             for name in [SDPA, *names]}
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -123,17 +131,18 @@ def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
     return times
 
 
-def peak_extra_mib(name: str, shape, device: str = "cpu") -> float:
+def peak_extra_mib(name: str, shape, device: str = "cpu", causal: bool = False) -> float:
     """Peak RSS growth of one forward + backward of ``name``, in a fresh process (MiB); on CUDA
     the growth of peak allocated device memory, in this process."""
     if device != "cpu":
-        step = make_step(name, shape, device=device)
+        step = make_step(name, shape, device=device, causal=causal)
         step()  # compiled kernels and workspaces first
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         step()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--shape", ",".join(map(str, shape))]
+    cmd += ["--causal"] * causal
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return float(done.stdout.strip())
 
@@ -147,9 +156,10 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _memory_child(name: str, shape) -> None:
-    make_step(name, (1, 1, 64, shape[-1]))()  # load kernels and thread pools before the baseline
-    step = make_step(name, shape)
+def _memory_child(name: str, shape, causal: bool = False) -> None:
+    # load kernels and thread pools before the baseline
+    make_step(name, (1, 1, 64, shape[-1]), causal=causal)()
+    step = make_step(name, shape, causal=causal)
     before = _status_kib("VmRSS")
     try:  # reset the peak (VmHWM) to the current RSS, so import-time peaks do not count
         with open("/proc/self/clear_refs", "w") as f:
@@ -172,24 +182,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where to run (default cpu); cuda runs softcap on FlexAttention")
+    parser.add_argument("--causal", action="store_true",
+                        help="causal attention (SDPA's is_causal), for every variant")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.memory_child:
-        _memory_child(args.memory_child, shape)
+        _memory_child(args.memory_child, shape, args.causal)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = parse_name_list("--mechanisms", args.mechanisms)
-    for name in names:
-        build_mechanism(name, shape[-1], shape[1])  # unknown names fail here, before any timing
+    from attnscale.study.launcher import split_list
+    names = split_list("--mechanisms", args.mechanisms)
+    for name in names:  # unknown names and options fail here, before any timing
+        base, options = parse_variant(name)
+        build_mechanism(base, shape[-1], shape[1], **options)
     if not args.no_materialised:
         names.append(MATERIALISED)
 
     print(f"B,H,N,d = {shape}, float32 on {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds, forward + backward")
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds, forward + backward"
+          + (", causal" if args.causal else ""))
     # Other processes on the same cores distort everything, most of all kernels made of many torch
     # ops: each op is an OpenMP team, and with the default spin-waiting (OMP_WAIT_POLICY unset) a
     # team whose second thread is descheduled stalls for a scheduler slice.
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"softcap (causal) vs float64 reference: max |Δ out| {out_err:.1e}, "
           f"max |Δ grad| {grad_err:.1e}")
     times = time_rounds(names, shape, args.rounds, warmup=2 if args.device == "cuda" else 1,
-                        device=args.device)
+                        device=args.device, causal=args.causal)
     sdpa = times[SDPA]
     print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms, best "
           f"{min(sdpa) * 1e3:.0f} ms")
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         ratio = statistics.median(t / s for t, s in zip(times[name], sdpa))
         best = min(times[name]) / min(sdpa)
-        goal = GOAL.get(name, DEFAULT_GOAL)
+        goal = GOAL.get(name.split("(")[0], DEFAULT_GOAL)
         mark = "" if goal is None else ("  ok" if ratio <= goal else "  over")
         goal_text = "-" if goal is None else f"{goal:.2f}"
         print(f"{name:<22}{statistics.median(times[name]) * 1e3:>8.0f}{ratio:>9.2f}{best:>13.2f}"
@@ -218,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_memory:
         print("\npeak extra memory of one forward + backward (peak RSS growth, MiB)")
-        for name in [SDPA, "softcap"] + ([] if args.no_materialised else [MATERIALISED]):
-            print(f"{name:<22}{peak_extra_mib(name, shape, args.device):>8.1f}")
+        for name in [SDPA, *names]:
+            print(f"{name:<22}{peak_extra_mib(name, shape, args.device, args.causal):>8.1f}")
     return 0
 
 

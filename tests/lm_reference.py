@@ -27,6 +27,7 @@ def first_layer_qk(config, text_dir):
             return t.view(b, n, heads, d // heads).transpose(1, 2)          # (B, H, N, d_head)
 
         cos, sin = model.rope_cos[:n], model.rope_sin[:n]
-        q = apply_rope(split(block.attn.w_q(h)), cos, sin)
-        k = apply_rope(split(block.attn.w_k(h)), cos, sin)
+        q, k = split(block.attn.w_q(h)), split(block.attn.w_k(h))
+        if block.attn.uses_rope:  # not for a mechanism that orders the keys (stick-breaking)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return block, q, k

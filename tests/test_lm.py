@@ -242,10 +242,11 @@ def test_schedule():
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
 
 
-@pytest.mark.parametrize("mechanism", ["unscaled", "softcap", "qk-layernorm"])
+@pytest.mark.parametrize("mechanism", ["unscaled", "softcap", "qk-layernorm", "stick-breaking"])
 def test_trace_logit_max_is_what_enters_the_softmax(text_dir, mechanism):
     """Step 0's max |attention logit| in layer 0, recomputed by hand from the same init and batch:
-    embed, LayerNorm, W_Q / W_K, RoPE, then the mechanism's logits over the causal keys."""
+    embed, LayerNorm, W_Q / W_K, RoPE (none for stick-breaking, which orders the keys itself),
+    then the mechanism's logits over the causal keys."""
     from lm_reference import first_layer_qk
     config = tiny(text_dir, steps=1, monitor_every=1, mechanism=mechanism)
     r = train_lm(config)

@@ -84,6 +84,9 @@ FORMULAS = {
     * _dot(q, k) / math.sqrt(D),
     "gated": lambda q, k, m: _dot(q, k) / math.sqrt(D),    # the gate acts on the output
     "clip-qkv": lambda q, k, m: _dot(q.clamp(-8, 8), k.clamp(-8, 8)) / math.sqrt(D),
+    "softpick": lambda q, k, m: _dot(q, k) / math.sqrt(D),       # the rule is its normaliser
+    "stick-breaking": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # the rule is its normaliser
+    "mscale": lambda q, k, m: (0.1 * math.log(1.0) + 1) ** 2 * _dot(q, k) / math.sqrt(D),
 }
 
 
@@ -575,6 +578,54 @@ def test_yarn_mscale_all_dim_multiplies_the_softmax_scale():
     assert_close(build_mechanism("yarn", D, H, factor=40.0, mscale_all_dim=0).logits(q, k), s)
     with pytest.raises(ConfigError, match="mscale_all_dim"):
         build_mechanism("yarn", D, H, mscale_all_dim=-1)
+
+
+def test_mscale_is_deepseeks_softmax_scale():
+    q, k = _qk()
+    s = _dot(q, k) / math.sqrt(D)
+    for factor, a in ((40.0, 1.0), (40.0, 0.707), (4.0, 2.0)):
+        mscale = 0.1 * a * math.log(factor) + 1.0                    # yarn_get_mscale(factor, a)
+        got = build_mechanism("mscale", D, H, factor=factor, mscale_all_dim=a).logits(q, k)
+        assert_close(got, mscale**2 * s, rtol=1e-12, atol=1e-12)
+    assert_close(build_mechanism("mscale", D, H, factor=40.0, mscale_all_dim=0).logits(q, k), s)
+    assert_close(build_mechanism("mscale", D, H, factor=0.5).logits(q, k), s)  # no extension
+    # DeepSeek-V3's default (mscale_all_dim 1) is YaRN's m² at the same factor.
+    assert_close(build_mechanism("mscale", D, H, factor=8.0).logits(q, k),
+                 build_mechanism("yarn", D, H, factor=8.0).logits(q, k))
+    for bad in ({"mscale_all_dim": -1}, {"factor": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_mechanism("mscale", D, H, **bad)
+
+
+def test_qk_rmsnorm_over_model_normalises_the_whole_projection():
+    """OLMo 2's norm: one RMSNorm over all heads of q (and of k) before the head split, one gain
+    per coordinate of the projection; the values and gradients of the gains and of x."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(12, 3, "qk-rmsnorm", over="model", dtype=torch.float64)
+    with torch.no_grad():
+        for gain in (mha.mechanism.q_gain, mha.mechanism.k_gain):
+            gain.add_(0.3 * torch.randn_like(gain))
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+
+    def rms(t, gain):                                     # t (B, N, H·d), gain (H, 1, d)
+        t = t / (t.pow(2).mean(-1, keepdim=True) + RMS_EPS).sqrt()
+        return (t.view(2, 5, 3, 4).transpose(1, 2) * gain)  # (B, H, N, d)
+
+    m = mha.mechanism
+    want = _dot(rms(mha.w_q(x), m.q_gain), rms(mha.w_k(x), m.k_gain)) / 2.0
+    got = mha.logits(x)
+    assert_close(got, want)
+    g = torch.randn_like(got)
+    params = (x, m.q_gain, m.k_gain)
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        assert_close(a, b)
+    # Per head, it is the Gemma 3 / Qwen3 norm; with one head the two agree.
+    q, k = _qk()
+    assert build_mechanism("qk-rmsnorm", D, H).q_gain.shape == (D,)
+    one = (build_mechanism("qk-rmsnorm", D, 1, over=o).double() for o in ("head", "model"))
+    assert_close(*(m1.logits(q[:, :1], k[:, :1]) for m1 in one))
+    with pytest.raises(ConfigError, match=r"over.*Did you mean: model\?"):
+        build_mechanism("qk-rmsnorm", D, H, over="mdoel")
 
 
 def _explicit_entropy(q, k, g, seen, scale=1.0):

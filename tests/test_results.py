@@ -206,14 +206,16 @@ def test_highest_lr_none_when_nothing_is_finite():
 def test_the_wide_store_runs_with_the_default_grid_only():
     study = get("lm")
     full = launcher.settings(study)
-    assert set(full) == {"lm", "wide"}
+    assert set(full) == {"lm", "wide", "sinks"}
     assert full["wide"]["grid"]["d_model"] == list(lm_study.WIDE_WIDTHS)
     assert set(full["wide"]["grid"]["variant"]) <= set(full["lm"]["grid"]["variant"])
+    assert set(full["sinks"]["grid"]["variant"]) <= set(full["lm"]["grid"]["variant"])
+    assert full["sinks"]["fixed"]["steps"] == lm_study.SINK_STEPS
     custom = launcher.settings(study, axes={"d_model": [16]})
     assert set(custom) == {"lm"}
     assert set(launcher.settings(study, quick=True)) == {"lm"}
     paths = launcher.store_paths(study, "/x")
-    assert paths == {"lm": Path("/x"), "wide": Path("/x/wide")}
+    assert paths == {"lm": Path("/x"), "wide": Path("/x/wide"), "sinks": Path("/x/sinks")}
 
 
 def test_a_study_store_path_is_its_folder_setting():

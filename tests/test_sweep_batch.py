@@ -73,18 +73,25 @@ def test_no_chunk_holds_more_than_max_chunk_trials(marks):
 
 def test_the_default_recall_study_keeps_two_workers_equally_loaded():
     """Every mechanism x 4 d_k x 3 seeds on 2 workers: each d_k (a batch key of its own) splits
-    into two chunks whose sizes differ by at most one, with every mechanism in both halves or
-    in one (when it has an odd count of seeds there), so each worker gets half of every d_k."""
+    into an even number of chunks (two, or more once a d_k's runs exceed two chunks of
+    MAX_CHUNK) whose sizes differ by at most one, each mechanism's seeds dealt to as many chunks
+    as it has seeds, so each worker gets half of every d_k."""
     exp = registry.get("recall")
     configs = [exp.config({"mechanism": m, "d_k": d, "seed": s})
                for d in STUDY_D_KS for m in MECHANISMS for s in STUDY_SEEDS]
     planned = chunks(_tasks(configs, "recall"), 2, lambda t: exp.batch_key(t.config))
-    assert len(planned) == 2 * len(STUDY_D_KS)
-    for first, second in zip(planned[::2], planned[1::2]):
-        assert {t.config["d_k"] for t in first + second} == {first[0].config["d_k"]}
-        assert abs(len(first) - len(second)) <= 1
-        mech = Counter(t.config["mechanism"] for t in first)
-        assert all(abs(2 * mech[m] - len(STUDY_SEEDS)) <= 1 for m in MECHANISMS)
+    per_d_k = len(MECHANISMS) * len(STUDY_SEEDS)
+    n = 2 * -(-per_d_k // (2 * MAX_CHUNK))
+    assert len(planned) == n * len(STUDY_D_KS)
+    for i in range(0, len(planned), n):
+        group = planned[i:i + n]
+        assert len({t.config["d_k"] for c in group for t in c}) == 1
+        assert max(map(len, group)) - min(map(len, group)) <= 1 <= min(map(len, group))
+        for m in MECHANISMS:
+            spread = Counter(j for j, c in enumerate(group) for t in c
+                             if t.config["mechanism"] == m)
+            assert max(spread.values()) == 1 if len(STUDY_SEEDS) <= n else \
+                max(spread.values()) - min(spread.values()) <= 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ The stages always run in this order, and only :func:`run` spells them out::
     z = scale * (q @ k.T) + mechanism.offset(n)     # logits (offset: sigmoid attention's bias)
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
     z = z.masked_fill(~mask, -inf)                  # mask
-    p = normalise(z)                                # normaliser: softmax | sink | sigmoid
+    p = normalise(z)                                # normaliser: softmax | sink | sigmoid |
+                                                    #   softpick | stick-breaking
     o = p @ v
     o = o * gate                                    # output gate (gated, given the layer input)
 
@@ -25,7 +26,12 @@ The normalisers (:func:`normalise`), over the keys a query attends:
 * ``"sink"``: p_i = e^{z_i} / (e^{b_h} + Σ_j e^{z_j}) with the mechanism's per-head sink logit b_h,
   a key that carries no value (gpt-oss; softmax-off-by-one for b = 0).  A query with no key to
   attend puts all its mass on the sink: zero weights, zero output;
-* ``"sigmoid"``: p_i = σ(z_i), elementwise; rows need not sum to 1 (Ramapuram et al. 2024).
+* ``"sigmoid"``: p_i = σ(z_i), elementwise; rows need not sum to 1 (Ramapuram et al. 2024);
+* ``"softpick"``: p_i = ReLU(e^{z_i} - 1) / (Σ_j |e^{z_j} - 1| + ε), the rectified softmax (Zuhri
+  et al. 2025): rows need not sum to 1 and weights can be exactly 0;
+* ``"stick-breaking"``: p_j = β_j Π_{k > j} (1 - β_k), β = σ(z), over the keys in order, the
+  nearest (largest index) last (Tan et al. 2024): under causality the keys up to the query,
+  without it every key, the query taken to follow them all.
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
@@ -107,6 +113,9 @@ from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
 from attnscale.kernels.softcap import capped_attention, forms_logits
+from attnscale.kernels.rowwise import softpick_attention, stick_breaking_attention
+from attnscale.kernels.softpick import softpick_weights
+from attnscale.kernels.stick_breaking import stick_breaking_weights
 from attnscale.precision import upcast
 from attnscale.stats import NORMALISERS, check_normaliser, row_stats
 
@@ -370,17 +379,24 @@ def _declares(mechanism: Rule, attribute: str, default):
     return getattr(mechanism, attribute, default)
 
 
+# The normalisers whose weights are a function of each whole row (the materialised form), and
+# their blockwise kernels (the fused form).
+_ROW_WEIGHTS = {"softpick": softpick_weights, "stick-breaking": stick_breaking_weights}
+_ROW_KERNELS = {"softpick": softpick_attention, "stick-breaking": stick_breaking_attention}
+
+
 def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
     """Weights from masked logits z (B, H, Nq, Nk) (``-inf`` = masked) by ``normaliser``.
 
     ``sink``: the per-head sink logit (H,) for ``"sink"``.  A row with every key masked gets all
-    zero weights under ``"sink"`` and ``"sigmoid"`` (NaN under ``"softmax"``: the caller zeroes
-    it).
+    zero weights under every normaliser but ``"softmax"`` (NaN there: the caller zeroes it).
     """
     if normaliser == "softmax":
         return torch.softmax(z, dim=-1)
     if normaliser == "sigmoid":
         return torch.sigmoid(z)
+    if normaliser in _ROW_WEIGHTS:
+        return _ROW_WEIGHTS[normaliser](z)
     if normaliser == "sink":
         b = sink.to(z.dtype).view(-1, 1, 1).expand(*z.shape[:-1], 1)       # (B, H, Nq, 1)
         return torch.softmax(torch.cat([z, b], dim=-1), dim=-1)[..., :-1]  # the sink is dropped
@@ -530,6 +546,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
         q, scale = q * scale, 1.0
     if how.normaliser == "sigmoid":
         return sigmoid_attention(q, k, v, scale, how.offset, how.cap, mask, causal)
+    if how.normaliser in _ROW_KERNELS:
+        return _ROW_KERNELS[how.normaliser](q, k, v, scale, how.offset, how.cap, mask, causal)
     # A per-row offset cancels in a softmax: only the sink sees it (relative to the sink logit).
     if how.normaliser == "sink":
         if how.cap is not None:

@@ -33,10 +33,22 @@ Other normalisers (:func:`attnscale.pipeline.normalise`).  :func:`row_stats` tak
   mass on the sink: count 0 and every statistic 0, as for any row without keys;
 * ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1): max weight ``max_i σ(z_i)``; entropy of
   the normalised row p / Σp, which is ``softmax(ln σ(z))``; ``||J||_F = ||diag(σ(1 - σ))||_F =
-  sqrt(Σ_i σ_i² (1 - σ_i)²)``, the Jacobian of the elementwise map.
+  sqrt(Σ_i σ_i² (1 - σ_i)²)``, the Jacobian of the elementwise map;
+* ``"softpick"`` (p_i = ReLU(e^{z_i} - 1) / (Σ_j |e^{z_j} - 1| + ε), Zuhri et al. 2025, rows sum
+  to less than 1 and may be all zero): max weight ``max_i p_i``; entropy of the normalised row
+  p / Σp, ``softmax(ln(e^z - 1))`` over the keys with z > 0 (0 for a row without any); ``||J||_F``
+  of the map z -> p, J_ij = δ_ij a_i - p_i c_j with a_i = [z_i > 0] e^{z_i} / D and c_j =
+  sgn(z_j) e^{z_j} / D (D the denominator), written around the top key so that 1 - p_t is a sum
+  of the other keys' terms (:func:`softpick_stats`);
+* ``"stick-breaking"`` (p_j = β_j Π_{k > j} (1 - β_k), β = σ(z), keys in order with the nearest
+  last, Tan et al. 2024): max weight ``max_j p_j``; entropy of the normalised row p / Σp,
+  ``softmax(log p)``; ``||J||_F`` of the map z -> p, whose entries are ∂p_j/∂z_j = p_j (1 - β_j)
+  and ∂p_j/∂z_k = -p_j β_k for k > j (0 for k < j), so ``||J||_F² = Σ_j p_j² ((1 - β_j)² +
+  Σ_{k > j} β_k²)`` (:func:`stick_breaking_stats`).
 
 :func:`row_mass` is the weight the keys carry, Σ_i p_i: 1 under softmax, 1 minus the sink's mass
-under a sink, anything in [0, n] under sigmoid.
+under a sink, anything in [0, n] under sigmoid, in [0, 1) under softpick, 1 - Π_k (1 - β_k) under
+stick-breaking.
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ from attnscale.constants import Z95
 from attnscale.errors import ConfigError, check_int
 from attnscale.kernels import native, rowstats
 from attnscale.kernels.native import ROW_STATS_COLUMNS
+from attnscale.kernels.softpick import SOFTPICK_EPS, softpick_parts
+from attnscale.kernels.stick_breaking import softplus, stick_breaking_log_weights, suffix_after
 from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
@@ -57,10 +71,10 @@ Tensor = torch.Tensor
 __all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "coherence", "columns", "entropy",
            "fit_line", "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
            "mean_se_from_sums", "qk_row_stats", "row_mass", "row_stats", "sigmoid_stats",
-           "softmax_stats", "std_ci", "std_se", "t975"]
+           "softmax_stats", "softpick_stats", "stick_breaking_stats", "std_ci", "std_se", "t975"]
 
 # The normalisers a mechanism can name, and the statistics are defined for (the pipeline reads it).
-NORMALISERS = ("softmax", "sink", "sigmoid")
+NORMALISERS = ("softmax", "sink", "sigmoid", "softpick", "stick-breaking")
 
 
 def _logits(z: Tensor) -> Tensor:
@@ -200,12 +214,84 @@ def sigmoid_stats(z: Tensor) -> dict[str, Tensor]:
             "jacobian_fro": special(jac), "mass": special(p.sum(dim=-1))}
 
 
+def _weight_special(zmax: Tensor, x: Tensor) -> Tensor:
+    """A rectified normaliser's statistic ``x`` (...) under the module's special-row rule: 0 for a
+    row without keys, NaN for a row holding NaN or +inf."""
+    return _special_rows(zmax, torch.where(torch.isneginf(zmax), torch.zeros_like(x), x))
+
+
+def softpick_stats(z: Tensor) -> dict[str, Tensor]:
+    """Max weight, entropy of the normalised row, ``||J||_F`` and mass of softpick weights
+    (:mod:`attnscale.kernels.softpick`) of logits z (..., n) (-inf = masked); each (...),
+    differentiable.  A row whose logits are all <= 0 has no weight: every statistic 0.
+
+    ``||J||_F² = Σ_{i: z_i > 0} a_i² (1 - p_i)² + Σ_i p_i² (C2 - c_i²)`` with a_i = e_i / D,
+    c_j = sgn(u_j) e_j / D and C2 = Σ_j c_j² (the diagonal entry a_i - p_i c_i is a_i (1 - p_i)
+    where z_i > 0, and 0 elsewhere).  For the top key t, 1 - p_t = (Σ_{j≠t} |u_j| + ε c) / D and
+    C2 - c_t² = Σ_{j≠t} c_j², sums of the other keys' terms, so neither is a difference of two
+    numbers close to each other near one-hot; for the other keys both are at least half of the
+    row's total.
+    """
+    z = _logits(z)
+    u, d, e, m = softpick_parts(z)                                 # (..., n), (..., 1), (..., n)
+    keys = ~torch.isneginf(z)
+    absu = torch.where(keys, u.abs(), torch.zeros_like(u))
+    r = torch.relu(u)
+    p = r / d
+    top = torch.zeros_like(z, dtype=torch.bool).scatter(-1, z.argmax(-1, keepdim=True), True)
+    c = torch.where(keys, torch.sign(u) * e / d, torch.zeros_like(u))
+    c2 = c * c
+    others = torch.where(top, torch.zeros_like(absu), absu).sum(-1, keepdim=True)
+    rest = torch.where(top, others + SOFTPICK_EPS * torch.exp(-m), d - r)    # D (1 - p_i)
+    c2_rest = torch.where(top, torch.where(top, torch.zeros_like(c2), c2).sum(-1, keepdim=True),
+                          c2.sum(-1, keepdim=True) - c2)                      # C2 - c_i²
+    diag = torch.where(u > 0, (e / d) * (rest / d), torch.zeros_like(u))
+    jac = _sqrt((diag * diag).sum(-1) + (p * p * c2_rest).sum(-1))
+    # The normalised row r / Σr is softmax(ln r), ln r_i = z_i + ln(1 - e^{-z_i}) for z_i > 0.
+    pos = z > 0
+    log_r = torch.where(pos, z + torch.log(-torch.expm1(-torch.where(pos, z, torch.ones_like(z)))),
+                        torch.full_like(z, -math.inf))
+    ent = softmax_stats(log_r)["entropy"]
+    zmax = z.amax(dim=-1)
+    return {"max_weight": _weight_special(zmax, p.amax(dim=-1)),
+            "entropy": _weight_special(zmax, ent), "jacobian_fro": _weight_special(zmax, jac),
+            "mass": _weight_special(zmax, p.sum(dim=-1))}
+
+
+def stick_breaking_stats(z: Tensor) -> dict[str, Tensor]:
+    """Max weight, entropy of the normalised row, ``||J||_F`` and mass of stick-breaking weights
+    (:mod:`attnscale.kernels.stick_breaking`) of logits z (..., n), keys in order with the nearest
+    last (-inf = masked); each (...), differentiable.
+
+    ``||J||_F² = Σ_j p_j² ((1 - β_j)² + Σ_{k > j} β_k²)`` (β = σ(z)); the mass
+    ``1 - Π_k (1 - β_k) = -expm1(-Σ_k softplus(z_k))`` is exact for small and large sums alike.
+    """
+    z = _logits(z)
+    log_p = stick_breaking_log_weights(z)
+    p = torch.exp(log_p)
+    beta = torch.sigmoid(z)
+    jac = _sqrt((p * p * (torch.sigmoid(-z) ** 2 + suffix_after(beta * beta))).sum(-1))
+    mass = -torch.expm1(-softplus(z).sum(-1))
+    zmax = z.amax(dim=-1)
+    return {"max_weight": _weight_special(zmax, p.amax(dim=-1)),
+            "entropy": _weight_special(zmax, softmax_stats(log_p)["entropy"]),
+            "jacobian_fro": _weight_special(zmax, jac), "mass": _weight_special(zmax, mass)}
+
+
+# The statistics of each normaliser whose rows need not sum to 1 (max weight, entropy,
+# Jacobian norm and mass), by name.
+_RECTIFIED_STATS = {"softpick": softpick_stats, "stick-breaking": stick_breaking_stats}
+
+
 def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
     """Σ_i p_i over the keys of each row, float64 (...): 1 under softmax (0 for a row without
-    keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid; NaN for rows holding NaN."""
+    keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid, the rectified sums under softpick
+    and stick-breaking; NaN for rows holding NaN."""
     z = _logits(z)
     if normaliser == "sigmoid":
         return sigmoid_stats(z)["mass"].double()
+    if normaliser in _RECTIFIED_STATS:
+        return _RECTIFIED_STATS[normaliser](z)["mass"].double()
     zmax = z.amax(dim=-1)
     if normaliser == "sink":
         lse = torch.logsumexp(z, dim=-1)                          # -inf for a row without keys
@@ -243,8 +329,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             first ``limit[r % P]`` keys (clamped to [0, n]), the others count as masked -- causal
             attention without writing a mask, with P the query rows per (batch, head).
         threads: worker threads of the compiled kernel (default ``torch.get_num_threads()``).
-        normaliser: ``"softmax"``, ``"sink"`` or ``"sigmoid"``; the columns' definitions for the
-            last two are in the module doc.
+        normaliser: one of :data:`NORMALISERS`; the columns' definitions for the others than
+            softmax are in the module doc.
         sink: the per-head sink logits (H,) (or broadcastable to (..., 1)) for ``"sink"``.
     Returns:
         float64 tensor (..., 7) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
@@ -295,7 +381,7 @@ def columns(rows: Tensor) -> dict[str, Tensor]:
 
 def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, normaliser: str,
                           sink: Tensor | None) -> Tensor:
-    """:func:`row_stats` for the sink and sigmoid normalisers (see the module doc)."""
+    """:func:`row_stats` for the normalisers other than softmax (see the module doc)."""
     keys = row_stats(z, limit=limit, threads=threads)            # count, logit_std, absmax
     if limit is not None:  # written out: the sink column and logsigmoid need the hidden keys
         n = z.shape[-1]
@@ -308,7 +394,8 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
     if normaliser == "sink":
         full = columns(row_stats(torch.cat([_sink_column(z, sink), z], dim=-1), threads=threads))
     else:
-        full = {c: v.double() for c, v in sigmoid_stats(z).items()}
+        stats = _RECTIFIED_STATS.get(normaliser, sigmoid_stats)
+        full = {c: v.double() for c, v in stats(z).items()}
     values.update({c: full[c] for c in _WEIGHT_STATS})
     out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
     # A row without keys: every statistic 0 (the sink alone is not a row of keys).

@@ -62,6 +62,11 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "adaptive-temp": ("#4b0082", "-.", "^"),
     "gated": ("#b8860b", "-.", "D"),
     "clip-qkv": ("#a9a9a9", "--", "X"),
+    # softpick and stick-breaking are other normalisers (dotted); mscale, DeepSeek's form of
+    # yarn's rule, is dashed in a colour near yarn's.
+    "softpick": ("#dc143c", ":", "v"),
+    "stick-breaking": ("#2e8b57", ":", "D"),
+    "mscale": ("#5f9ea0", "--", "h"),
 }
 
 

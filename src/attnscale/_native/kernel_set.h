@@ -5,6 +5,7 @@
 #include "softcap_kernel.h"
 #include "entropy_kernel.h"
 #include "peak_kernel.h"
+#include "rectified_kernel.h"
 #undef vf
 #undef vi
 #undef KERNEL

@@ -1,7 +1,8 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
  * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h)
  * the row entropy and log-sum-exp of adaptive temperature (entropy_kernel.h) and the bfloat16
- * row max of the S_max screen (peak_kernel.h).
+ * row max of the S_max screen (peak_kernel.h), and the per-row steps of softpick and
+ * stick-breaking attention (rectified_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
  * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
@@ -84,6 +85,10 @@ typedef void (*probs_fn)(const float *, int64_t, int64_t, float, float *);
 typedef void (*grad_fn)(const float *, const float *, float *, float, int64_t);
 typedef void (*entropy_fn)(const float *, int64_t, double *);
 typedef float (*bf16_max_fn)(const uint16_t *, int64_t);
+typedef void (*softpick_probs_fn)(const float *, int64_t, int64_t, float *, float *);
+typedef void (*softpick_grad_fn)(const float *, float *, const float *, float, int64_t, int64_t);
+typedef void (*sb_probs_fn)(const float *, int64_t, int64_t, float *);
+typedef void (*sb_grad_fn)(const float *, float *, float *, int64_t, int64_t);
 
 /* The build a call runs: 2 = AVX-512, 1 = AVX2, 0 = the portable 128-bit one.  ``portable`` caps
  * it: 0 = the best this CPU runs, 1 = the portable build, 2 = AVX2 at most (to test each). */
@@ -134,8 +139,9 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
- * 4 = attnscale_row_entropy and attnscale_bf16_row_max. */
-int attnscale_kernels_version(void) { return 4; }
+ * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
+ * steps. */
+int attnscale_kernels_version(void) { return 5; }
 
 /* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
  * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
@@ -172,4 +178,43 @@ void attnscale_bf16_row_max(const uint16_t *z, int64_t width, int64_t ld, int64_
                             int64_t row1, float *out, int portable) {
     bf16_max_fn row = PICK(bf16_row_max, portable);
     for (int64_t r = row0; r < row1; r++) out[r] = row(z + r * ld, width);
+}
+
+/* Softpick weights of rows [row0, row1) of s (see rectified_kernel.h): p over each row's first
+ * n_r keys (n_r as for attnscale_row_stats), 0 beyond; stats: (M, D) per row.  p may be s. */
+void attnscale_softpick_probs(const float *s, float *p, int64_t width, int64_t ld,
+                              const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                              float *stats, int portable) {
+    softpick_probs_fn row = PICK(softpick_probs_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, row_limit(limit, period, r, width), width, p + r * ld, stats + 2 * r);
+}
+
+/* Softpick backward of rows [row0, row1), in place on dp, from the forward's (M, D) per row and
+ * delta[r] = sum_j dp_j p_j. */
+void attnscale_softpick_grad(const float *s, float *dp, const float *stats, const float *delta,
+                             int64_t width, int64_t ld, const int64_t *limit, int64_t period,
+                             int64_t row0, int64_t row1, int portable) {
+    softpick_grad_fn row = PICK(softpick_grad_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, dp + r * ld, stats + 2 * r, delta[r],
+            row_limit(limit, period, r, width), width);
+}
+
+/* Stick-breaking weights of rows [row0, row1) of s into p (not s), keys in order. */
+void attnscale_stick_breaking_probs(const float *s, float *p, int64_t width, int64_t ld,
+                                    const int64_t *limit, int64_t period, int64_t row0,
+                                    int64_t row1, int portable) {
+    sb_probs_fn row = PICK(stick_breaking_probs_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, row_limit(limit, period, r, width), width, p + r * ld);
+}
+
+/* Stick-breaking backward of rows [row0, row1), in place on dp; p (the weights) is overwritten. */
+void attnscale_stick_breaking_grad(const float *s, float *p, float *dp, int64_t width, int64_t ld,
+                                   const int64_t *limit, int64_t period, int64_t row0,
+                                   int64_t row1, int portable) {
+    sb_grad_fn row = PICK(stick_breaking_grad_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(s + r * ld, p + r * ld, dp + r * ld, row_limit(limit, period, r, width), width);
 }

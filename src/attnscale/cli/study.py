@@ -23,6 +23,7 @@ EXAMPLES = """
   attnscale study recall --out study/               # every mechanism x 4 d_k x 3 seeds
   attnscale study lm --out lm-study/ --quick        # the quick variant of a study
   attnscale study length --resume length/           # after Ctrl-C or a crash: the rest only
+  attnscale study length --resume length/ --extend  # and the mechanisms added since
   attnscale study lm --from lm-study/               # redraw tables, figures and fragment
   attnscale reproduce --out report/ --include lm-study/ --include length/
 """
@@ -76,6 +77,9 @@ def _add_study(studies, study: Study) -> None:
                     + " (see 'attnscale sweep'), and the tables, figures and fragment drawn "
                       "from them; the same settings again continue it")
     add_study_store_options(q, "the tables, figures and fragment")
+    q.add_argument("--extend", action="store_true",
+                   help="with --resume: also grow the study to this version's grid (values and "
+                        "stores added since, e.g. new mechanisms), running only the new trials")
     q.add_argument("--quick", action="store_true",
                    help=f"the quick variant: {launcher.quick_doc(study)} (options given "
                         "explicitly still win)")
@@ -108,6 +112,8 @@ def _launch(args) -> int:
               for o in study.options if getattr(args, _dest(o)) is not None}
     sets = launcher.parse_sets(study, args.set)
     check_one_study_folder(args)
+    if args.extend and args.resume is None:
+        raise ConfigError("--extend grows a study folder on --resume DIR; give --resume.")
     if args.from_dir is not None:
         refused = _refused(args, study, executor=True)
         if refused:
@@ -119,7 +125,8 @@ def _launch(args) -> int:
         if refused:
             raise ConfigError(f"--resume continues the study on the settings it holds; drop "
                               f"{', '.join(refused)} (or start another folder with --out).")
-        outcome = launcher.resume(study, args.resume, workers=args.workers, ray=args.ray)
+        outcome = launcher.resume(study, args.resume, workers=args.workers, ray=args.ray,
+                                  extend=args.extend)
     else:
         axes = {o.key: v for o, v in values.items() if o.axis}
         for o, v in values.items():

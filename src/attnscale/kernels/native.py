@@ -10,10 +10,12 @@ caller uses its PyTorch formulation instead:
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
 * the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature);
-* the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen.
+* the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen;
+* the per-row steps of softpick and stick-breaking attention (:mod:`attnscale.kernels.softpick`,
+  :mod:`attnscale.kernels.stick_breaking`).
 
 Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_probs` and :func:`softcap_grad`, which check dtype, device, layout and shapes and
+:func:`softcap_probs`, :func:`softcap_grad` and the softpick and stick-breaking wrappers, which check dtype, device, layout and shapes and
 pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
@@ -39,7 +41,7 @@ NATIVE_ENV = "ATTNSCALE_NATIVE"
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 4
+KERNELS_VERSION = 5
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +57,9 @@ def library() -> ctypes.CDLL | None:
         version = lib.attnscale_kernels_version
     except (OSError, AttributeError):  # unloadable, or a build older than the version check
         return None
+    version.restype = ctypes.c_int
+    if version() != KERNELS_VERSION:  # a stale build: it may lack kernels named below
+        return None
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_stats.restype = None
@@ -67,6 +72,15 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_row_entropy.restype = None
     lib.attnscale_bf16_row_max.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
     lib.attnscale_bf16_row_max.restype = None
+    lib.attnscale_softpick_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
+    lib.attnscale_softpick_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
+                                            flag]
+    lib.attnscale_stick_breaking_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, flag]
+    lib.attnscale_stick_breaking_grad.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
+                                                  flag]
+    for name in ("softpick_probs", "softpick_grad", "stick_breaking_probs",
+                 "stick_breaking_grad"):
+        getattr(lib, f"attnscale_{name}").restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
     version.restype = ctypes.c_int
@@ -226,4 +240,84 @@ def softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor, *,
     delta = delta.contiguous()
     require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), delta.data_ptr(),
                                      width, ld, 0, rows, int(portable))
+    return dp
+
+
+def _row_pair(name: str, t: Tensor, like: Tensor, width: int = 1) -> Tensor:
+    """``t``: float32 CPU, ``width`` values per row of ``like`` (..., n), contiguous."""
+    want = (*like.shape[:-1], width)
+    if t.shape != want or t.dtype != torch.float32 or t.device.type != "cpu" \
+            or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {want}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
+def _out_like(s: Tensor, out: Tensor | None, ld: int) -> Tensor:
+    if out is None:
+        out = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype)
+    _same_rows("out", out, s, ld)
+    return out
+
+
+def softpick_probs(s: Tensor, stats: Tensor, *, out: Tensor | None = None,
+                   limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """Softpick weights of float32 logits ``s`` (..., n) (see :mod:`attnscale.kernels.softpick`):
+    ``s = -inf`` marks a masked key, row r sees its first ``limit[r % len(limit)]`` keys, the rest
+    get 0.  ``stats`` (..., 2) float32 receives each row's shift M and denominator D, which
+    :func:`softpick_grad` reads.  ``out`` (default new) may be ``s``.  Returns ``out``."""
+    rows, width, ld = _rows("s", s)
+    out = _out_like(s, out, ld)
+    _row_pair("stats", stats, s, 2)
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_softpick_probs(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr,
+                                           period, 0, rows, stats.data_ptr(), int(portable))
+    return out
+
+
+def softpick_grad(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor, *,
+                  limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """Softpick's backward in place on ``dp`` (dL/dp -> dL/ds), from the logits ``s``,
+    :func:`softpick_probs`' ``stats`` and ``delta`` = Σ_j dp_j p_j per row (..., 1).  Returns
+    ``dp``."""
+    rows, width, ld = _rows("s", s)
+    _same_rows("dp", dp, s, ld)
+    _row_pair("stats", stats, s, 2)
+    delta = _row_pair("delta", delta.contiguous(), s)
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_softpick_grad(s.data_ptr(), dp.data_ptr(), stats.data_ptr(),
+                                          delta.data_ptr(), width, ld, limit_ptr, period, 0,
+                                          rows, int(portable))
+    return dp
+
+
+def stick_breaking_probs(s: Tensor, *, out: Tensor | None = None, limit: Tensor | None = None,
+                         portable: int = False) -> Tensor:
+    """Stick-breaking weights of float32 logits ``s`` (..., n), keys in order, the nearest last
+    (see :mod:`attnscale.kernels.stick_breaking`); masking as for :func:`softpick_probs`.
+    ``out`` (default new) must not be ``s``.  Returns ``out``."""
+    rows, width, ld = _rows("s", s)
+    out = _out_like(s, out, ld)
+    if rows and out.data_ptr() == s.data_ptr():
+        raise ValueError("out must not share memory with s")
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_stick_breaking_probs(s.data_ptr(), out.data_ptr(), width, ld,
+                                                 limit_ptr, period, 0, rows, int(portable))
+    return out
+
+
+def stick_breaking_grad(s: Tensor, p: Tensor, dp: Tensor, *, limit: Tensor | None = None,
+                        portable: int = False) -> Tensor:
+    """Stick-breaking's backward in place on ``dp`` (dL/dp -> dL/ds), from the logits ``s`` and
+    the weights ``p`` of :func:`stick_breaking_probs`, which it overwrites.  Returns ``dp``."""
+    rows, width, ld = _rows("s", s)
+    _same_rows("p", p, s, ld)
+    _same_rows("dp", dp, s, ld)
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_stick_breaking_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), width,
+                                                ld, limit_ptr, period, 0, rows, int(portable))
     return dp

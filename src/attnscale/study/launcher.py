@@ -14,7 +14,8 @@ The rules every study keeps, here once:
   command and the study that write it; another study's folder is refused, even with ``force``,
   unless it holds none of that study's files.
 * **A failed start or resume changes nothing.**  Every setting, store and trial config is checked
-  before the first file is written; a resume runs each store on the settings it holds.
+  before the first file is written; a resume runs each store on the settings it holds, or, with
+  ``extend``, grows them to the study's spec as it is now (new trials only).
 * **An analysis never pools runs that differ in a setting it does not show.**  A study's analysis
   shows its stores' grid axes; records that differ in any other config field (a sweep extended by
   ``--grid steps=3,6``) are refused, naming the field.
@@ -362,10 +363,17 @@ def _check_holds(study: Study, folder: Path, param: str) -> None:
 
 
 def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = None,
-           ray: str | None = None, show_progress: bool | None = None) -> Outcome:
+           ray: str | None = None, show_progress: bool | None = None,
+           extend: bool = False) -> Outcome:
     """Continue the study in ``folder`` on the settings it holds (each store's ``sweep.json``,
     and ``study.json`` for a store not started yet), then draw it.  Everything is read and
-    checked before any trial runs, so a resume that fails changes nothing."""
+    checked before any trial runs, so a resume that fails changes nothing.
+
+    ``extend``: also grow the study to its spec as it is now (the full study, or the quick
+    variant for a folder started with ``--quick``): each grid axis of a store gains the values
+    the spec has and the store lacks (a mechanism registered since, say), appended after its
+    own, and a store the spec has gained is started.  Only the new trials run; every trial the
+    stores hold keeps its config and its record."""
     from attnscale import sweep
     from attnscale.experiments import registry
     from attnscale.sweep.engine import experiment_of
@@ -374,30 +382,60 @@ def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = Non
     _check_holds(study, folder, param)
     check_executor(workers, ray)
     stored = _read_settings(folder) or {"stores": {}}
+    grown = settings(study, quick=bool(stored.get("quick"))) if extend else {}
     paths = store_paths(study, folder)
     jobs = {}
     for key, path in paths.items():
         store = Store(path)
         if store.exists():
-            experiment_of(store.read_spec())  # importable, and a readable spec
+            spec = store.read_spec()
+            experiment_of(spec)  # importable, and a readable spec
             check_output_path(param, path, kind="dir", files=("sweep.json",))
-            jobs[key] = ("resume", None)
+            jobs[key] = ("resume", grown_grid(spec, grown.get(key)))
         elif key in stored["stores"]:
             s = stored["stores"][key]
             registry.get(s["experiment"])
             jobs[key] = ("start", s)
+        elif key in grown:  # a store the study has gained since the folder was written
+            check_output_path(param, path, kind="dir", files=_STORE_FILES)
+            jobs[key] = ("start", grown[key])
     if not jobs:
         raise ConfigError(f"{param} {str(folder)!r} holds no {study.name} study to resume.")
     results = {}
     for key, (how, s) in jobs.items():
         if how == "resume":
-            results[key] = sweep.resume(paths[key], workers=workers, ray_address=ray,
+            results[key] = sweep.resume(paths[key], grid=s, extend=s is not None,
+                                        workers=workers, ray_address=ray,
                                         show_progress=show_progress)
         else:
             results[key] = sweep.run(s["experiment"], s["grid"], paths[key], fixed=s["fixed"],
                                      workers=workers, ray_address=ray,
                                      show_progress=show_progress)
     return _draw(study, folder, results, force=False)
+
+
+def grown_grid(spec, plan: Mapping[str, Any] | None) -> dict[str, list] | None:
+    """The grid of stored sweep ``spec`` with each of its axes grown by the values ``plan`` (a
+    store of :func:`settings`) has and it lacks, appended in the plan's order; None when ``plan``
+    is None or adds nothing."""
+    from attnscale.experiments import registry
+    from attnscale.sweep.grid import SweepSpec, extended, value_key
+    if plan is None or plan["experiment"] != spec.experiment:
+        return None
+    exp = registry.get(spec.experiment)
+    want = SweepSpec.build(exp, plan["grid"], plan["fixed"]).grid   # canonical values
+    grid, added = {}, False
+    for axis, values in spec.grid.items():
+        have = {value_key(v) for v in values}
+        new = [v for v in want.get(axis, []) if value_key(v) not in have]
+        grid[axis] = [*values, *new]
+        added |= bool(new)
+    if not added:
+        return None
+    # The checks sweep.resume makes, now, so that a resume that fails runs nothing.
+    extended(spec, SweepSpec.build(exp, grid, {k: v for k, v in spec.base.items()
+                                               if k not in grid}), exp)
+    return grid
 
 
 def redraw(study: Study, folder: str | os.PathLike, *, force: bool = False) -> Outcome:

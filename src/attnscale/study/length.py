@@ -18,6 +18,7 @@ from attnscale.experiments.length import recall as recall_length
 from attnscale.experiments.length.lm import M_GRID, M_STEP, YARN_ALPHA, YARN_BETA
 from attnscale.io import json_safe
 from attnscale.mechanisms.llama4_temp import llama4_tau
+from attnscale.mechanisms.mscale import DEEPSEEK_V2_MSCALE_ALL_DIM, DEEPSEEK_V3_MSCALE_ALL_DIM
 from attnscale.mechanisms.yarn import YARN_SLOPE, yarn_m
 from attnscale.study import claims as claim_rules
 from attnscale.study.registry import register
@@ -89,6 +90,26 @@ def yarn_rows(records: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def mscale_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per extension factor s from the ``mscale`` trials (each the scaled model of its
+    seed, extended with YaRN's frequencies): the loss at context 128·s under DeepSeek-V2's
+    softmax scale (mscale_all_dim 0.707) and under DeepSeek-V3's (1, YaRN's own rule), per seed,
+    and their per-seed difference (V2 minus YaRN's)."""
+    runs = [r for r in records if r["result"].get("mscale")]
+    rows = []
+    for s in dict.fromkeys(e["factor"] for r in runs for e in r["result"]["mscale"]):
+        def at(r: dict, a: float) -> dict:
+            return next(e for e in r["result"]["mscale"]
+                        if e["factor"] == s and e["mscale_all_dim"] == a)
+        v2 = [at(r, DEEPSEEK_V2_MSCALE_ALL_DIM) for r in runs]
+        yarn = [at(r, DEEPSEEK_V3_MSCALE_ALL_DIM) for r in runs]
+        rows.append({"factor": s, "context": v2[0]["length"], "m_deepseek_v2": v2[0]["m"],
+                     "m_yarn": yarn[0]["m"], "loss_deepseek_v2": spread([e["loss"] for e in v2]),
+                     "loss_yarn": spread([e["loss"] for e in yarn]),
+                     "difference": spread([a["loss"] - b["loss"] for a, b in zip(v2, yarn)])})
+    return rows
+
+
 def yarn_slope(records: Sequence[dict]) -> dict | None:
     """d√(1/t)/d ln s: per seed the least-squares slope of the fitted √(1/t) against ln s
     (YaRN's law has 0.1), with its spread over seeds and the ln s span; None with < 2 factors."""
@@ -113,6 +134,9 @@ def _slope(points: Sequence[tuple[float, float]]) -> float:
 
 
 _interval = claim_rules.interval
+# The stick-breaking paper's claim (Tan et al. 2024, arXiv 2410.17980).
+STICK_BREAKING_SOURCE = ("Tan et al. 2024: stick-breaking generalises in length (trained at "
+                         "2^11 tokens, used at 2^14)")
 
 
 def _text(s: dict, digits: int = 3) -> str:
@@ -142,7 +166,8 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
         cell = {(r["mechanism"], r["pairs"]): r for r in rows}
         for mech, source in (("ssmax", "Nakanishi 2025: s·ln n generalises to more keys than "
                                        "a fixed temperature"),
-                             ("llama4-temp", "Llama 4's temperature tuning, the same argument")):
+                             ("llama4-temp", "Llama 4's temperature tuning, the same argument"),
+                             ("stick-breaking", STICK_BREAKING_SOURCE)):
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"recall accuracy at {longest} pairs, trained at {train}: {mech} vs scaled",
@@ -155,13 +180,14 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
         longest = max(r["context"] for r in lrows)
         train = lrows[0]["train_context"]
         cell = {(r["mechanism"], r["context"]): r for r in lrows}
-        for mech in ("ssmax", "llama4-temp"):
+        for mech, source in (("ssmax", "a length-aware temperature extrapolates better"),
+                             ("llama4-temp", "a length-aware temperature extrapolates better"),
+                             ("stick-breaking", STICK_BREAKING_SOURCE)):
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"small-LM validation loss at context {longest}, trained at {train}: "
                     f"{mech} vs scaled (nats/byte)", "lower", cell[mech, longest]["loss"],
-                    cell["scaled", longest]["loss"], "scaled",
-                    "a length-aware temperature extrapolates better",
+                    cell["scaled", longest]["loss"], "scaled", source,
                     f"at {train}: {mech} {_text(cell[mech, train]['loss'])}, scaled "
                     f"{_text(cell['scaled', train]['loss'])}"))
     out = [c for c in out if c is not None]
@@ -198,7 +224,45 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
             edge or ("agrees" if agrees else f"differs: ours is {side}"), agrees,
             f"{slope['n']} seed(s); agrees when {YARN_SLOPE:g} lies in the seed range "
             f"widened by half a grid step over the ln s span ({tol:.3f})"))
+    if lm and mscale_rows(lm):
+        out += _mscale_claims(lm, slope)
     return json_safe(out)
+
+
+def _mscale_claims(lm: Sequence[dict], slope: dict | None) -> list[dict]:
+    """DeepSeek's mscale against YaRN's rule: per factor, the loss of one model under each (the
+    mscale trials); and the fitted coefficient of the scaled sweep, slope / 0.1, against
+    DeepSeek-V2's mscale_all_dim."""
+    out = []
+    zero = {"mean": 0.0, "min": 0.0, "max": 0.0, "n": 1}
+    a = DEEPSEEK_V2_MSCALE_ALL_DIM
+    for row in mscale_rows(lm):
+        diff = row["difference"]
+        if diff["mean"] is None:
+            continue
+        verdict, agrees = claim_rules.verdict([claim_rules.compare(diff, zero)], "lower")
+        out.append(claim_rules.claim(
+            f"small-LM loss at context {row['context']} (s = {row['factor']}, YaRN's "
+            f"frequencies): DeepSeek-V2's mscale (m = {row['m_deepseek_v2']:.3f}) minus YaRN's "
+            f"0.1·ln s + 1 (m = {row['m_yarn']:.3f}), nats/byte",
+            f"below 0 (DeepSeek-V2 chose mscale_all_dim {a:g} over YaRN's 1)", diff["mean"],
+            _interval(diff), verdict, agrees,
+            f"{diff['n']} seed(s), one trained model per seed under both rules; the verdict "
+            "needs every seed's difference on one side"))
+    if slope is not None:
+        tol = M_STEP / 2 / slope["span"] / YARN_SLOPE
+        fitted = {k: (v / YARN_SLOPE if k in ("mean", "min", "max") else v)
+                  for k, v in slope.items() if k != "per_seed"}
+        agrees = fitted["min"] - tol <= a <= fitted["max"] + tol
+        out.append(claim_rules.claim(
+            "fitted mscale_all_dim (slope of the fitted √(1/t) against ln s, over 0.1), scaled "
+            "small LM", f"{a:g} (DeepSeek-V2; DeepSeek-V3 ships {DEEPSEEK_V3_MSCALE_ALL_DIM:g}, "
+            "YaRN's rule)", fitted["mean"], _interval(fitted),
+            "agrees" if agrees else
+            f"differs: ours is {claim_rules.side(fitted['mean'], a)}", agrees,
+            f"{fitted['n']} seed(s); agrees when {a:g} lies in the seed range widened by half a "
+            f"grid step over the ln s span ({tol:.3f})"))
+    return out
 
 
 # --- figures --------------------------------------------------------------------------------------
@@ -334,7 +398,10 @@ def _lm_setup(records: Sequence[dict]) -> str:
             f"NTK-by-parts (α = {YARN_ALPHA:g}, β = {YARN_BETA:g}) for context "
             f"{c['seq_len']}·s, and the multiplier √(1/t) on q and k swept over "
             f"{M_GRID[0]:.2f}-{M_GRID[-1]:.2f} in steps of {M_STEP:g}; the minimum is the vertex "
-            "of a parabola through the grid minimum and its neighbours.")
+            "of a parabola through the grid minimum and its neighbours."
+            + ("  stick-breaking runs without RoPE: its weights carry the order of the keys "
+               "(Tan et al. 2024)." if any(r["config"]["mechanism"] == "stick-breaking"
+                                           for r in records) else ""))
 
 
 def _table(names: Sequence[str], heads: Sequence, cell, label=str) -> list[str]:
@@ -384,6 +451,24 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
                              f"{r['yarn']:.3f} | {_text(at_fit)} | {_text(at_1)} | "
                              f"{_text(plain['loss']) if plain else 'n/a'} |")
             lines += ["", f"![loss vs the YaRN multiplier]({FIGURES['yarn']})", ""]
+        mrows = mscale_rows(lm)
+        if mrows:
+            lines += ["#### DeepSeek's mscale against YaRN's rule", "",
+                      "DeepSeek-V2 and V3 multiply the softmax scale by mscale², mscale = "
+                      "0.1·mscale_all_dim·ln s + 1 (mechanism `mscale`), where YaRN multiplies q "
+                      f"and k by 0.1·ln s + 1: the same rule at DeepSeek-V3's mscale_all_dim = "
+                      f"{DEEPSEEK_V3_MSCALE_ALL_DIM:g}, a gentler one at DeepSeek-V2's "
+                      f"{DEEPSEEK_V2_MSCALE_ALL_DIM:g}.  The mscale runs train the scaled model "
+                      "(factor 1 leaves its logits alone) and extend it with YaRN's frequencies "
+                      "under each rule.  Validation loss (nats/byte) at context 128·s, mean "
+                      "[seed min, max]:", "",
+                      "| s | context | m, DeepSeek-V2 | m, YaRN | loss, DeepSeek-V2 | loss, YaRN "
+                      "| difference |", "|---|---|---|---|---|---|---|"]
+            for r in mrows:
+                lines.append(f"| {r['factor']} | {r['context']} | {r['m_deepseek_v2']:.3f} | "
+                             f"{r['m_yarn']:.3f} | {_text(r['loss_deepseek_v2'])} | "
+                             f"{_text(r['loss_yarn'])} | {_text(r['difference'])} |")
+            lines.append("")
     lines += ["#### Claims", "", "| claim | expected | ours | verdict |", "|---|---|---|---|"]
     for c in claim_rows:  # from claims(recall, lm)
         ours = "n/a" if c["ours"] is None else f"{c['ours']:.3f}"
@@ -400,6 +485,8 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
     tables = {"recall": recall_rows(recall) if recall else [],
               "lm": lm_rows(lm) if lm else [], "yarn": yarn_rows(lm) if lm else [],
               "yarn_slope": yarn_slope(lm) if lm else None, "claims": found}
+    if lm and mscale_rows(lm):  # DeepSeek's rule, once the store holds mscale runs
+        tables["mscale"] = mscale_rows(lm)
     figures = {}
     if recall:
         figures[FIGURES["recall"]] = lambda: figure_recall(recall)

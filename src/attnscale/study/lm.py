@@ -1,7 +1,9 @@
 """The small-LM stability study: which mechanism keeps a small LM trainable across learning
 rates (Wortsman et al. 2023, arXiv 2309.14322), as LR sensitivity per (variant, width) over seeds,
-its claims, and four figures; an ``lm`` store of every variant x lr x width x seed, and a
-``wide`` store of a few variants at a larger width on one seed (the default study only).
+its claims, and four figures; an ``lm`` store of every variant x lr x width x seed, a ``wide``
+store of a few variants at a larger width on one seed, and a ``sinks`` store of the normalisers
+trained four times longer at one learning rate for their attention-sink rate (both the default
+study only).
 
 A run record is what :func:`attnscale.experiments.lm.train_lm` returns (its ``config`` inside),
 the ``result`` of an ``lm`` trial.  LR sensitivity is
@@ -17,9 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from attnscale.experiments.lm.study import (
-    DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, WIDE_SEEDS, WIDE_VARIANTS,
-    WIDE_WIDTHS, WORTSMAN_LRS, lr_sensitivity, normalises_qk, parse_variant, peak_logit,
-    plotted_loss, variant, variant_text,
+    DEFAULT_SEEDS, DEFAULT_VARIANTS, DEFAULT_WIDTHS, QUICK_VARIANTS, SINK_LR, SINK_SEEDS,
+    SINK_STEPS, SINK_THRESHOLD, SINK_VARIANTS, SINK_WIDTH, WIDE_SEEDS, WIDE_VARIANTS, WIDE_WIDTHS,
+    WORTSMAN_LRS, lr_sensitivity, normalises_qk, parse_variant, peak_logit, plotted_loss,
+    sink_rate, variant, variant_text,
 )
 from attnscale.study import claims as claim_rules
 from attnscale.study.registry import register
@@ -316,6 +319,71 @@ def claims(records: Sequence[dict]) -> list[dict]:
         *logit_claims(records)]
 
 
+# --- attention sinks -------------------------------------------------------------------------------
+
+def sink_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per variant of the ``sinks`` store: the sink rate (share of heads whose mean
+    weight on the first key exceeds SINK_THRESHOLD) and the largest head's first-key weight,
+    each over seeds (mean, range), and the final validation loss."""
+    rows = []
+    for var in _order(records):
+        runs = [r for r in records if variant(r) == var]
+        heaviest = [max((w for layer in r["first_key_weight"] for w in layer), default=None)
+                    if r.get("first_key_weight") else None for r in runs]
+        rows.append({"mechanism": var, "seeds": len(runs),
+                     "sink_rate": spread([sink_rate(r) for r in runs]),
+                     "first_key_max": spread(heaviest),
+                     "loss": spread([r["final_val_loss"] for r in runs])})
+    return rows
+
+
+def sink_claims(records: Sequence[dict]) -> list[dict]:
+    """Softpick's claim (Zuhri et al. 2025, arXiv 2504.20966): no attention sinks, where softmax
+    attention has them.  (1) softpick's sink rate is lower than scaled's; (2) it is 0.  Empty
+    without the ``sinks`` store's runs."""
+    cell = {r["mechanism"]: r for r in sink_rows(records)}
+    if "softpick" not in cell or "scaled" not in cell:
+        return []
+    soft, scaled = cell["softpick"]["sink_rate"], cell["scaled"]["sink_rate"]
+    if soft["mean"] is None or scaled["mean"] is None:
+        return []
+    setup = (f"width {SINK_WIDTH}, lr {SINK_LR:g}, {records[0]['config']['steps']} steps; "
+             f"sink rate = share of heads whose mean weight on the first key exceeds "
+             f"{SINK_THRESHOLD:g} (Gu et al. 2024)")
+    measured = f"softpick {claim_rules.range_text(soft)} vs scaled {claim_rules.range_text(scaled)} ({setup})"
+    if scaled["max"] == 0:
+        verdict, agrees = ("inconclusive: scaled has no sinks here (rate 0), so there is none to "
+                           "remove"), False
+    else:
+        verdict, agrees = claim_rules.verdict([claim_rules.compare(soft, scaled)], "lower")
+    out = [_claim("softpick's attention-sink rate is lower than scaled's (Zuhri et al. 2025).",
+                  "softpick lower than scaled (seed ranges apart)", measured, verdict, agrees,
+                  soft["mean"] - scaled["mean"],
+                  [soft["min"] - scaled["max"], soft["max"] - scaled["min"]])]
+    zero = soft["max"] == 0
+    out.append(_claim("softpick has no attention sinks: a sink rate of 0 (Zuhri et al. 2025).",
+                      "0 on every seed", f"softpick {claim_rules.range_text(soft)} ({setup})",
+                      "agrees" if zero else "differs: some head sinks", zero, soft["mean"],
+                      [soft["min"], soft["max"]]))
+    return out
+
+
+def _sink_markdown(records: Sequence[dict]) -> list[str]:
+    """The fragment's attention-sink section: the table of :func:`sink_rows`."""
+    c0 = records[0]["config"]
+    lines = ["#### Attention sinks", "",
+             f"The same LM at width {c0['d_model']} and lr {c0['lr']:g}, trained for "
+             f"{c0['steps']} steps; each head's mean attention weight on the first key of the "
+             "validation windows, under its normaliser.  Sink rate: the share of heads (over "
+             f"layers) above {SINK_THRESHOLD:g} (Gu et al. 2024); mean [seed min, max].", "",
+             "| mechanism | sink rate | largest first-key weight | final loss |",
+             "|---|---|---|---|"]
+    for r in sink_rows(records):
+        lines.append(f"| {r['mechanism']} | {claim_rules.range_text(r['sink_rate'])} | "
+                     f"{claim_rules.range_text(r['first_key_max'])} | {claim_rules.range_text(r['loss'])} |")
+    return lines + [""]
+
+
 # --- figures --------------------------------------------------------------------------------------
 
 def _cycle(index: int) -> str:
@@ -455,10 +523,11 @@ def figure_entropy(records: Sequence[dict]):
 
 # --- the fragment and the spec --------------------------------------------------------------------
 
-def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
-    """fragment.md: setup, LR sensitivity table, ``claim_rows`` (:func:`claims`) with their
-    verdicts, figures (headings of level 4 and below: the report puts the fragment under its own
-    level-3 title)."""
+def markdown(records: Sequence[dict], claim_rows: Sequence[dict],
+             sinks: Sequence[dict] = ()) -> str:
+    """fragment.md: setup, LR sensitivity table, the attention-sink runs (``sinks``' records,
+    when any), ``claim_rows`` (:func:`claims`) with their verdicts, figures (headings of level 4
+    and below: the report puts the fragment under its own level-3 title)."""
     rows = sensitivity_rows(records)
     widths = sorted({r["width"] for r in rows})
     cell = {(r["mechanism"], r["width"]): r for r in rows}
@@ -493,6 +562,8 @@ def markdown(records: Sequence[dict], claim_rows: Sequence[dict]) -> str:
               f"{TRAINS_WITHIN:.0%} of the best over the grid, no seed diverging: the LR, that "
               "loss (nats/byte) and the peak max attention logit over training (largest over "
               "seeds).", "", *_width_table(records, widths, best, _best_text)]
+    if sinks:
+        lines += ["", *_sink_markdown(sinks)[:-1]]
     lines += ["", "#### Claims", "", "| claim | measured | verdict |", "|---|---|---|"]
     for c in claim_rows:
         lines.append(f"| {c['claim']} | {c['measured']} | {c['verdict']} |")
@@ -547,15 +618,19 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
         check_pooling(STUDY, "lm", [*stores["lm"], *stores["wide"]],
                       where=" in its stores lm and wide")
     records = study_records(stores)
-    all_claims = claims(records)
+    sinks = [r["result"] for r in stores.get("sinks", [])]
+    all_claims = claims(records) + sink_claims(sinks)
     rows = sensitivity_rows(records)
     tables = {"sensitivity": rows, "highest_lr": highest_lr_rows(records),
               "loss_vs_lr": loss_vs_lr_rows(records), "claims": all_claims}
+    if sinks:
+        tables["sinks"] = sink_rows(sinks)
     figures = {FIGURES["loss_vs_lr"]: lambda: figure_loss_vs_lr(records),
                FIGURES["sensitivity"]: lambda: figure_sensitivity(records),
                FIGURES["logit_growth"]: lambda: figure_logit_growth(records),
                FIGURES["entropy"]: lambda: figure_entropy(records)}
-    return Analysis(markdown(records, all_claims), fragment_claims(all_claims), tables, figures,
+    return Analysis(markdown(records, all_claims, sinks), fragment_claims(all_claims), tables,
+                    figures,
                     table=rows, columns=COLUMNS, printed={"sensitivity": rows})
 
 
@@ -585,12 +660,16 @@ STUDY = register(Study(
     title="Which mechanism keeps a small LM trainable across learning rates",
     doc="Which mechanism keeps a small byte-level LM trainable across learning rates "
         "(Wortsman et al. 2023's LR sensitivity): every variant x learning rate x width x seed, "
-        "trained with their recipe, and a few variants at a wider width on one seed; claims on "
-        "the growth of LR sensitivity with width, on qk-layernorm, unscaled, softcap and the 1/√d "
-        "divisor under QK normalisation, and on the growth of attention logits.",
+        "trained with their recipe, a few variants at a wider width on one seed, and the "
+        "normalisers trained longer for their attention-sink rate; claims on the growth of LR "
+        "sensitivity with width, on qk-layernorm, unscaled, softcap and the 1/√d divisor under "
+        "QK normalisation, on the growth of attention logits, and on softpick's sinks.",
     stores={"lm": Trials("lm", _grid(DEFAULT_VARIANTS, DEFAULT_WIDTHS, DEFAULT_SEEDS), folder=""),
             "wide": Trials("lm", _grid(WIDE_VARIANTS, WIDE_WIDTHS, WIDE_SEEDS), folder="wide",
-                           default_only=True)},
+                           default_only=True),
+            "sinks": Trials("lm", {"seed": SINK_SEEDS, "variant": SINK_VARIANTS},
+                            {"d_model": SINK_WIDTH, "lr": SINK_LR, "steps": SINK_STEPS},
+                            folder="sinks", default_only=True)},
     quick={"lm": Trials("lm", _grid(QUICK_VARIANTS, DEFAULT_WIDTHS[:1], DEFAULT_SEEDS[:1]),
                         folder="")},
     quick_doc=f"{', '.join(QUICK_VARIANTS)} x {len(WORTSMAN_LRS)} LRs x width "

@@ -117,8 +117,10 @@ def _lm_tables(loaded: Loaded | None) -> dict:
     if not records:
         return {}
     rows = lm.sensitivity_rows(records)
+    sinks = [r["result"] for r in loaded.records.get("sinks", [])]
     return {"records": records, "sensitivity": rows, "highest": lm.highest_lr_rows(records),
-            "claims": lm.claims(records), "widths": sorted({r["width"] for r in rows}),
+            "claims": lm.claims(records) + lm.sink_claims(sinks),
+            "widths": sorted({r["width"] for r in rows}),
             "order": lm._order(records)}
 
 

@@ -17,7 +17,12 @@ fine-tuning:
   by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
   sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
   :class:`Tempered`) over :data:`M_GRID`, evaluates the loss at context 128·s for each, and fits
-  the minimising m (:func:`fit_minimum`).
+  the minimising m (:func:`fit_minimum`);
+* for ``mscale`` (DeepSeek's rule; with ``yarn``): trained at factor 1, where its logits are
+  scaled's bit for bit (the same model as the scaled trial of its seed), then extended like the
+  scaled model with YaRN's frequencies and, instead of the sweep, DeepSeek's softmax scale
+  mscale(s, a)² for each a in :data:`MSCALE_ALL_DIMS` (DeepSeek-V2's 0.707 and DeepSeek-V3's 1,
+  which is YaRN's own 0.1 ln s + 1): the two rules' losses on one model, exactly.
 
 YaRN (Peng et al. 2023, arXiv 2309.00071, section 3.2 "NTK-by-parts" and 3.4): for a RoPE
 dimension d of frequency θ_d and wavelength λ_d = 2π/θ_d, with r(d) = L / λ_d (L the trained
@@ -42,7 +47,10 @@ from attnscale.experiments.lm.data import DATA_PARAM, Corpus, eval_windows
 from attnscale.experiments.lm.model import LM, rope_frequencies
 from attnscale.experiments.lm.train import LMRunConfig, loss_by_position, train_lm
 from attnscale.io import json_safe
+from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.base import Mechanism, Scale
+from attnscale.mechanisms.mscale import DEEPSEEK_V2_MSCALE_ALL_DIM, DEEPSEEK_V3_MSCALE_ALL_DIM
+from attnscale.mechanisms.yarn import yarn_m
 from attnscale.measure.monitor.blocks import query_rows
 from attnscale.pipeline import Observation, observe
 from attnscale.stats import columns
@@ -58,10 +66,18 @@ YARN_BETA = 32.0
 # Multipliers m = sqrt(1/t) swept at evaluation (logits times m^2): 0.80, 0.85, ..., 1.60.
 M_STEP = 0.05
 M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
+# DeepSeek's mscale_all_dim values evaluated on the mscale trials: V2's 0.707 and V3's 1 (= YaRN's
+# own rule, m = 0.1 ln s + 1).
+MSCALE_ALL_DIMS = (DEEPSEEK_V2_MSCALE_ALL_DIM, DEEPSEEK_V3_MSCALE_ALL_DIM)
+# The mechanisms whose trials extend the context with YaRN's frequencies: scaled (the sweep of
+# √(1/t)) and mscale (DeepSeek's rule).
+YARN_MECHANISMS = ("scaled", "mscale")
 # Query-key scores per forward of entropy_by_position (B x H x N x N): bounds its batch of windows.
 ENTROPY_FLOATS = 2 ** 24
-# The section's mechanisms.
-MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid")
+# The section's mechanisms (stick-breaking, which orders the keys itself, without RoPE; mscale
+# trained at factor 1, then extended by DeepSeek's rule).
+MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "softpick",
+              "stick-breaking", "mscale")
 # Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
@@ -95,18 +111,22 @@ class Tempered(Mechanism):
 
 
 @contextlib.contextmanager
-def tempered(model: LM, m: float) -> Iterator[None]:
-    """Every layer's logits times m² inside the block (nothing changes for m = 1)."""
+def swapped(model: LM, make) -> Iterator[None]:
+    """Every layer's mechanism replaced by ``make(mechanism)`` inside the block (and put back)."""
     layers = [block.attn for block in model.blocks]
     originals = [attn.mechanism for attn in layers]
     try:
-        if m != 1.0:
-            for attn in layers:
-                attn.mechanism = Tempered(attn.mechanism, m)
+        for attn in layers:
+            attn.mechanism = make(attn.mechanism)
         yield
     finally:
         for attn, mech in zip(layers, originals):
             attn.mechanism = mech
+
+
+def tempered(model: LM, m: float):
+    """Every layer's logits times m² inside the block (nothing changes for m = 1)."""
+    return swapped(model, lambda mech: mech if m == 1.0 else Tempered(mech, m))
 
 
 @torch.no_grad()
@@ -117,7 +137,8 @@ def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor
     and reduced to per-query row statistics the way the monitor does it: the kernel's own rows
     where the computation forms the logits (``Observation.request_rows``), else the monitor's
     blockwise rows (:func:`attnscale.measure.monitor.blocks.query_rows`) from the q, k, scale,
-    cap and mask the pipeline reports; their ``entropy`` column is averaged over windows and
+    cap, offset, mask and normaliser the pipeline reports (the entropy of each normaliser's own
+    weights, :mod:`attnscale.stats`); their ``entropy`` column is averaged over windows and
     heads.  A call belongs to the layer whose attention module is running (a forward pre-hook
     on each block's ``attn``, removed on the way out).
     """
@@ -135,7 +156,8 @@ def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor
             return
         if not obs.request_rows(lambda rows: add(layer, rows)):
             add(layer, query_rows(obs.q, obs.k, scale=obs.scale, cap=obs.cap, mask=obs.mask,
-                                  causal=obs.causal))
+                                  causal=obs.causal, offset=obs.offset,
+                                  normaliser=obs.normaliser, sink=obs.sink))
 
     def enter(i: int):
         return lambda module, args: running.__setitem__(0, i)
@@ -197,7 +219,8 @@ def _split(config: dict) -> tuple[LMRunConfig, list[int], list[int] | None]:
     config = dict(config)
     lengths = parse_int_list("lengths", config.pop("lengths"), minimum=1)
     factors = parse_int_list("yarn_factors", config.pop("yarn_factors"), minimum=2)
-    yarn = config.pop("yarn") and config["mechanism"] == "scaled"  # YaRN extends scaled only
+    # YaRN extends scaled (its sweep) and mscale (DeepSeek's rule) only.
+    yarn = config.pop("yarn") and config["mechanism"] in YARN_MECHANISMS
     # The length rules start at the training context: llama4-temp's floor_scale, logn's train_len.
     options = {"llama4-temp": {"floor_scale": float(config["seq_len"])},
                "logn": {"train_len": int(config["seq_len"])}}.get(config["mechanism"], {})
@@ -210,6 +233,28 @@ def _split(config: dict) -> tuple[LMRunConfig, list[int], list[int] | None]:
 
 def _check(config: dict) -> None:
     _split(config)
+
+
+def mscale_losses(model: LM, corpus: Corpus, run: LMRunConfig, base: Tensor,
+                  factors: Sequence[int]) -> list[dict]:
+    """Validation loss at context ``seq_len``·s for each s in ``factors``, the model extended by
+    YaRN's frequencies and run with DeepSeek's softmax scale (``mscale`` with that factor) for
+    each mscale_all_dim in :data:`MSCALE_ALL_DIMS`: one row per (s, a) with the per-vector
+    multiplier m (the logits times m²)."""
+    rows = []
+    for s in factors:
+        n = run.seq_len * s
+        model.set_rope(yarn_frequencies(base, s, run.seq_len), n)
+        windows = eval_windows(corpus.val, run.eval_windows, n)
+        for a in MSCALE_ALL_DIMS:
+            def make(mech: Mechanism, s=s, a=a) -> Mechanism:
+                return build_mechanism("mscale", mech.d_head, mech.n_heads, factor=float(s),
+                                       mscale_all_dim=a)
+            with swapped(model, make):
+                loss = float(loss_by_position(model, windows, batch_size=run.batch_size).mean())
+            rows.append({"factor": s, "length": n, "mscale_all_dim": a, "m": yarn_m(s, a),
+                         "loss": loss})
+    return rows
 
 
 @experiment("lm-length", params=_params(), check=_check, threads=1)
@@ -230,6 +275,10 @@ def lm_length(**config) -> dict:
         out["entropy_by_position"] = entropy_by_position(
             model, inputs, batch_size=entropy_batch(model.config.n_heads, longest)).tolist()
         if factors is None:
+            return
+        if run.mechanism == "mscale":
+            out["mscale"] = mscale_losses(model, corpus, run, base, factors)
+            model.set_rope(base, run.seq_len)
             return
         out["yarn"] = []
         for s in factors:

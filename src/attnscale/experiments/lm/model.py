@@ -25,7 +25,9 @@ mean subtraction differs.  We keep the pipeline order so that the logits the mon
 study measure are exactly the ones the softmax receives.
 
 RoPE's frequencies are an argument of :func:`rope_tables`, and :meth:`LM.set_rope` swaps them
-(and the context length): the hook a length study uses for YaRN-scaled frequencies.
+(and the context length): the hook a length study uses for YaRN-scaled frequencies.  A mechanism
+that carries the order of the keys itself (``orders_keys``: stick-breaking, whose paper uses no
+positional encoding, Tan et al. 2024) gets q and k without RoPE.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class CausalSelfAttention(nn.Module):
                                          **dict(config.options))
         # After W_Q and W_K have their init: init-reparam rescales it, sigma-reparam starts at it.
         self.mechanism.init_projections(self.w_q, self.w_k)
+        # The mechanism orders the keys itself (stick-breaking): no positional encoding.
+        self.uses_rope = not getattr(self.mechanism, "orders_keys", False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, n, d = x.shape                                          # (B, N, d_model)
@@ -149,8 +153,9 @@ class CausalSelfAttention(nn.Module):
         def heads(t: Tensor) -> Tensor:
             return t.view(b, n, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, N, d)
 
-        q = apply_rope(heads(self.w_q(x)), cos, sin)               # (B, H, N, d)
-        k = apply_rope(heads(self.w_k(x)), cos, sin)               # (B, H, N, d)
+        q, k = heads(self.w_q(x)), heads(self.w_k(x))              # (B, H, N, d)
+        if self.uses_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, N, d)
         v = heads(self.w_v(x))                                     # (B, H, N, d)
         gate = self.mechanism.gate_values(x) if self.mechanism.gate else None  # (B, H, N, 1|d)
         # The one pipeline; its observers (the monitor) see this call.

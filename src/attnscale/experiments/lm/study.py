@@ -26,7 +26,10 @@ WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 # The default study: these variants x WORTSMAN_LRS x DEFAULT_WIDTHS x DEFAULT_SEEDS.
 DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=False)",
                     "qk-rmsnorm", "cosine", "softcap", "sigma-reparam", "mup", "sink", "sigmoid",
-                    "gated", "adaptive-temp")
+                    "gated", "adaptive-temp",
+                    # the normalisers without sinks, DeepSeek-V3's softmax scale (its YaRN
+                    # factor 40) and OLMo 2's q/k norm over the whole projection
+                    "softpick", "stick-breaking", "mscale(factor=40.0)", "qk-rmsnorm(over=model)")
 DEFAULT_WIDTHS = (64, 128)
 DEFAULT_SEEDS = (0, 1)
 # The default study also runs these variants at WIDE_WIDTHS on WIDE_SEEDS, so that LR sensitivity
@@ -35,6 +38,20 @@ DEFAULT_SEEDS = (0, 1)
 WIDE_VARIANTS = ("scaled", "qk-layernorm", "softcap", "sink")
 WIDE_WIDTHS = (256,)
 WIDE_SEEDS = (0,)
+# The attention-sink runs: these variants x SINK_SEEDS, at SINK_WIDTH and SINK_LR for SINK_STEPS
+# (four times the LR sweep's: sinks emerge with training, Gu et al. 2024), each recording every
+# head's mean weight on the first key.  scaled has softmax sinks to remove; softpick is the claim
+# (Zuhri et al. 2025); sink gives softmax a sink of its own, sigmoid and stick-breaking have no
+# row sum to keep.
+SINK_VARIANTS = ("scaled", "softpick", "sink", "sigmoid", "stick-breaking")
+SINK_SEEDS = (0, 1)
+SINK_WIDTH = 128
+SINK_LR = 1e-2
+SINK_STEPS = 2000
+# A head sinks when its mean attention weight on the first key exceeds this (Gu et al. 2024,
+# "When Attention Sink Emerges in Language Models", arXiv 2410.10781: ε = 0.3; the softpick paper
+# measures its sink rate so).
+SINK_THRESHOLD = 0.3
 # --quick: these x WORTSMAN_LRS x the smallest width x one seed.
 QUICK_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "softcap")
 
@@ -97,3 +114,14 @@ def normalises_qk(mechanism: str, options: dict | None = None) -> bool:
     """Whether a mechanism normalises q and k (its logits do not change when q and k are
     scaled): the ``normalises_qk`` it declares, so no list of names is kept."""
     return bool(MECHANISMS[check_mechanism(mechanism)].normalises_qk)
+
+
+def sink_rate(record: dict) -> float | None:
+    """The share of a run's heads (over layers) whose mean weight on the first key exceeds
+    :data:`SINK_THRESHOLD` (Gu et al. 2024's Sink_1); None for a run without the record (a
+    diverged run, or one recorded before runs kept it)."""
+    weights = record.get("first_key_weight")
+    if not weights:
+        return None
+    heads = [w for layer in weights for w in layer]
+    return sum(w > SINK_THRESHOLD for w in heads) / len(heads)

@@ -20,7 +20,10 @@ of training, the one part of a record that depends on the machine), the training
 the z-loss term), the gradient norm per step (before clipping), the validation loss at init and
 at the end (nats and bits per byte), and every :attr:`LMRunConfig.monitor_every` steps, per layer,
 the max |attention logit| (after the mechanism: what enters the softmax), the min and mean over
-heads of the mean attention entropy (nats), read by :func:`attnscale.guard`, plus the max |output logit|.
+heads of the mean attention entropy (nats), read by :func:`attnscale.guard`, plus the max |output logit|;
+and, for the trained model on the validation windows, each head's mean weight on the first key
+(``first_key_weight``, per layer and head, under the mechanism's normaliser): what the
+attention-sink rate counts (Gu et al. 2024, arXiv 2410.10781).
 
 A run *diverges* when a training loss is not finite (training stops there) or when its final
 validation loss is above its loss at init.  That is a result (``diverged: true``), never an error.
@@ -45,6 +48,8 @@ from attnscale.experiments.lm.data import Corpus, eval_windows, load_corpus, sam
 from attnscale.experiments.lm.model import LM, MLP_RATIO, VOCAB_SIZE, LMConfig, build_lm
 from attnscale.io import json_safe
 from attnscale.guard import guard
+from attnscale.measure.monitor.blocks import first_key_weight
+from attnscale.pipeline import observe
 from attnscale.memory import check_memory
 from attnscale.rng import rng
 from attnscale.workers import check_device, num_threads
@@ -216,6 +221,36 @@ def loss_by_position(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: i
         model.train(was_training)
 
 
+@torch.no_grad()
+def first_key_weights(model: LM, windows: tuple[Tensor, Tensor], *, batch_size: int,
+                      device: str = "cpu", bf16: bool = False) -> list[list[float]]:
+    """Each head's mean attention weight on the first key of the windows (inputs, targets),
+    under the mechanism's normaliser, over every query (all see it under causality):
+    ``[layer][head]``.  The attention-sink rate of Gu et al. 2024 (arXiv 2410.10781) counts the
+    heads where this exceeds a threshold."""
+    was_training = model.training
+    model.eval()
+    n_layers = len(model.blocks)
+    totals: list = [None] * n_layers
+    calls = [0]
+
+    def take(seen) -> None:  # one call per layer, in order, per forward
+        layer = calls[0] % n_layers
+        calls[0] += 1
+        total, rows = first_key_weight(seen)
+        totals[layer] = (total, rows) if totals[layer] is None else \
+            (totals[layer][0] + total, totals[layer][1] + rows)
+
+    try:
+        with observe(take):
+            for lo in range(0, len(windows[0]), batch_size):
+                with _autocast(device, bf16):
+                    model(windows[0][lo:lo + batch_size].to(device))
+    finally:
+        model.train(was_training)
+    return [(total / rows.clamp(min=1)).tolist() for total, rows in totals]
+
+
 def evaluate(model: LM, windows: tuple[Tensor, Tensor], config: LMRunConfig) -> float:
     """Mean next-byte cross-entropy (nats per byte) over the validation windows."""
     return float(loss_by_position(model, windows, batch_size=config.batch_size,
@@ -293,6 +328,8 @@ def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
         wall = time.perf_counter() - start
         steps_done = t + 1
         final = evaluate(model, windows, config) if diverged_step is None else math.nan
+        sinks = None if diverged_step is not None else first_key_weights(
+            model, windows, batch_size=config.batch_size, device=config.device, bf16=config.bf16)
         if after is not None:
             after(model, corpus)
     diverged = diverged_step is not None or not math.isfinite(final) or final > loss_init
@@ -302,7 +339,7 @@ def train_lm(config: LMRunConfig | Mapping[str, Any] | None = None, *,
         "loss_init": loss_init, "final_val_loss": final, "final_val_bpb": final * LOG2E,
         "diverged": diverged, "diverged_step": diverged_step, "steps_done": steps_done,
         "train_loss": losses[:steps_done].tolist(), "grad_norm": grad_norms[:steps_done].tolist(),
-        "trace": trace,
+        "trace": trace, "first_key_weight": sinks,
         # Apart from this entry a record is the same bytes for the same config on any machine.
         "timing": {"tokens_per_second": steps_done * config.batch_size * config.seq_len / wall,
                    "train_seconds": wall}})

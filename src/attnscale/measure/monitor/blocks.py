@@ -19,7 +19,7 @@ from torch import Tensor
 from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.mechanisms.base import inv_sqrt
-from attnscale.pipeline import MASKED_BIAS, Scale
+from attnscale.pipeline import MASKED_BIAS, Observation, Scale, key_mask, logits, normalise
 from attnscale.precision import work_dtype
 from attnscale.stats import columns, row_mass, row_stats
 from attnscale.workers import parallel_map, workers_for
@@ -194,12 +194,18 @@ def logit_stats(z: Tensor, *, normaliser: str = "softmax", sink: Tensor | None =
 
 def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-               block: int = DEFAULT_BLOCK) -> Tensor:
-    """The row statistics of every query, blockwise like :func:`head_stats` (same arguments):
-    float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats`, a query
+               block: int = DEFAULT_BLOCK, offset: float | Tensor = 0.0,
+               normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+    """The row statistics of every query, blockwise like :func:`head_stats` (same arguments, and
+    the logit ``offset``, the ``normaliser`` and its ``sink`` logits, as a pipeline
+    :class:`~attnscale.pipeline.Observation` reports them): float64 (B, H, Nq,
+    len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats` under that normaliser, a query
     with no key to attend all zeros.  For statistics by query position."""
     parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
-                    causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+                    causal_offset=causal_offset, block=check_int("block", block, minimum=1),
+                    offset=offset, normaliser=normaliser, sink=sink)
+    if normaliser != "softmax":  # (rows, key mass) per block: the rows
+        parts = [(i0, None if part is None else part[0]) for i0, part in parts]
     b, h, n_q = q.shape[0], q.shape[-3], q.shape[-2]
     return torch.cat([part if part is not None else
                       torch.zeros(b, h, min(block, n_q - i0), len(ROW_STATS_COLUMNS),
@@ -310,3 +316,42 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     # Another normaliser: its statistics (attnscale.stats) and each row's key mass.
     return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink),
             row_mass(z, normaliser, sink))
+
+
+def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[Tensor, Tensor]:
+    """The weight each query of one pipeline call puts on the first key, under the call's
+    normaliser: ``(sum, rows)``, each float64 (H,), over the (batch, query) rows that attend key
+    0.  ``sum / rows`` is a head's mean weight on the first key, the quantity of the attention-sink
+    rate (Gu et al. 2024, arXiv 2410.10781: a head sinks when it exceeds a threshold; the
+    softpick paper, arXiv 2504.20966, measures its normaliser by it).
+
+    From the observation's q and k (or the logits handed to ``observe_logits``), ``block``
+    queries at a time: the weights of whole rows are formed, O(B · H · block · Nk) memory.
+    """
+    with torch.no_grad():
+        if seen.logits is not None:  # formed by the model, masked at -inf
+            z_all = seen.logits.to(work_dtype(seen.logits.dtype))
+            keep_all = None
+        else:
+            work = work_dtype(seen.q.dtype)
+            q, k = seen.q.detach().to(work), seen.k.detach().to(work)
+            keep_all = key_mask(seen.mask, seen.causal, q, k)
+        n_q = z_all.shape[-2] if seen.logits is not None else q.shape[-2]
+        total = rows = None
+        for i0 in range(0, n_q, block):
+            if seen.logits is not None:
+                z = z_all[..., i0:i0 + block, :]
+            else:
+                scale, offset = _rows(seen.scale, i0, i0 + block), _rows(seen.offset, i0,
+                                                                         i0 + block)
+                z = logits(q[..., i0:i0 + block, :], k, scale, seen.cap, offset)
+                if keep_all is not None:
+                    keep = _rows(keep_all, i0, i0 + block).expand(z.shape)
+                    z = z.masked_fill(~keep, -math.inf)
+            sees = ~torch.isneginf(z[..., 0])                          # (B, H, Nb)
+            p0 = normalise(z, seen.normaliser, seen.sink)[..., 0]      # (B, H, Nb)
+            part = torch.where(sees, p0, 0.0).double().sum(dim=(0, 2))
+            count = sees.double().sum(dim=(0, 2))
+            total = part if total is None else total + part
+            rows = count if rows is None else rows + count
+        return total, rows
