@@ -17,12 +17,13 @@ def _data(n: int = 24, seed: int = 1) -> list[dict]:
     return [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (n, SEQ), generator=g)]
 
 
-def _trainer(model, tmp_path, callbacks, steps: int = 6, report_to=()):
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=0.05,
-        max_steps=steps, logging_steps=1000, report_to=list(report_to), save_strategy="no",
-        use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0, seed=0,
-        dataloader_drop_last=True)
+def _trainer(model, tmp_path, callbacks, steps: int = 6, report_to=(), **options):
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
+        "learning_rate": 0.05, "max_steps": steps, "logging_steps": 1000,
+        "report_to": list(report_to), "save_strategy": "no", "use_cpu": True,
+        "disable_tqdm": True, "lr_scheduler_type": "constant", "warmup_steps": 0, "seed": 0,
+        "dataloader_drop_last": True, **options})
     return transformers.Trainer(model=model, args=args, train_dataset=_data(),
                                 callbacks=callbacks)
 
@@ -50,12 +51,12 @@ def test_trainer_with_strict_clip_bounds_every_head(family, tmp_path):
     model = make_hf(family)
     kept = _last_batch(model)
     callback = TemperatureCallback(qk_clip=tau, strict=True, every=2, alarm_logit=None)
-    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"])
+    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"], logging_steps=2)
     trainer.train()
     assert float(true_max_logits(model, kept["batch"]).max()) <= tau * (1 + 1e-5)
-    # the per-layer scalars are in the Trainer's own logs, at the recorded steps
+    # the per-layer scalars join the Trainer's own log events
     logged = [h for h in trainer.state.log_history if "attnscale/logit_max/layer0" in h]
-    assert [h["step"] for h in logged] == [1, 2, 4, 6]
+    assert [h["step"] for h in logged if "loss" in h] == [2, 4, 6]
     assert all("attnscale/entropy_mean_min/layer1" in h for h in logged)
     assert sorted({r["step"] for r in callback.guard.records}) == [1, 2, 4, 6]
     assert any(r["clip_gamma"] < 1 for r in callback.guard.records)
