@@ -113,7 +113,7 @@ from attnscale.guard.log import (
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.kernels.peak import head_peaks
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
-from attnscale.measure.monitor.observer import Monitor, recomputing, uncompiled_name
+from attnscale.measure.monitor.observer import Monitor, module_names, recomputing
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
@@ -274,12 +274,13 @@ class Guard:
             raise ConfigError("attnscale.guard cannot see Hugging Face attn_implementation="
                               "'eager' (it forms the softmax by hand); load the model with "
                               "attn_implementation='sdpa' or 'attnscale' (Gemma 2: 'attnscale').")
-        # Built now, so a layer the clip cannot handle is refused before any training.  Named as
-        # the observer names modules (a compiled wrapper's _orig_mod left out).
+        # Built now, so a layer the clip cannot handle is refused before any training.  Keyed by
+        # the name the observer gives the layer's module (a compiled wrapper's _orig_mod left out).
         sites = clip_sites(model) if self.qk_clip is not None else []
-        self.sites = {uncompiled_name(s.name): s for s in sites}
-        modules = dict(model.named_modules())
-        self._site_modules = {uncompiled_name(s.name): modules.get(s.name, model) for s in sites}
+        modules, names = dict(model.named_modules()), module_names(model)
+        modules[type(model).__name__] = modules.get(type(model).__name__, model)  # the root's
+        self._site_modules = {names[modules[s.name]]: modules[s.name] for s in sites}
+        self.sites = {names[modules[s.name]]: s for s in sites}
         self.owner = "attnscale.guard"  # named in the error refusing a second clipping guard
         self.records: list[dict] = []
         self.latest: dict[str, float] = {}  # per-layer scalars of the last recorded step

@@ -67,11 +67,18 @@ def _eager(method):
     return torch.compiler.disable(method)
 
 
-def uncompiled_name(name: str) -> str:
-    """A qualified module name as in the model before ``torch.compile``: the compiled wrapper's
-    ``_orig_mod`` segments left out (``_orig_mod.model.layers.0`` -> ``model.layers.0``)."""
-    parts = [p for p in name.split(".") if p != COMPILED_SEGMENT]
-    return ".".join(parts)
+def module_names(model: nn.Module) -> dict[nn.Module, str]:
+    """Every module of ``model`` -> the name observations are attributed to: its qualified name
+    as in the model before ``torch.compile`` (the compiled wrapper's ``_orig_mod`` segments left
+    out: ``_orig_mod.model.layers.0`` -> ``model.layers.0``), the model's class name for the
+    root (the compiled module's class for a compiled root)."""
+    inner = getattr(model, COMPILED_SEGMENT, None)
+    root = type(inner if isinstance(inner, nn.Module) else model).__name__
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(module, ".".join(p for p in name.split(".") if p != COMPILED_SEGMENT)
+                         or root)
+    return names
 
 
 class _SdpaTap:
@@ -166,11 +173,10 @@ class Monitor:
         if self._handles:
             raise RuntimeError("this monitor is already active")
         try:
-            root = type(self.model).__name__
+            self._names = module_names(self.model)
             push, pop, observe = _eager(self._push), _eager(self._pop), _eager(self._observe)
             self._sdpa_observer = _eager(self._observe_sdpa)
-            for name, module in self.model.named_modules():
-                self._names[module] = uncompiled_name(name) or root
+            for module in self._names:
                 self._handles.append(module.register_forward_pre_hook(push, with_kwargs=True))
                 # always_call: the stack is popped even when the forward raises.
                 self._handles.append(module.register_forward_hook(pop, always_call=True))
