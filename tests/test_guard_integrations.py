@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 import transformers
 
+from attnscale.guard import read_log
 from attnscale.hf import TemperatureCallback
 from test_guard import VOCAB, SEQ, make_hf, true_max_logits
 
@@ -171,6 +173,45 @@ def test_cli_plot_bad_logs_exit_2(cli, tmp_path, make, extra, match):
     make(log)
     code, _, err = cli("guard", "plot", str(log), "--out", str(tmp_path / "f.png"), *extra)
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_cli_plot_leaves_a_torn_last_line_out_and_says_so_once(cli, guard_log, tmp_path):
+    """What a killed run leaves: every record it wrote, then half a line."""
+    torn = tmp_path / "torn.jsonl"
+    text = guard_log.read_text()
+    torn.write_text(text + text.splitlines()[0][:40])
+    out = tmp_path / "fig.png"
+    code, _, err = cli("guard", "plot", str(torn), "--out", str(out))
+    assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    assert len(err.strip().splitlines()) == 1 and "torn line" in err and "left out" in err
+    with pytest.warns(RuntimeWarning, match="torn line"):
+        assert len(read_log(torn)) == len(text.splitlines())
+    whole = tmp_path / "whole.jsonl"  # a complete record lacking only its newline is a record
+    whole.write_text(text.rstrip("\n"))
+    assert len(read_log(whole)) == len(text.splitlines())
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("step", "x", "step must be an integer >= 0, got 'x'"),
+    ("layer", None, "layer must be an integer >= 0, got None"),
+    ("head", -1, "head must be an integer >= 0"),
+    ("queries", True, "queries must be an integer"),
+    ("logit_max", "big", "logit_max must be a number or null"),
+    ("module", 3, "module must be a module name"),
+    ("alarm", "fire", "alarm must be a comma-separated list"),
+])
+def test_cli_plot_refuses_a_malformed_value_naming_file_line_and_field(cli, guard_log, tmp_path,
+                                                                        field, value, match):
+    lines = guard_log.read_text().splitlines()
+    row = json.loads(lines[2])
+    row[field] = value
+    lines[2] = json.dumps(row)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    code, _, err = cli("guard", "plot", str(bad), "--out", str(tmp_path / "f.png"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "bad.jsonl' line 3: " in err and match in err
     assert not (tmp_path / "f.png").exists()
 
 
