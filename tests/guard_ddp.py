@@ -55,3 +55,43 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
             torch.save(full, f"{out}/fsdp.pt")
     finally:
         dist.destroy_process_group()
+
+
+def records_worker(rank: int, port: int, out: str) -> None:
+    """DistributedDataParallel, each rank its own batch (rank 1's logits larger), a log and a
+    stop alarm that only rank 1's batch would fire: the records, the alarm and the log are the
+    global batch's, on every rank."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(16, 2)
+        ddp = DistributedDataParallel(mha)
+        opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+        with attnscale.guard(mha, optimizer=opt, qk_clip=2.0, every=1, alarm_logit=ALARM,
+                             on_alarm="stop", log=f"{out}/guard.jsonl") as g:
+            for step in range(2):
+                rank_batch(rank, step, ddp).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                g.step(step)
+        torch.save({"records": g.records, "stop": g.should_stop,
+                    "w": {k: v.detach() for k, v in mha.state_dict().items()}},
+                   f"{out}/records{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# Above rank 0's largest logit, below rank 1's.
+ALARM = 3.0
+
+
+def rank_batch(rank: int, step: int, model):
+    """Rank ``rank``'s batch at ``step`` through ``model``: (2, 8 or 12, 16)."""
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    x = torch.randn(2, 8 + 4 * rank, 16, generator=g)
+    return model(x * (3.0 if rank == 1 else 1.0))
