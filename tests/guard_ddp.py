@@ -13,12 +13,15 @@ from attnscale import MultiHeadAttention
 
 @contextlib.contextmanager
 def gloo(rank: int, port: int):
-    """Rank ``rank`` of a two-process gloo group for the block, one thread."""
+    """Rank ``rank`` of a two-process gloo group for the block, one thread; a collective that
+    waits a minute for the other rank fails rather than hanging the test."""
+    import datetime
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         yield
     finally:
