@@ -432,6 +432,15 @@ def test_a_compiled_model_is_observed_and_clipped_as_run_eagerly(quiet):
     assert got.records[0]["module"] == "blocks.0"
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    # the monitor sees the compiled model as the guard does
+    compiled = torch.compile(eager, backend="aot_eager")
+    with attnscale.monitor(compiled) as seen:
+        compiled(xs[0])
+    with attnscale.monitor(eager) as want:
+        eager(xs[0])
+    assert [r["module"] for r in seen.records] == ["blocks.0"] * HEADS
+    assert_close(torch.tensor([r["entropy_mean"] for r in seen.records]),
+                 torch.tensor([r["entropy_mean"] for r in want.records]))
 
 
 # ---------------------------------------------------------------------------------------------
