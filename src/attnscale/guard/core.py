@@ -267,6 +267,8 @@ class Guard:
         self.force = force
         if log is not None and self.resume is not None and not force and _is_guard_log(log):
             force = True  # a stopped run's log is appended to, however it ended
+        if _rank() != 0:
+            force = True  # rank 0 writes the log (and may have created it); this one never
         self.log = None if log is None else check_output_path("log", log, suffixes=(".jsonl",),
                                                              force=force)
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)

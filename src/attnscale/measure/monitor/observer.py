@@ -352,7 +352,8 @@ class Monitor:
         """Log what was observed since the last flush to the writer at step ``self.step``.
 
         Tags: ``attnscale/<stat>/layer<L>/head<h>`` and the head-pooled ``attnscale/<stat>/layer<L>``.
-        Called at the end of every forward pass of the monitored model and on a clean exit.
+        Called at the end of every forward pass of the monitored model (wherever it entered)
+        and on a clean exit.
         """
         if self.writer is None or not self._pending:
             self._pending.clear()
