@@ -378,6 +378,11 @@ def test_hf_trainer_resume_keeps_the_log_and_the_references(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
         same_records(read_log(log), whole.guard.records)
     assert [r["step"] for r in read_log(log)][::8] == [1, 2, 3, 4, 5, 6]
+    # without a log, the references come from the checkpoint alone
+    bare = TemperatureCallback(every=1, alarm_logit=None)
+    _trainer(make_hf("llama"), tmp_path, [bare], **options).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    same_records(bare.guard.records, whole.guard.records[3 * 8:])
 
 
 def test_hf_restore_refuses_an_option_a_checkpoint_cannot_hold(tmp_path):
@@ -413,6 +418,9 @@ def test_lightning_resume_keeps_the_log_and_the_references(tmp_path, quiet):
     trainer.fit(_lit(Stack(seed=1)), _loader(xs), ckpt_path=str(ckpt))
     assert isinstance(trainer, lightning.Trainer)
     same_records(read_log(log), whole.guard.records)
+    bare = LightningCallback(every=1, alarm_logit=None)  # the checkpoint's references alone
+    _lightning(tmp_path, [bare]).fit(_lit(Stack(seed=1)), _loader(xs), ckpt_path=str(ckpt))
+    same_records(bare.guard.records, whole.guard.records[3 * 2 * HEADS:])
 
 
 # ---------------------------------------------------------------------------------------------
