@@ -5,6 +5,7 @@ that gets its class of case wrong; tiny models, CPU, a few steps."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import warnings
@@ -115,9 +116,10 @@ def _lightning(tmp_path, callbacks, **options):
         "devices": 1, "default_root_dir": str(tmp_path), **options})
 
 
-def _lit(stack: nn.Module, lr: float = 0.5, split: bool = False):
+def _lit(stack: nn.Module, lr: float = 0.5, split: bool = False, log_loss: bool = False):
     """The usual LightningModule: ``training_step`` calls the model it holds (never itself);
-    ``split`` feeds a projection's output to the model instead (an activation)."""
+    ``split`` feeds a projection's output to the model instead (an activation); ``log_loss``
+    logs the loss as "loss"."""
     import lightning
 
     class Lit(lightning.LightningModule):
@@ -130,7 +132,10 @@ def _lit(stack: nn.Module, lr: float = 0.5, split: bool = False):
             (x,) = batch
             if self.proj is not None:
                 x = self.proj(x)
-            return self.model(x).square().mean().neg()
+            loss = self.model(x).square().mean().neg()
+            if log_loss:
+                self.log("loss", loss)
+            return loss
 
         def validation_step(self, batch, index):
             (x,) = batch
@@ -477,3 +482,28 @@ def test_hf_callback_leaves_the_trainers_loss_log_as_it_is(tmp_path):
                 if window[0] <= r["step"] <= window[1] and r["layer"] == 0]
         assert event["attnscale/logit_max/layer0"] == max(r["logit_max"] for r in rows)
         assert event["attnscale/entropy_mean_min/layer0"] == min(r["entropy_mean"] for r in rows)
+
+
+def test_lightning_loggers_get_every_recorded_step_and_their_own_log_unchanged(tmp_path, quiet):
+    """Lightning logs its own metrics every log_every_n_steps; the guard's scalars reach the
+    loggers at each recorded step, and Lightning's own rows are those without the callback."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from attnscale.lightning import TemperatureCallback as LightningCallback
+
+    def metrics(name: str, callbacks) -> list[dict]:
+        logger = CSVLogger(tmp_path, name=name, version=0)
+        _lightning(tmp_path, callbacks, logger=logger, log_every_n_steps=4).fit(
+            _lit(Stack(), log_loss=True), _loader(inputs(6)))
+        with open(tmp_path / name / "version_0" / "metrics.csv") as fh:
+            return list(csv.DictReader(fh))
+
+    plain = metrics("plain", [])
+    watched = metrics("watched", [LightningCallback(every=2, alarm_logit=None)])
+    tag = "attnscale/logit_max/layer0"
+    assert [(r["step"], r["loss"]) for r in watched if r.get("loss")] == \
+        [(r["step"], r["loss"]) for r in plain if r.get("loss")]
+    # recorded steps 1, 2, 4, 6 (global_step after each batch) at Lightning's own step of their
+    # batch: the 4th batch's loss row is at step 3
+    assert sorted(int(r["step"]) for r in watched if r.get(tag)) == [0, 1, 3, 5]
+    assert [int(r["step"]) for r in plain if r.get("loss")] == [3]

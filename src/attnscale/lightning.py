@@ -16,8 +16,9 @@ or submodules one by one); validation, sanity checks and prediction run in eval 
 and are never recorded.
 
 **Logging.**  On a recorded step the guard's per-layer scalars (:attr:`attnscale.guard.Guard.
-latest`) go to every logger of the trainer at that step (``logger.log_metrics``), whether or not
-the trainer logs its own metrics there (``log_every_n_steps``), and to ``trainer.callback_metrics``
+latest`) go to every logger of the trainer (``logger.log_metrics``) at the step Lightning logs
+that batch's own metrics at, whether or not it logs them there (``log_every_n_steps``), and to
+``trainer.callback_metrics``
 (``pl_module.log_dict(..., logger=False)``, so ``EarlyStopping`` or ``ModelCheckpoint`` may
 monitor them).  Lightning's own logging is left as it is.  The per-head records stay in
 ``callback.guard.records`` and the JSONL ``log``.  ``on_alarm="stop"`` sets
@@ -75,8 +76,11 @@ class TemperatureCallback(GuardCallback, Callback):
             return  # no optimizer step since the last call (gradient accumulation)
         self._last_step = step = trainer.global_step
         if self.guard.step(step) and self.guard.latest:
+            # At the step Lightning logs this batch's own metrics at (as its DeviceStatsMonitor
+            # and LearningRateMonitor do): the batches stepped before this one.
+            at = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step - 1)
             for logger in trainer.loggers:
-                logger.log_metrics(self.guard.latest, step=step)
+                logger.log_metrics(self.guard.latest, step=at)
             pl_module.log_dict(self.guard.latest, on_step=True, on_epoch=False, logger=False)
         if self.guard.should_stop:
             trainer.should_stop = True
