@@ -505,10 +505,23 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
     ({"alarm_logit": 0}, "alarm_logit must be > 0"),
     ({"log": ""}, "log must be a path"),
     ({"log": "x.txt"}, "log 'x.txt' must end in one of .jsonl"),
+    ({"resume": -1}, "resume must be >= 0"),
+    ({"resume": 2.5}, "resume must be an integer"),
 ])
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(ConfigError, match=match) as err:
         attnscale.guard(MultiHeadAttention(16, 2), **options)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("state, match", [
+    ({}, "version None"),
+    ({"version": 1, "layers": {}, "first": [["a", 0]], "active": []}, "not enough values"),
+    ({"version": 1, "layers": [], "first": [], "active": []}, "items"),
+])
+def test_load_state_dict_refuses_what_is_not_a_guard_state(state, match):
+    with pytest.raises(ConfigError, match=f"not a guard state_dict.*{match}") as err:
+        attnscale.guard(MultiHeadAttention(16, 2)).load_state_dict(state)
     assert "\n" not in str(err.value)
 
 

@@ -92,9 +92,10 @@ def test_trainer_stops_on_alarm(tmp_path):
     assert trainer.state.global_step < 20
 
 
-def test_callback_refuses_a_model_argument():
-    with pytest.raises(TypeError, match="finds the model itself"):
-        TemperatureCallback(model=torch.nn.Linear(2, 2))
+@pytest.mark.parametrize("option", ["model", "optimizer", "resume"])
+def test_callback_refuses_what_the_trainer_supplies(option):
+    with pytest.raises(TypeError, match=f"finds the {option} itself"):
+        TemperatureCallback(**{option: None})
 
 
 def test_lightning_module_records(tmp_path):
