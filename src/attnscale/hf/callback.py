@@ -29,8 +29,10 @@ callbacks in order), so it moves itself to the front of the Trainer's list when 
 saved in each checkpoint's ``trainer_state.json``; a resumed run continues the log after a resume
 mark (the records a stopped run wrote past the checkpoint are superseded) with those references.
 With ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds the callback from the
-checkpoint: an option a checkpoint cannot hold (``writer``, a callable ``on_alarm``) is then
-refused with a one-line error, since the rebuilt callback would silently run without it.
+checkpoint and runs the rebuilt one instead of the object passed in (find its guard in
+``trainer.callback_handler.callbacks``); an option a checkpoint cannot hold (``writer``, a
+callable ``on_alarm``) is then refused with a one-line error, since the rebuilt callback would
+silently run without it.
 
 The Trainer tells its callbacks when training ends, but not when it raises: after a
 ``trainer.train()`` that raised, call ``callback.close()`` to detach the guard (the next
