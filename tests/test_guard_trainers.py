@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
@@ -23,7 +22,7 @@ from attnscale.errors import ConfigError
 from attnscale.guard import read_log
 from attnscale.hf import TemperatureCallback
 from test_guard import batches, make_hf
-from test_guard_integrations import _data, _trainer
+from test_guard_integrations import _trainer
 
 D, HEADS, SEQ = 16, 2, 8
 

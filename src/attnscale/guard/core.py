@@ -108,7 +108,7 @@ from attnscale.columns import MONITOR_SUMMARIES
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.guard.clip import clip_sites
 from attnscale.guard.log import (
-    ALARMS, GUARD_KEYS, LATER_KEYS, LogScan, read_log, repair_log, resume_mark, scan_log,
+    ALARMS, GUARD_KEYS, LogScan, read_log, repair_log, resume_mark, scan_log,
 )
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.kernels.peak import head_peaks
