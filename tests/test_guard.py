@@ -438,6 +438,35 @@ def test_data_parallel_clip_uses_the_max_over_ranks(tmp_path):
     assert not torch.equal(fresh.w_q.weight, r0["w_q"])  # it did clip
 
 
+def test_data_parallel_records_and_alarms_are_the_global_batchs_on_every_rank(tmp_path):
+    """Ranks with their own batches (of different lengths) record the same rows, those of the
+    whole global batch, stop at the same step, and rank 0 alone writes the log."""
+    mp.start_processes(guard_ddp.records_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       join=True, start_method="fork")
+    r0, r1 = (torch.load(tmp_path / f"records{r}.pt") for r in (0, 1))
+    assert r0["records"] == r1["records"] and r0["stop"] and r1["stop"]
+    for key in r0["w"]:
+        assert torch.equal(r0["w"][key], r1["w"][key]), key
+    assert read_log(tmp_path / "guard.jsonl") == json.loads(json.dumps(r0["records"]))
+    # One process running both ranks' batches in each step records the same numbers.
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2)
+    opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+    with attnscale.guard(mha, optimizer=opt, qk_clip=2.0, every=1, alarm_logit=None) as g:
+        for step in range(2):
+            for rank in (0, 1):  # DDP averages the ranks' gradients: half of each
+                (guard_ddp.rank_batch(rank, step, mha).sum() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+            g.step(step)
+    for key in ("queries", "n_keys", "logit_max", "entropy_min", "entropy_mean", "logit_std",
+                "logit_std_ratio", "s_max", "clip_gamma"):
+        assert_close(torch.tensor([r[key] for r in r0["records"]], dtype=torch.float64),
+                     torch.tensor([r[key] for r in g.records], dtype=torch.float64),
+                     rtol=1e-5, atol=1e-6, msg=key)
+    assert any("max_logit" in r["alarm"] for r in r0["records"])
+
+
 def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
     mp.start_processes(guard_ddp.fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
@@ -476,10 +505,23 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
     ({"alarm_logit": 0}, "alarm_logit must be > 0"),
     ({"log": ""}, "log must be a path"),
     ({"log": "x.txt"}, "log 'x.txt' must end in one of .jsonl"),
+    ({"resume": -1}, "resume must be >= 0"),
+    ({"resume": 2.5}, "resume must be an integer"),
 ])
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(ConfigError, match=match) as err:
         attnscale.guard(MultiHeadAttention(16, 2), **options)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("state, match", [
+    ({}, "version None"),
+    ({"version": 1, "layers": {}, "first": [["a", 0]], "active": []}, "not enough values"),
+    ({"version": 1, "layers": [], "first": [], "active": []}, "items"),
+])
+def test_load_state_dict_refuses_what_is_not_a_guard_state(state, match):
+    with pytest.raises(ConfigError, match=f"not a guard state_dict.*{match}") as err:
+        attnscale.guard(MultiHeadAttention(16, 2)).load_state_dict(state)
     assert "\n" not in str(err.value)
 
 

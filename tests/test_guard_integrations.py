@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 import transformers
 
+from attnscale.guard import read_log
 from attnscale.hf import TemperatureCallback
 from test_guard import VOCAB, SEQ, make_hf, true_max_logits
 
@@ -17,12 +19,13 @@ def _data(n: int = 24, seed: int = 1) -> list[dict]:
     return [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (n, SEQ), generator=g)]
 
 
-def _trainer(model, tmp_path, callbacks, steps: int = 6, report_to=()):
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=0.05,
-        max_steps=steps, logging_steps=1000, report_to=list(report_to), save_strategy="no",
-        use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0, seed=0,
-        dataloader_drop_last=True)
+def _trainer(model, tmp_path, callbacks, steps: int = 6, report_to=(), **options):
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
+        "learning_rate": 0.05, "max_steps": steps, "logging_steps": 1000,
+        "report_to": list(report_to), "save_strategy": "no", "use_cpu": True,
+        "disable_tqdm": True, "lr_scheduler_type": "constant", "warmup_steps": 0, "seed": 0,
+        "dataloader_drop_last": True, **options})
     return transformers.Trainer(model=model, args=args, train_dataset=_data(),
                                 callbacks=callbacks)
 
@@ -50,12 +53,12 @@ def test_trainer_with_strict_clip_bounds_every_head(family, tmp_path):
     model = make_hf(family)
     kept = _last_batch(model)
     callback = TemperatureCallback(qk_clip=tau, strict=True, every=2, alarm_logit=None)
-    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"])
+    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"], logging_steps=2)
     trainer.train()
     assert float(true_max_logits(model, kept["batch"]).max()) <= tau * (1 + 1e-5)
-    # the per-layer scalars are in the Trainer's own logs, at the recorded steps
+    # the per-layer scalars join the Trainer's own log events
     logged = [h for h in trainer.state.log_history if "attnscale/logit_max/layer0" in h]
-    assert [h["step"] for h in logged] == [1, 2, 4, 6]
+    assert [h["step"] for h in logged if "loss" in h] == [2, 4, 6]
     assert all("attnscale/entropy_mean_min/layer1" in h for h in logged)
     assert sorted({r["step"] for r in callback.guard.records}) == [1, 2, 4, 6]
     assert any(r["clip_gamma"] < 1 for r in callback.guard.records)
@@ -89,9 +92,10 @@ def test_trainer_stops_on_alarm(tmp_path):
     assert trainer.state.global_step < 20
 
 
-def test_callback_refuses_a_model_argument():
-    with pytest.raises(TypeError, match="finds the model itself"):
-        TemperatureCallback(model=torch.nn.Linear(2, 2))
+@pytest.mark.parametrize("option", ["model", "optimizer", "resume"])
+def test_callback_refuses_what_the_trainer_supplies(option):
+    with pytest.raises(TypeError, match=f"finds the {option} itself"):
+        TemperatureCallback(**{option: None})
 
 
 def test_lightning_module_records(tmp_path):
@@ -170,6 +174,45 @@ def test_cli_plot_bad_logs_exit_2(cli, tmp_path, make, extra, match):
     make(log)
     code, _, err = cli("guard", "plot", str(log), "--out", str(tmp_path / "f.png"), *extra)
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_cli_plot_leaves_a_torn_last_line_out_and_says_so_once(cli, guard_log, tmp_path):
+    """What a killed run leaves: every record it wrote, then half a line."""
+    torn = tmp_path / "torn.jsonl"
+    text = guard_log.read_text()
+    torn.write_text(text + text.splitlines()[0][:40])
+    out = tmp_path / "fig.png"
+    code, _, err = cli("guard", "plot", str(torn), "--out", str(out))
+    assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    assert len(err.strip().splitlines()) == 1 and "torn line" in err and "left out" in err
+    with pytest.warns(RuntimeWarning, match="torn line"):
+        assert len(read_log(torn)) == len(text.splitlines())
+    whole = tmp_path / "whole.jsonl"  # a complete record lacking only its newline is a record
+    whole.write_text(text.rstrip("\n"))
+    assert len(read_log(whole)) == len(text.splitlines())
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("step", "x", "step must be an integer >= 0, got 'x'"),
+    ("layer", None, "layer must be an integer >= 0, got None"),
+    ("head", -1, "head must be an integer >= 0"),
+    ("queries", True, "queries must be an integer"),
+    ("logit_max", "big", "logit_max must be a number or null"),
+    ("module", 3, "module must be a module name"),
+    ("alarm", "fire", "alarm must be a comma-separated list"),
+])
+def test_cli_plot_refuses_a_malformed_value_naming_file_line_and_field(cli, guard_log, tmp_path,
+                                                                        field, value, match):
+    lines = guard_log.read_text().splitlines()
+    row = json.loads(lines[2])
+    row[field] = value
+    lines[2] = json.dumps(row)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    code, _, err = cli("guard", "plot", str(bad), "--out", str(tmp_path / "f.png"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "bad.jsonl' line 3: " in err and match in err
     assert not (tmp_path / "f.png").exists()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from pathlib import Path
 
 from attnscale.cli._common import add_command, add_output
@@ -23,7 +25,11 @@ def _plot(args) -> int:
         label = Path(log).stem
         if label in runs:
             raise ConfigError(f"two logs are named {label!r}; give each run its own file name.")
-        runs[label] = read_log(log)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            runs[label] = read_log(log)
+        for warning in said:  # a torn last line, left out: said once, on one line
+            print(f"note: {warning.message}", file=sys.stderr)
     fig = plot_guard(runs)
 
     def save(tmp: Path) -> None:

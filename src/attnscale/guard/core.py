@@ -14,10 +14,18 @@
                 break
 
 **What it observes.**  The guard is built on :mod:`attnscale.measure.monitor`'s observer (its
-pipeline observer and SDPA tap, its block kernels and statistics): every forward pass of ``model``
-in training mode on a recorded step, attributed to the attention module that made the call.  The
-model's outputs are bit for bit those without the guard.  A recorded step is the first one and
-every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of ``every``.
+pipeline observer and SDPA tap, its block kernels and statistics), attributed to the attention
+module that made each call.  The model's outputs are bit for bit those without the guard.  Only
+the forward passes of a *training step* count, however the trainer calls the model: a forward
+pass that enters the model (at its root, or at a submodule as Lightning's ``training_step``
+calling ``self.model`` does) in training mode with grad enabled, and in it the calls of attention
+modules in training mode.  Evaluation and prediction passes (``eval()`` or ``torch.no_grad()``),
+sanity checks and generation never count, nor does gradient checkpointing's recomputation during
+backward (:func:`attnscale.measure.monitor.observer.recomputing`); a reentrant checkpoint's first
+forward, which runs without grad inside a training forward, does.  A recorded step is the first
+one and every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of
+``every``.  A ``torch.compile``-d model or submodule is observed as the same model run eagerly:
+the guard's hooks are graph breaks, run as plain Python.
 
 **Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
 training forward passes and only the keys each query attends (``n_keys``: the most keys in one
@@ -28,11 +36,23 @@ essay's gradient-flow quantity), ``logit_std`` and ``logit_std_ratio`` (its rati
 value at the first recorded step: how far the temperature has drifted from where it started),
 and with the clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by
 at that step, 1 = untouched).  :meth:`Guard.record_next` records the next step whatever its
-label.  They go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``), to
-a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the
-HF and Lightning callbacks hand to their loggers).  Per layer the spread over heads is
-:func:`layer_rows`.  Logits a model formed itself reach the guard through
+label.  They go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``,
+:mod:`attnscale.guard.log`), to a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to
+:attr:`Guard.latest` (what the HF and Lightning callbacks hand to their loggers).  Per layer the
+spread over heads is :func:`layer_rows`.  Logits a model formed itself reach the guard through
 :func:`attnscale.pipeline.observe_logits`.
+
+**Data parallelism** (``torch.distributed`` initialised): on a recorded step the statistics are
+all-reduced over the ranks (sums, minima and maxima), so every rank records the same rows, over
+the whole global batch, and its alarms fire alike (``on_alarm="stop"`` stops every rank at the
+same step); rank 0 alone writes the log and the writer.
+
+**Resuming** (``resume=step``: the run continues from a checkpoint taken after ``step``): the log
+is appended to, after a resume mark that supersedes the records a stopped run wrote past its
+checkpoint (:mod:`attnscale.guard.log`), and the references (each head's first recorded values,
+the base of ``logit_std_ratio`` and of the entropy-collapse alarm; the layer numbers; the alarms
+holding) are read back from the log, or from :meth:`Guard.state_dict` saved with the checkpoint
+(:meth:`Guard.load_state_dict`).  The callbacks do this from their trainers' own checkpoints.
 
 **Alarms**, per head, on recorded steps: ``max_logit`` when ``logit_max`` exceeds
 ``alarm_logit`` (attention-logit growth precedes divergence: Wortsman et al. 2023, "Small-scale
@@ -52,55 +72,66 @@ given the optimizer, the guard installs it (:func:`attnscale.mechanisms.qk_clip.
 **QK-Clip** (``qk_clip=τ``; :mod:`attnscale.guard.clip` for the rule, GQA and where the factor
 goes).  S_max per head is tracked over every training forward pass, recorded or not, from the
 logits before any soft-cap; with an optimizer the clip runs as its step post-hook, otherwise in
-:meth:`Guard.step`.  Two modes:
+:meth:`Guard.step`.  One clipping guard per attention layer: a second guard with ``qk_clip`` on
+a layer that one already clips is refused (it would clip twice); guards without the clip may
+watch beside it.  Two modes:
 
 * K2's (default): S_max comes from the forward passes *before* the step and the factor is applied
   *after* it, so the step's own update is not measured.  Documented overshoot: after the clip, a
   head's largest logit on the batches it was measured on is ``τ · S'/S``, with S its S_max before
   the step and S' after the step, before the clip: one step's growth over τ (the next clip catches
   it).
-* strict (``strict=True``): after the step the guard re-runs that step's batches (kept by
-  reference) in ``eval()`` under ``torch.no_grad()``, measures S_max on the stepped weights, then
+* strict (``strict=True``): the guard keeps each training forward pass of the step (the module it
+  entered and its inputs, by reference, with the autocast it ran under); after the step it runs
+  them again in ``eval()`` under ``torch.no_grad()``, measures S_max on the stepped weights, then
   clips: the largest logit on those batches is at most τ after every step.  One extra forward per
-  step, no RNG drawn (eval mode: no dropout).
+  step, no RNG drawn (eval mode: no dropout).  A forward pass entered on an activation of the
+  step (a tensor with a ``grad_fn``: ``training_step`` feeding one submodule's output to another)
+  cannot be run again on the stepped weights and is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import warnings
+import weakref
+import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from attnscale.columns import MONITOR_SUMMARIES
 from attnscale.errors import ConfigError, check_float, check_int
-from attnscale.guard.clip import all_reduce_max, clip_sites
-from attnscale.io import atomic_write, check_output_path, json_safe
+from attnscale.guard.clip import clip_sites
+from attnscale.guard.log import (
+    ALARMS, GUARD_KEYS, LogScan, read_log, repair_log, resume_mark, scan_log,
+)
+from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.kernels.peak import head_peaks
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
-from attnscale.measure.monitor.observer import Monitor
+from attnscale.measure.monitor.observer import Monitor, module_names, recomputing
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
 from attnscale.pipeline import MASKED_BIAS
 
-# The keys of every record, in order (the columns of to_frame() and of the JSONL log).
-GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
-              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean",
-              "jacobian_fro_mean", "logit_std", "logit_std_ratio", "s_max", "clip_gamma", "alarm")
-# Keys a log written before they were recorded may lack: read as NaN.
-LATER_KEYS = ("jacobian_fro_mean",)
-# Alarm names, in the order they are checked.
-ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
 # Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
 DEFAULT_ALARM_LOGIT = K2_TAU
 # Default entropy-collapse alarm: a head's mean entropy under a tenth of its first value.
 DEFAULT_ALARM_ENTROPY_FRACTION = 0.1
 ON_ALARM = ("warn", "raise", "stop")
+# The per-layer scalars of Guard.latest, each with the way two steps' values combine into the
+# worse of them (worst()): the largest logit and spread, the lowest entropy, the largest drift.
+LATEST_KEYS = {"logit_max": max, "logit_max_spread": max, "entropy_mean_min": min,
+               "entropy_mean_spread": max, "logit_std_ratio_max": max}
+# The state_dict() layout this module writes and reads.
+STATE_VERSION = 1
+# Attention modules under a clipping guard now -> that guard (one clip per layer).
+_CLIPPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GuardAlarm(RuntimeError):
@@ -123,8 +154,11 @@ class _Observer(Monitor):
         super().__init__(model, block=block)
         self.guard = guard
 
-    def _selects(self) -> bool:
-        return self.guard._selects()
+    def _entered(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        return self.guard._entered(module, args, kwargs)
+
+    def _counts(self, module: nn.Module) -> bool:
+        return self.guard._counts(module)
 
     def _warn_unobserved(self) -> None:
         # The guard is useless on a model it cannot see: an error, not a warning.
@@ -196,7 +230,7 @@ class Guard:
                  alarm_entropy_floor: float | None = None,
                  alarm_entropy_fraction: float | None = DEFAULT_ALARM_ENTROPY_FRACTION,
                  on_alarm: str | Callable[[dict], None] = "warn", block: int = DEFAULT_BLOCK,
-                 force: bool = False):
+                 resume: int | None = None, force: bool = False):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -229,6 +263,12 @@ class Guard:
             raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
                               "SummaryWriter).")
         self.writer = writer
+        self.resume = None if resume is None else check_int("resume", resume, minimum=0)
+        self.force = force
+        if log is not None and self.resume is not None and not force and _is_guard_log(log):
+            force = True  # a stopped run's log is appended to, however it ended
+        if _rank() != 0:
+            force = True  # rank 0 writes the log (and may have created it); this one never
         self.log = None if log is None else check_output_path("log", log, suffixes=(".jsonl",),
                                                              force=force)
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -236,12 +276,19 @@ class Guard:
             raise ConfigError("attnscale.guard cannot see Hugging Face attn_implementation="
                               "'eager' (it forms the softmax by hand); load the model with "
                               "attn_implementation='sdpa' or 'attnscale' (Gemma 2: 'attnscale').")
-        # Built now, so a layer the clip cannot handle is refused before any training.
-        self.sites = {s.name: s for s in clip_sites(model)} if self.qk_clip is not None else {}
+        # Built now, so a layer the clip cannot handle is refused before any training.  Keyed by
+        # the name the observer gives the layer's module (a compiled wrapper's _orig_mod left out).
+        sites = clip_sites(model) if self.qk_clip is not None else []
+        modules, names = dict(model.named_modules()), module_names(model)
+        modules[type(model).__name__] = modules.get(type(model).__name__, model)  # the root's
+        self._site_modules = {names[modules[s.name]]: modules[s.name] for s in sites}
+        self.sites = {names[modules[s.name]]: s for s in sites}
+        self.owner = "attnscale.guard"  # named in the error refusing a second clipping guard
         self.records: list[dict] = []
         self.latest: dict[str, float] = {}  # per-layer scalars of the last recorded step
         self.should_stop = False
-        self._recording = True   # the first step is always recorded
+        # The first step is always recorded; a resumed run's next step when `every` selects it.
+        self._recording = self.resume is None or (self.resume + 1) % self.every == 0
         self._remeasuring = False
         self._s_max: dict[str, Tensor] = {}          # per module, since the last clip
         self._last_clip: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (S_max, η per head)
@@ -249,20 +296,22 @@ class Guard:
         self._keys: dict[str, int] = {}              # module -> most keys in one of its calls
         self._first: dict[tuple[str, int], dict] = {}  # (module, head) -> first recorded values
         self._active: set[tuple[str, str, int]] = set()  # (alarm, module, head) holding now
-        self._batches: list[tuple[tuple, dict]] = []  # this step's inputs (strict mode)
+        self._restored = False                       # references back from a log or a state
+        self._last_step: int | None = self.resume
+        self._batches: list[tuple] = []  # this step's training forwards (strict mode)
         self._observer: _Observer | None = None
         self._handles: list = []
         self._file = None
+        self._writes = True  # rank 0 (or no torch.distributed) writes the log and the writer
 
     # -- attaching ---------------------------------------------------------------------------
     def __enter__(self) -> Guard:
         if self._observer is not None:
             raise RuntimeError("this guard is already active")
+        self._claim_sites()
         try:
+            self._writes = _rank() == 0
             self._observer = _Observer(self, self.model, self.block).__enter__()
-            if self.strict:
-                self._handles.append(self.model.register_forward_pre_hook(
-                    self._keep_batch, with_kwargs=True))
             if self.qk_clip is not None and self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
             if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
@@ -270,8 +319,7 @@ class Guard:
                 # its own S_max; the guard installs that clip (qk_clip.install) and records.
                 self._handles.append(qk_clip_mechanism.install(self.optimizer, self.model))
             if self.log is not None:
-                self.log.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.log, "w", encoding="utf-8")
+                self._open_log()
         except BaseException:
             self._detach()
             raise
@@ -285,10 +333,51 @@ class Guard:
         """Whether the guard is attached (inside its ``with`` block)."""
         return self._observer is not None
 
+    def _claim_sites(self) -> None:
+        """Register this guard as the clip of its attention layers; a layer another active guard
+        already clips is refused (two clips would multiply its logits twice)."""
+        for name, module in self._site_modules.items():
+            other = _CLIPPING.get(module)
+            if other is not None and other is not self and other.active:
+                where = f", log {str(other.log)!r}" if other.log is not None else ""
+                raise ConfigError(
+                    f"qk_clip: {name} is already clipped by an active {other.owner} "
+                    f"(qk_clip={other.qk_clip:g}{where}); a second clipping guard would clip it "
+                    f"twice. Keep one guard with qk_clip (others may watch without it).")
+        for module in self._site_modules.values():
+            _CLIPPING[module] = self
+
+    def _open_log(self) -> None:
+        """Open the log: a new one, or (resuming) the stopped run's, read back and appended to
+        after a resume mark.  Every rank reads it back; rank 0 alone writes."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        scan = None
+        if self.resume is not None and self.log.exists():
+            try:
+                scan = scan_log(self.log)
+            except ConfigError:
+                if not self.force:
+                    raise
+        if scan is not None:
+            self._restore_from(scan)
+        if not self._writes:
+            return
+        if scan is None:
+            self._file = open(self.log, "w", encoding="utf-8")
+            return
+        repair_log(self.log, scan)
+        superseded = sum(1 for r in scan.records if r["step"] > self.resume)
+        self._file = open(self.log, "a", encoding="utf-8")
+        self._file.write(json.dumps(resume_mark(self.resume, superseded)) + "\n")
+        self._file.flush()
+
     def _detach(self) -> None:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()
+        for module in self._site_modules.values():
+            if _CLIPPING.get(module) is self:
+                del _CLIPPING[module]
         if self._observer is not None:
             self._observer._detach()
             self._observer = None
@@ -299,6 +388,48 @@ class Guard:
             # manifest (attnscale.io) lets a later run replace it without --force.
             atomic_write(self.log, self.log.read_bytes(), param="log", force=True)
 
+    # -- resuming ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this run's records, JSON-safe: save it with the
+        checkpoint and hand it to :meth:`load_state_dict`.  The layer numbers, each head's first
+        recorded ``logit_std`` and ``entropy_mean`` (the references of ``logit_std_ratio`` and
+        of the entropy-collapse alarm), the alarms holding and the last step."""
+        return json_safe({
+            "version": STATE_VERSION, "step": self._last_step, "layers": dict(self._layers),
+            "first": [[site, head, ref["logit_std"], ref["entropy_mean"]]
+                      for (site, head), ref in self._first.items()],
+            "active": sorted([list(a) for a in self._active])})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the references of the run this one resumes (:meth:`state_dict`'s dict); they
+        replace any read back from the log."""
+        try:
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}")
+            layers = {str(k): int(v) for k, v in state["layers"].items()}
+            first = {(str(site), int(head)): {"logit_std": _float(std),
+                                              "entropy_mean": _float(ent)}
+                     for site, head, std, ent in state["first"]}
+            active = {(str(a), str(site), int(head)) for a, site, head in state["active"]}
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"state is not a guard state_dict() ({err}).") from None
+        self._layers, self._first, self._active = layers, first, active
+        self._restored = True
+
+    def _restore_from(self, scan: LogScan) -> None:
+        """The references read back from a log: its records up to the resume step."""
+        rows = [r for r in scan.records if r["step"] <= self.resume]
+        if not rows:
+            return
+        for r in rows:
+            self._layers.setdefault(r["module"], r["layer"])
+            self._first.setdefault((r["module"], r["head"]), {"logit_std": r["logit_std"],
+                                                              "entropy_mean": r["entropy_mean"]})
+        last = max(r["step"] for r in rows)
+        self._active = {(name, r["module"], r["head"]) for r in rows if r["step"] == last
+                        for name in (r["alarm"].split(",") if r["alarm"] else [])}
+        self._restored = True
+
     # -- what is observed --------------------------------------------------------------------
     def _tracking(self) -> bool:
         """Whether this call's S_max is wanted: K2 mode in training, or the strict re-measure."""
@@ -306,12 +437,24 @@ class Guard:
             return False
         return self._remeasuring or not self.strict
 
-    def _selects(self) -> bool:
+    def _entered(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A forward pass enters the model at ``module``: whether it is observed.  Only a
+        training forward (module in training mode, grad enabled), and only where something is
+        wanted of it (a recorded step, or the clip's S_max); strict mode keeps it."""
         if self._remeasuring:
             return True
-        if not self.model.training:  # evaluation passes inside training are not the run's
+        if not (module.training and torch.is_grad_enabled()):
             return False
+        if self.strict:
+            self._keep(module, args, kwargs)
         return self._recording or self._tracking()
+
+    def _counts(self, module: nn.Module) -> bool:
+        """Whether an attention call of ``module`` in an observed forward pass counts: the
+        module in training mode, and not a recomputation during backward.  (Grad mode is read
+        where the pass enters the model: a reentrant checkpoint's first forward runs without
+        grad inside a training forward.)"""
+        return self._remeasuring or (module.training and not recomputing())
 
     def _fold(self, module: str, peaks: Tensor) -> None:
         if module not in self.sites:
@@ -320,9 +463,17 @@ class Guard:
         old = self._s_max.get(module)
         self._s_max[module] = peaks if old is None else torch.maximum(old, peaks)
 
-    def _keep_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self._remeasuring:
-            self._batches.append((args, kwargs))
+    def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Strict mode: keep a training forward pass to run again after the step."""
+        for value in _tensors(args, kwargs):
+            if value.grad_fn is not None:
+                name = self._observer._names.get(module, type(module).__name__)
+                raise ConfigError(
+                    f"qk_clip strict=True runs each training forward pass again after the step, "
+                    f"but {name} was called on an activation of this step (a tensor with a "
+                    f"grad_fn), which the step leaves stale; call the model once per batch on "
+                    f"its data, or use strict=False.")
+        self._batches.append((module, args, kwargs, _autocast_state()))
 
     # -- the clip ----------------------------------------------------------------------------
     def _after_step(self, *_) -> None:
@@ -345,38 +496,44 @@ class Guard:
 
     @torch.no_grad()
     def _remeasure(self) -> None:
+        """Run the step's training forward passes again in eval mode (every module's own mode
+        put back after), each under the autocast it ran under."""
         self._s_max.clear()
-        training = self.model.training
+        modes = [(m, m.training) for m in self.model.modules()]
         self._remeasuring = True
         try:
             self.model.eval()
-            for args, kwargs in self._batches:
-                self.model(*args, **kwargs)
+            for module, args, kwargs, autocast in self._batches:
+                with contextlib.ExitStack() as stack:
+                    for device, enabled, dtype in autocast:
+                        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                    module(*args, **kwargs)
         finally:
             self._remeasuring = False
-            self.model.train(training)
+            for m, mode in modes:
+                m.training = mode
 
     def _clip(self) -> bool:
         """One all-reduced S_max vector for every layer, then each layer's factors; whether any
         head was over τ."""
-        sites = list(self.sites.values())
-        if not sites or not self._s_max:
+        sites = list(self.sites.items())
+        if not sites or (not self._s_max and _world() == 1):
             return False
-        s = torch.cat([self._s_max.get(site.name, torch.full((site.n_heads,), -math.inf,
-                                                             dtype=torch.float64))
-                       for site in sites])
-        s = all_reduce_max(s)
+        s = torch.cat([self._s_max.get(name, torch.full((site.n_heads,), -math.inf,
+                                                        dtype=torch.float64))
+                       for name, site in sites])
+        s = _all_reduce(s, "max")
         offset = 0
-        for site in sites:
+        for name, site in sites:
             s_site = s[offset:offset + site.n_heads]
             offset += site.n_heads
             eta_q, eta_k = site.factors(s_site, self.qk_clip)
             site.apply(eta_q, eta_k, self.alpha)
-            if site.name in self._last_clip:  # strict passes: the factors compose
-                first_s, first_eta = self._last_clip[site.name]
-                self._last_clip[site.name] = (first_s, first_eta * eta_q)
+            if name in self._last_clip:  # strict passes: the factors compose
+                first_s, first_eta = self._last_clip[name]
+                self._last_clip[name] = (first_s, first_eta * eta_q)
             else:
-                self._last_clip[site.name] = (s_site, eta_q)
+                self._last_clip[name] = (s_site, eta_q)
         self._s_max.clear()
         return bool((s > self.qk_clip).any())
 
@@ -391,6 +548,7 @@ class Guard:
             self._after_step()
         rows = self._emit(step) if self._recording else []
         self._recording = (step + 1) % self.every == 0
+        self._last_step = step
         if self.optimizer is None or self.qk_clip is None:
             self._batches.clear()
         return rows
@@ -401,19 +559,28 @@ class Guard:
 
     def _emit(self, step: int) -> list[dict]:
         observer = self._observer
+        totals, keys = observer._totals, self._keys
+        if _world() > 1:
+            totals, keys = _all_reduce_stats(totals, keys, step)
+        if totals and self.resume is not None and not self._restored and not self._first:
+            warnings.warn(f"attnscale.guard resumed after step {self.resume} without its "
+                          f"references (no records in the log, no load_state_dict()): "
+                          f"logit_std_ratio and the entropy-collapse baseline start again at "
+                          f"step {step}.", RuntimeWarning, stacklevel=3)
         rows, alarms = [], []
-        for site, stats in observer._totals.items():
+        for site, stats in totals.items():
             module = site.split("#")[0]
             layer = self._layers.setdefault(site, len(self._layers))
             means = stats.means()
             clip = self._last_clip.get(module)
             for head in range(len(means["queries"])):
                 row = {"step": step, "layer": layer, "head": head, "module": site,
-                       "queries": int(means["queries"][head]), "n_keys": self._keys[site],
+                       "queries": int(means["queries"][head]), "n_keys": keys[site],
                        **{key: means[key][head] for key in
                           ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
                            "max_weight_mean", "jacobian_fro_mean", "logit_std")}}
-                first = self._first.setdefault((site, head), dict(row))
+                first = self._first.setdefault((site, head), {
+                    "logit_std": row["logit_std"], "entropy_mean": row["entropy_mean"]})
                 std0 = first["logit_std"]
                 row["logit_std_ratio"] = row["logit_std"] / std0 if std0 > 0 else math.nan
                 row["s_max"] = float(clip[0][head]) if clip is not None else None
@@ -429,7 +596,8 @@ class Guard:
         self._last_clip.clear()
         self.records += rows
         self.latest = _latest(rows)
-        self._write(step, rows)
+        if self._writes:
+            self._write(step, rows)
         for alarm in alarms:
             self._act(alarm)
         return rows
@@ -496,9 +664,20 @@ def _latest(rows: list[dict]) -> dict[str, float]:
     """Per-layer scalars of one step's rows, keyed ``attnscale/<stat>/layer<L>``."""
     out = {}
     for r in layer_rows(rows):
-        for key in ("logit_max", "logit_max_spread", "entropy_mean_min", "entropy_mean_spread",
-                    "logit_std_ratio_max"):
+        for key in LATEST_KEYS:
             out[f"attnscale/{key}/layer{r['layer']}"] = r[key]
+    return out
+
+
+def worst(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two steps' :attr:`Guard.latest` scalars as one: per key the worse value (the larger logit
+    and spread, the lower entropy, the larger drift; NaN, a diverged head, wins)."""
+    out = dict(a)
+    for tag, value in b.items():
+        if tag not in out or math.isnan(value):
+            out[tag] = value
+        elif not math.isnan(out[tag]):
+            out[tag] = LATEST_KEYS[tag.split("/")[1]](out[tag], value)
     return out
 
 
@@ -524,36 +703,6 @@ def layer_rows(records: list[dict]) -> list[dict]:
     return out
 
 
-def read_log(path: str | os.PathLike) -> list[dict]:
-    """The records of a guard JSONL log; ConfigError naming the file and line when one is not a
-    record."""
-    if not str(os.fspath(path)).strip():  # Path("") is the working folder
-        raise ConfigError("log must be a path, got an empty string.")
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"log {str(path)!r} is not a file.")
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{str(path)!r} line {n} is not JSON ({err.msg}).") from None
-            if isinstance(row, dict):
-                row = {**dict.fromkeys(LATER_KEYS), **row}
-            if not isinstance(row, dict) or any(key not in row for key in GUARD_KEYS):
-                missing = [k for k in GUARD_KEYS if not isinstance(row, dict) or k not in row]
-                raise ConfigError(f"{str(path)!r} line {n} is not a guard record (missing "
-                                  f"{', '.join(missing[:3])}).")
-            rows.append({k: (math.nan if row[k] is None and k not in ("s_max", "clip_gamma")
-                             else row[k]) for k in GUARD_KEYS})
-    if not rows:
-        raise ConfigError(f"{str(path)!r} holds no guard records.")
-    return rows
-
-
 def to_frame(records: list[dict] | str | os.PathLike):
     """Records (a list, or the path of a JSONL log) as a pandas DataFrame in GUARD_KEYS order."""
     try:
@@ -573,7 +722,7 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
           alarm_entropy_floor: float | None = None,
           alarm_entropy_fraction: float | None = DEFAULT_ALARM_ENTROPY_FRACTION,
           on_alarm: str | Callable[[dict], None] = "warn", block: int = DEFAULT_BLOCK,
-          force: bool = False) -> Guard:
+          resume: int | None = None, force: bool = False) -> Guard:
     """Watch (and with ``qk_clip`` hold) the attention temperature of ``model`` while it trains.
 
     Args:
@@ -590,6 +739,10 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
         alarm_logit, alarm_entropy_floor, alarm_entropy_fraction: alarm thresholds (None: off).
         on_alarm: ``"warn"``, ``"raise"``, ``"stop"`` or a callable given the alarm dict.
         block: queries per statistics block (the monitor's).
+        resume: the step this run resumes from (the label of the last step its checkpoint
+            holds), or None for a new run: the log is appended to and the references are read
+            back from it (see the module doc and :meth:`Guard.load_state_dict`).
+        force: overwrite a ``log`` attnscale did not write.
     Returns:
         a :class:`Guard`, to use as a context manager; call ``g.step(step)`` after each
         optimizer step.
@@ -598,27 +751,38 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
                  qk_clip=qk_clip, alpha=alpha, strict=strict, alarm_logit=alarm_logit,
                  alarm_entropy_floor=alarm_entropy_floor,
                  alarm_entropy_fraction=alarm_entropy_fraction, on_alarm=on_alarm, block=block,
-                 force=force)
+                 resume=resume, force=force)
 
 
 class GuardCallback:
     """What every training-loop callback over :func:`guard` shares: the options (those of
-    :func:`guard`; the loop supplies the model and the optimizer, so passing either is a
-    TypeError), entering the guard when training starts and leaving it when training ends."""
+    :func:`guard`; the loop supplies the model, the optimizer and the step it resumes from, so
+    passing any of them is a TypeError), entering the guard when training starts and leaving it
+    when training ends."""
+
+    # How errors and the refusal of a second clipping guard name this callback.
+    name = "attnscale.GuardCallback"
 
     def __init__(self, **options):
-        for name in ("model", "optimizer"):
-            if name in options:
-                raise TypeError(f"{type(self).__name__} finds the {name} itself; do not pass "
-                                f"{name}=.")
+        for option in ("model", "optimizer", "resume"):
+            if option in options:
+                raise TypeError(f"{type(self).__name__} finds the {option} itself; do not pass "
+                                f"{option}=.")
         self.options = options
         self.guard: Guard | None = None
 
-    def _enter(self, model: nn.Module, optimizer) -> None:
+    def _enter(self, model: nn.Module, optimizer, resume: int | None = None,
+               state: dict | None = None) -> None:
         """Enter a guard on ``model``; ``optimizer`` may be a trainer's wrapper (accelerate's,
-        Lightning's), whose step calls the torch optimizer's, where the clip hook runs."""
+        Lightning's), whose step calls the torch optimizer's, where the clip hook runs.  A run
+        resumed from a checkpoint after step ``resume`` continues the log and the references
+        (``state``: the guard's :meth:`Guard.state_dict` saved with that checkpoint)."""
         inner = getattr(optimizer, "optimizer", optimizer)
-        self.guard = guard(model, optimizer=inner, **self.options).__enter__()
+        g = guard(model, optimizer=inner, resume=resume, **self.options)
+        g.owner = self.name
+        if state:
+            g.load_state_dict(state)
+        self.guard = g.__enter__()
 
     def _leave(self) -> None:
         """Leave the guard, if one is active (idempotent: training's end and an exception may
@@ -632,3 +796,108 @@ class GuardCallback:
         raised, since a trainer does not tell its callbacks about an exception (the next
         training start also detaches a guard left on)."""
         self._leave()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _float(value) -> float:
+    """A JSON number of a state dict (null: NaN)."""
+    return math.nan if value is None else float(value)
+
+
+def _is_guard_log(log) -> bool:
+    """Whether ``log`` is an existing guard log (every complete line a record or a mark)."""
+    try:
+        return bool(str(os.fspath(log)).strip()) and os.path.isfile(log) and (
+            owned(log) or scan_log(log) is not None)
+    except (ConfigError, OSError):
+        return False
+
+
+def _tensors(args: tuple, kwargs: dict):
+    """The tensors among a call's arguments, one level into lists, tuples and dicts."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, Tensor))
+        elif isinstance(value, dict):
+            yield from (v for v in value.values() if isinstance(v, Tensor))
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    """The autocast in effect now, per device type, to run a kept forward pass under it again."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
+def _world() -> int:
+    """The number of processes of ``torch.distributed`` (1 when it is not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _world() > 1 else 0
+
+
+def _all_reduce(values: Tensor, op: str) -> Tensor:
+    """``values`` all-reduced over the ranks with ``op`` ("sum" or "max"); unchanged with one
+    process.  NCCL reduces on the current CUDA device, gloo on the CPU."""
+    import torch.distributed as dist
+
+    if _world() == 1:
+        return values
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if "nccl" in str(dist.get_backend()) else values.device)
+    out = values.to(device).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return out.to(values.device)
+
+
+def _all_reduce_stats(totals: dict[str, HeadStats], keys: dict[str, int],
+                      step: int) -> tuple[dict[str, HeadStats], dict[str, int]]:
+    """A recorded step's statistics over every rank's rows: the sums summed, the minima and
+    maxima reduced, the most keys maximised.  The ranks must have observed the same attention
+    layers (the same model); a ConfigError on every rank otherwise."""
+    sites = sorted(totals)
+    heads = [len(totals[s].queries) for s in sites]
+    sign = zlib.crc32("\n".join(f"{s}:{h}" for s, h in zip(sites, heads)).encode())
+    check = _all_reduce(torch.tensor([sign, -sign], dtype=torch.float64), "max")
+    if check[0] != -check[1]:
+        raise ConfigError(f"attnscale.guard: the ranks observed different attention layers at "
+                          f"step {step}; guard the same model on every rank.")
+    if not sites:
+        return totals, keys
+    sums, peaks = [], []
+    for s in sites:
+        stats = totals[s]
+        sums.append(stats.queries)
+        for summary in MONITOR_SUMMARIES:
+            t = stats.totals[summary.field]
+            (sums if summary.reduce == "mean" else peaks).append(
+                -t if summary.reduce == "min" else t)
+    peaks.append(torch.tensor([float(keys[s]) for s in sites], dtype=torch.float64))
+    sums = _all_reduce(torch.cat(sums), "sum")
+    peaks = _all_reduce(torch.cat(peaks), "max")
+    out, i, j = {}, 0, 0
+    for s, h in zip(sites, heads):
+        queries, i = sums[i:i + h], i + h
+        reduced = {}
+        for summary in MONITOR_SUMMARIES:
+            if summary.reduce == "mean":
+                reduced[summary.field], i = sums[i:i + h], i + h
+            else:
+                t, j = peaks[j:j + h], j + h
+                reduced[summary.field] = -t if summary.reduce == "min" else t
+        out[s] = HeadStats(queries, reduced)
+    most = peaks[j:]
+    return ({s: out[s] for s in totals},
+            {**keys, **{s: int(most[n]) for n, s in enumerate(sites)}})

@@ -28,8 +28,15 @@ describe the distribution dropout samples from.  Everything is computed in float
 ``torch.no_grad()`` from detached tensors, ``block`` queries at a time, so the model's outputs are
 bit for bit the same as without the monitor and the extra memory is O(B·H·block·N).
 
-Not observed: ``torch.compile``-d graphs, and callers that bound ``scaled_dot_product_attention``
-to a local name at import time.  The pipeline observer is context-local; the SDPA tap is
+A forward pass may enter the model at its root or at a submodule (a trainer calling
+``model.encoder`` directly); ``every`` selects passes wherever they enter.  Gradient
+checkpointing's recomputation during backward repeats a pass already observed and is never
+observed again (:func:`~attnscale.measure.monitor.observer.recomputing`).  A ``torch.compile``-d
+model or submodule is observed as the same model run eagerly: the hooks and observers are graph
+breaks (``torch.compiler.disable``), and modules keep their uncompiled names.
+
+Not observed: callers that bound ``scaled_dot_product_attention`` to a local name at import
+time.  The pipeline observer is context-local; the SDPA tap is
 process-wide but hands each call only to the monitors active in the calling thread's context.
 
 Figures and summaries: :mod:`~attnscale.measure.monitor.plots`.

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -38,6 +40,46 @@ from attnscale.pipeline import Observation, add_observer, running
 RECORD_KEYS = ("layer", "head", "module", "queries", *RECORD_STATS)
 # The statistics a TensorBoard writer receives, per (layer, head) and per layer.
 SCALAR_KEYS = RECORD_STATS
+# The attribute torch.compile's wrapper (OptimizedModule) keeps the compiled module under; it
+# appears in qualified names as a path segment.
+COMPILED_SEGMENT = "_orig_mod"
+
+# The autograd engine's id of the backward pass running in this thread, -1 outside one.  torch
+# has no public name for it; torch.utils.checkpoint keys its non-reentrant recomputation on it.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def recomputing() -> bool:
+    """Whether the caller runs inside a backward pass.  A forward made there is gradient
+    checkpointing's recomputation (``torch.utils.checkpoint``, reentrant or not, which HF's
+    ``gradient_checkpointing_enable()`` uses): it repeats a forward pass already observed, on the
+    same weights and inputs, so it is never an observation of its own."""
+    return _graph_task_id() >= 0
+
+
+def _eager(method):
+    """``method`` run as plain Python even inside a ``torch.compile``-d model
+    (``torch.compiler.disable``: a graph break, never traced), so that a compiled model or
+    submodule is observed as the same model run eagerly.  Only once the compiler is loaded in
+    this process (``torch.compile`` loads it; loading it costs a second or two): before, nothing
+    can be compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return method
+    return torch.compiler.disable(method)
+
+
+def module_names(model: nn.Module) -> dict[nn.Module, str]:
+    """Every module of ``model`` -> the name observations are attributed to: its qualified name
+    as in the model before ``torch.compile`` (the compiled wrapper's ``_orig_mod`` segments left
+    out: ``_orig_mod.model.layers.0`` -> ``model.layers.0``), the model's class name for the
+    root (the compiled module's class for a compiled root)."""
+    inner = getattr(model, COMPILED_SEGMENT, None)
+    root = type(inner if isinstance(inner, nn.Module) else model).__name__
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(module, ".".join(p for p in name.split(".") if p != COMPILED_SEGMENT)
+                         or root)
+    return names
 
 
 class _SdpaTap:
@@ -91,7 +133,7 @@ class _SdpaTap:
             if running() or cls._inside.get():
                 return original(*args, **kwargs)
             for mon in cls._monitors.get():
-                mon._observe_sdpa(*args, **kwargs)
+                mon._sdpa_observer(*args, **kwargs)
             token = cls._inside.set(True)
             try:
                 return original(*args, **kwargs)
@@ -129,19 +171,21 @@ class Monitor:
         self._handles: list = []
         self._seen = 0        # attention calls observed in the current forward pass
         self._warned = False  # the "nothing observed" warning is given once per monitor
+        self._sdpa_observer = self._observe_sdpa  # what the SDPA tap calls (see _eager)
 
     # -- attaching ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
         if self._handles:
             raise RuntimeError("this monitor is already active")
         try:
-            root = type(self.model).__name__
-            for name, module in self.model.named_modules():
-                self._names[module] = name or root
-                self._handles.append(module.register_forward_pre_hook(self._push))
+            self._names = module_names(self.model)
+            push, pop, observe = _eager(self._push), _eager(self._pop), _eager(self._observe)
+            self._sdpa_observer = _eager(self._observe_sdpa)
+            for module in self._names:
+                self._handles.append(module.register_forward_pre_hook(push, with_kwargs=True))
                 # always_call: the stack is popped even when the forward raises.
-                self._handles.append(module.register_forward_hook(self._pop, always_call=True))
-            self._handles.append(add_observer(self._observe))
+                self._handles.append(module.register_forward_hook(pop, always_call=True))
+            self._handles.append(add_observer(observe))
             self._handles.append(_SdpaTap.attach(self))
         except BaseException:
             self._detach()
@@ -161,24 +205,36 @@ class Monitor:
         self._handles.clear()
         self._stack.clear()
 
-    def _push(self, module: nn.Module, args) -> None:
-        if module is self.model and not self._stack:
-            self._observing = self._selects()
+    def _push(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._stack:
+            # A forward pass enters the model: at its root, or at a submodule (Lightning's
+            # training_step calling self.model, a loop calling model.encoder).  A recomputation
+            # during backward (gradient checkpointing) is never observed.
+            self._observing = False  # until _entered says otherwise (it may raise)
+            self._observing = not recomputing() and self._entered(module, args, kwargs)
             self._seen = 0
         self._stack.append([module, 0])
 
     def _pop(self, module: nn.Module, args, output) -> None:
         if self._stack:
             self._stack.pop()
-        if module is self.model and not self._stack:
-            if self._observing and not self._seen:
-                self._warn_unobserved()
-            self.flush()  # what this forward pass saw goes to TensorBoard at its own step
-            self.step += 1
+        if self._stack:
+            return
+        if module is self.model and self._observing and not self._seen:
+            self._warn_unobserved()
+        self.flush()  # what this forward pass saw goes to TensorBoard at its own step
+        if module is self.model:
+            self.step += 1  # ``step`` counts whole forward passes of the model
 
-    def _selects(self) -> bool:
-        """Whether the forward pass starting now is observed: one in ``every``."""
+    def _entered(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether the forward pass entering the model at ``module`` now is observed: one in
+        ``every`` (by :attr:`step`)."""
         return self.step % self.every == 0
+
+    def _counts(self, module: nn.Module) -> bool:
+        """Whether an attention call made by ``module`` inside an observed forward pass is
+        observed: always, but for gradient checkpointing's recomputation (:func:`recomputing`)."""
+        return not recomputing()
 
     def _warn_unobserved(self) -> None:
         """Warn (once) that a whole forward pass reached no call point the monitor observes."""
@@ -195,8 +251,7 @@ class Monitor:
             hint = ("it runs Hugging Face attn_implementation='eager', which is not observed; "
                     "use model.set_attn_implementation('attnscale') (or 'sdpa').")
         else:
-            hint = ("it calls neither attnscale.attention nor torch's "
-                    "scaled_dot_product_attention (torch.compile-d graphs are not observed).")
+            hint = "it calls neither attnscale.attention nor torch's scaled_dot_product_attention."
         return f"observed no attention call in a forward pass of {root}: {hint}"
 
     def _watching(self) -> bool:
@@ -210,6 +265,8 @@ class Monitor:
             return None
         frames = [f for f in self._stack if not isinstance(f[0], Mechanism)] or self._stack
         frame = frames[-1]
+        if not self._counts(frame[0]):
+            return None
         frame[1] += 1
         name = self._names[frame[0]]
         return name if frame[1] == 1 else f"{name}#{frame[1] - 1}"
@@ -302,7 +359,8 @@ class Monitor:
         """Log what was observed since the last flush to the writer at step ``self.step``.
 
         Tags: ``attnscale/<stat>/layer<L>/head<h>`` and the head-pooled ``attnscale/<stat>/layer<L>``.
-        Called at the end of every forward pass of the monitored model and on a clean exit.
+        Called at the end of every forward pass of the monitored model (wherever it entered)
+        and on a clean exit.
         """
         if self.writer is None or not self._pending:
             self._pending.clear()
