@@ -13,8 +13,12 @@ divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechan
 
 Goals: <= 1.15 for every mechanism a scale on q and k (sink, logn and clip-qkv included), <= 1.35
 for adaptive-temp (one extra blockwise entropy pass, forward and backward) and gated (the gate's
-projection), <= 1.5 for the blockwise kernels (softcap, sigmoid).  A gating mechanism is timed with
-its gate: σ(x W_g) of a (B, N, H·d) input, multiplied into the output.  On a machine
+projection), <= 1.5 for the blockwise kernels (softcap, sigmoid), <= 1.35 for the logit biases
+(forgetting, selective) and <= 2.3 for differential attention (two attention maps).  A gating
+mechanism is timed with its gate: σ(x W_g) of a (B, N, H·d) input, multiplied into the output;
+forgetting with its forget gates σ(x W_f + b_f) of such an input.  The causal mechanisms
+(forgetting, selective) are timed causal against causal SDPA (``sdpa-causal``), every other
+mechanism without a mask against plain SDPA.  On a machine
 shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
 blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
 taken (SDPA is one op).
@@ -45,10 +49,21 @@ from attnscale.errors import parse_name_list
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 
 SDPA = "sdpa"
+SDPA_CAUSAL = "sdpa-causal"
 MATERIALISED = "softcap-materialised"
 GOAL = {"softcap": 1.5, "sigmoid": 1.5, "adaptive-temp": 1.35, "gated": 1.35,
+        "forgetting": 1.35, "selective": 1.35, "differential": 2.3,
         MATERIALISED: None}  # everything else: 1.15
 DEFAULT_GOAL = 1.15
+# Causal attention by their nature: timed causal, against causal SDPA.
+CAUSAL = ("forgetting", "selective")
+# Mechanisms whose extra memory of one forward + backward has a goal: within 1.5x of SDPA's.
+MEMORY_ROWS = ("forgetting", "selective", "differential")
+
+
+def baseline(name: str) -> str:
+    """The SDPA variant a mechanism is timed against."""
+    return SDPA_CAUSAL if name in CAUSAL else SDPA
 
 
 def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device: str = "cpu"):
@@ -57,15 +72,16 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to(device) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    if name == SDPA:
+    if name in (SDPA, SDPA_CAUSAL):
         def forward():
-            return F.scaled_dot_product_attention(q, k, v), ()
+            return F.scaled_dot_product_attention(q, k, v, is_causal=name == SDPA_CAUSAL), ()
     elif name == MATERIALISED:
         mech = build_mechanism("softcap", d, h)
 
         def forward():
             return attention_reference(q, k, v, mech).out, ()
-    elif MECHANISMS[name].gate:  # the gate needs the layer input: x (B, N, H·d) and W_g
+    elif MECHANISMS[name].gate or MECHANISMS[name].logit_bias == "forget":
+        # the gate or the forget gates read the layer input: x (B, N, H·d), and W_g or W_f
         mech = build_mechanism(name, d, h)
         proj = torch.nn.Linear(h * d, h * d, bias=False)
         mech.init_projections(proj, proj)
@@ -73,13 +89,17 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device
         x = torch.randn(b, n, h * d, generator=gen).to(device).requires_grad_()
 
         def forward():
-            gate = mech.gate_values(x)                             # (B, H, N, 1 or d)
-            return attention(q, k, v, mech, gate=gate), (x, *mech.parameters())
+            if mech.gate:
+                out = attention(q, k, v, mech, gate=mech.gate_values(x))   # (B, H, N, 1|d)
+            else:
+                out = attention(q, k, v, mech, causal=True,
+                                log_forget=mech.forget_gates(x))         # (B, H, N)
+            return out, (x, *mech.parameters())
     else:
         mech = build_mechanism(name, d, h).to(device)
 
         def forward():
-            return mech(q, k, v), tuple(mech.parameters())
+            return mech(q, k, v, causal=name in CAUSAL), tuple(mech.parameters())
 
     def step():
         out, params = forward()
@@ -109,7 +129,8 @@ def softcap_error(shape, device: str = "cpu") -> tuple[float, float]:
 def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
                 device: str = "cpu") -> dict[str, list[float]]:
     """Seconds per forward + backward, one list per variant, measured interleaved."""
-    steps = {name: make_step(name, shape, device=device) for name in [SDPA, *names]}
+    bases = [SDPA] + ([SDPA_CAUSAL] if any(n in CAUSAL for n in names) else [])
+    steps = {name: make_step(name, shape, device=device) for name in [*bases, *names]}
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -199,13 +220,15 @@ def main(argv: list[str] | None = None) -> int:
           f"max |Δ grad| {grad_err:.1e}")
     times = time_rounds(names, shape, args.rounds, warmup=2 if args.device == "cuda" else 1,
                         device=args.device)
-    sdpa = times[SDPA]
-    print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms, best "
-          f"{min(sdpa) * 1e3:.0f} ms")
+    for base in (SDPA, SDPA_CAUSAL):
+        if base in times:
+            print(f"\n{base}: median {statistics.median(times[base]) * 1e3:.0f} ms, best "
+                  f"{min(times[base]) * 1e3:.0f} ms")
     print("÷ SDPA: median over rounds of time / that round's SDPA time; best ÷ best: the fastest "
           "of each, the least disturbed by other load")
     print(f"{'mechanism':<22}{'ms':>8}{'÷ SDPA':>9}{'best ÷ best':>13}{'goal':>7}")
     for name in names:
+        sdpa = times[baseline(name)]
         ratio = statistics.median(t / s for t, s in zip(times[name], sdpa))
         best = min(times[name]) / min(sdpa)
         goal = GOAL.get(name, DEFAULT_GOAL)
@@ -216,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_memory:
         print("\npeak extra memory of one forward + backward (peak RSS growth, MiB)")
-        for name in [SDPA, "softcap"] + ([] if args.no_materialised else [MATERIALISED]):
+        # softcap, the blockwise reference, and the mechanisms with a memory goal of their own
+        shown = [SDPA, "softcap"] + [n for n in MEMORY_ROWS if n in names]
+        if any(n in CAUSAL for n in names):
+            shown.insert(1, SDPA_CAUSAL)
+        for name in shown + ([] if args.no_materialised else [MATERIALISED]):
             print(f"{name:<22}{peak_extra_mib(name, shape, args.device):>8.1f}")
     return 0
 

@@ -33,10 +33,16 @@ Other normalisers (:func:`attnscale.pipeline.normalise`).  :func:`row_stats` tak
   mass on the sink: count 0 and every statistic 0, as for any row without keys;
 * ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1): max weight ``max_i σ(z_i)``; entropy of
   the normalised row p / Σp, which is ``softmax(ln σ(z))``; ``||J||_F = ||diag(σ(1 - σ))||_F =
-  sqrt(Σ_i σ_i² (1 - σ_i)²)``, the Jacobian of the elementwise map.
+  sqrt(Σ_i σ_i² (1 - σ_i)²)``, the Jacobian of the elementwise map;
+* ``"differential"`` (w = p1 − λ p2, p1 = softmax(z1), p2 = softmax(z2), differential attention;
+  z is the two maps side by side, (..., 2n), and ``lam`` is λ): max weight ``max_i w_i`` (the
+  largest net weight); entropy of the normalised magnitudes |w| / Σ|w| (nats, in [0, ln n]; the
+  softmax entropy of p1 when λ = 0); ``||J||_F = sqrt(||J(p1)||² + λ² ||J(p2)||²)``, the Jacobian
+  of w with respect to both maps' logits; ``count`` is the row's keys (n, not 2n), and
+  ``logit_std``, ``logit_absmax`` and ``logit_max`` cover the logits of both maps.
 
 :func:`row_mass` is the weight the keys carry, Σ_i p_i: 1 under softmax, 1 minus the sink's mass
-under a sink, anything in [0, n] under sigmoid.
+under a sink, anything in [0, n] under sigmoid, 1 − λ under the differential normaliser.
 """
 
 from __future__ import annotations
@@ -54,13 +60,14 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "entropy", "fit_line",
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "columns", "differential_stats",
+           "entropy", "fit_line",
            "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
            "mean_se_from_sums", "row_mass", "row_stats", "sigmoid_stats", "softmax_stats",
            "std_ci", "std_se", "t975"]
 
 # The normalisers a mechanism can name, and the statistics are defined for (the pipeline reads it).
-NORMALISERS = ("softmax", "sink", "sigmoid")
+NORMALISERS = ("softmax", "sink", "sigmoid", "differential")
 
 
 def _logits(z: Tensor) -> Tensor:
@@ -200,12 +207,16 @@ def sigmoid_stats(z: Tensor) -> dict[str, Tensor]:
             "jacobian_fro": special(jac), "mass": special(p.sum(dim=-1))}
 
 
-def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None,
+             lam: Tensor | None = None) -> Tensor:
     """Σ_i p_i over the keys of each row, float64 (...): 1 under softmax (0 for a row without
-    keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid; NaN for rows holding NaN."""
+    keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid, 1 − λ under the differential
+    normaliser (``lam``, z the two maps side by side); NaN for rows holding NaN."""
     z = _logits(z)
     if normaliser == "sigmoid":
         return sigmoid_stats(z)["mass"].double()
+    if normaliser == "differential":
+        return differential_stats(z, lam)["mass"].double()
     zmax = z.amax(dim=-1)
     if normaliser == "sink":
         lse = torch.logsumexp(z, dim=-1)                          # -inf for a row without keys
@@ -222,6 +233,41 @@ def check_normaliser(normaliser: str) -> None:
                           f"{normaliser!r}.")
 
 
+def _per_head(z: Tensor, x: Tensor, what: str) -> Tensor:
+    """A per-head parameter beside logits z (B, H, Nq, n) or (H, ..., n): 0-d, (H,) (heads at
+    dim -3), or anything broadcastable to (..., 1); as a column of z's dtype."""
+    if x is None:
+        raise ConfigError(f"the {what!r} normaliser needs its per-head parameter.")
+    x = x.to(z.dtype)
+    if x.dim() == 1 and z.dim() >= 3:
+        x = x.view(-1, 1, 1)
+    return x.expand(*z.shape[:-1], 1) if x.dim() else x.expand(*z.shape[:-1]).unsqueeze(-1)
+
+
+def differential_stats(z: Tensor, lam: Tensor | None) -> dict[str, Tensor]:
+    """Max weight, entropy of |w| / Σ|w|, ``||J||_F`` and the mass Σ w of w = softmax(z1) −
+    λ softmax(z2), z = [z1 | z2] (..., 2n) with masked keys at -inf in both maps, λ = ``lam``
+    (0-d, per head, or broadcastable to (..., 1)); each of shape (...).  A row without keys gives
+    0, a row holding NaN gives NaN.  Differentiable."""
+    z = _logits(z)
+    if z.shape[-1] % 2:
+        raise ConfigError(f"differential logits are two maps side by side: the last dimension "
+                          f"must be even, got {z.shape[-1]}.")
+    lam = _per_head(z, lam, "differential")[..., 0]                     # (...)
+    z1, z2 = z[..., :z.shape[-1] // 2], z[..., z.shape[-1] // 2:]
+    s1, s2 = softmax_stats(z1), softmax_stats(z2)
+    w = torch.softmax(z1, dim=-1) - lam.unsqueeze(-1) * torch.softmax(z2, dim=-1)
+    a = w.abs()
+    total = a.sum(dim=-1, keepdim=True)
+    share = a / torch.where(total > 0, total, torch.ones_like(total))
+    ent = -(share * torch.log(torch.where(share > 0, share, torch.ones_like(share)))).sum(-1)
+    jac = torch.sqrt(s1["jacobian_fro"] ** 2 + (lam * s2["jacobian_fro"]) ** 2)
+    zmax = torch.maximum(z1.amax(dim=-1), z2.amax(dim=-1))             # NaN propagates
+    return {"max_weight": _special_rows(zmax, w.amax(dim=-1)), "entropy": _special_rows(zmax, ent),
+            "jacobian_fro": _special_rows(zmax, jac),
+            "mass": _special_rows(zmax, 1.0 - lam)}
+
+
 def _sink_column(z: Tensor, sink: Tensor | None) -> Tensor:
     """The sink logits as a column (..., 1) beside logits z (B, H, Nq, Nk) or (H, ..., n): ``sink``
     is (H,), or anything broadcastable to (..., 1)."""
@@ -234,7 +280,8 @@ def _sink_column(z: Tensor, sink: Tensor | None) -> Tensor:
 
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = None,
-              normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+              normaliser: str = "softmax", sink: Tensor | None = None,
+              lam: Tensor | None = None) -> Tensor:
     """Every statistic of every row of ``softmax(z)``: the one entry point for per-row statistics.
 
     Args:
@@ -243,9 +290,11 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             first ``limit[r % P]`` keys (clamped to [0, n]), the others count as masked -- causal
             attention without writing a mask, with P the query rows per (batch, head).
         threads: worker threads of the compiled kernel (default ``torch.get_num_threads()``).
-        normaliser: ``"softmax"``, ``"sink"`` or ``"sigmoid"``; the columns' definitions for the
-            last two are in the module doc.
+        normaliser: ``"softmax"``, ``"sink"``, ``"sigmoid"`` or ``"differential"`` (z the two
+            maps side by side, (..., 2n)); the columns' definitions for the others than softmax
+            are in the module doc.
         sink: the per-head sink logits (H,) (or broadcastable to (..., 1)) for ``"sink"``.
+        lam: λ (0-d or per head (H,)) for ``"differential"``.
     Returns:
         float64 tensor (..., 7) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
         row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std``,
@@ -264,6 +313,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             raise ConfigError(f"limit must be a non-empty int64 tensor, got {limit!r}.")
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
+    if normaliser == "differential":
+        return _differential_row_stats(z, limit, threads, lam)
     if normaliser != "softmax":
         return _normalised_row_stats(z, limit, threads, normaliser, sink)
     needs_grad = z.requires_grad and torch.is_grad_enabled()
@@ -317,6 +368,23 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
 
 # The row statistics of the weights p (the others, count and the logit statistics, are of z).
 _WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
+
+
+def _differential_row_stats(z: Tensor, limit: Tensor | None, threads: int | None,
+                            lam: Tensor | None) -> Tensor:
+    """:func:`row_stats` for the differential normaliser (see the module doc): z (..., 2n)."""
+    n = z.shape[-1] // 2
+    if limit is not None:  # the limit counts the keys of one map: hide them in both
+        rows = z.numel() // z.shape[-1]
+        lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
+        hidden = torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1)
+        z = z.masked_fill(torch.cat([hidden, hidden], dim=-1), -math.inf)
+    both = columns(row_stats(z, threads=threads))          # the logits of both maps, 2n a row
+    values = dict(both, count=columns(row_stats(z[..., :n], threads=threads))["count"])
+    full = differential_stats(z, lam)
+    values.update({c: full[c].double() for c in _WEIGHT_STATS})
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
+    return torch.where(values["count"].unsqueeze(-1) == 0, torch.zeros_like(out), out)
 
 
 

@@ -62,6 +62,11 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "adaptive-temp": ("#4b0082", "-.", "^"),
     "gated": ("#b8860b", "-.", "D"),
     "clip-qkv": ("#a9a9a9", "--", "X"),
+    # Logit biases (forgetting, selective) dash-dotted like the other rules on top of scaled
+    # attention; differential attention, another normaliser, dotted.
+    "forgetting": ("#228b22", "-.", "v"),
+    "selective": ("#cd5c5c", "-.", "<"),
+    "differential": ("#00ced1", ":", "P"),
 }
 
 

@@ -137,14 +137,16 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
 def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                 mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
                 block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
-                sink: Tensor | None = None, gate: Tensor | None = None) -> HeadStats:
+                sink: Tensor | None = None, gate: Tensor | None = None,
+                lam: Tensor | None = None) -> HeadStats:
     """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
-    the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
+    the weights are the ``normaliser``'s (``sink``: the per-head sink logits; ``lam``: λ of the
+    differential normaliser, whose two maps are the halves of q and k), and ``gate``
     (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
     parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
                     causal_offset=causal_offset, block=block, offset=offset,
-                    normaliser=normaliser, sink=sink)
+                    normaliser=normaliser, sink=sink, lam=lam)
     kept = [(i0, part) for i0, part in parts if part is not None]
     if not kept:  # O(B H Nq) rows in all
         return HeadStats.zeros(q.shape[-3])
@@ -174,19 +176,21 @@ def _from_rows(stats: Tensor, normaliser: str, mass: Tensor | None,
 
 
 def logit_stats(z: Tensor, *, normaliser: str = "softmax", sink: Tensor | None = None,
-                gate: Tensor | None = None) -> HeadStats:
+                gate: Tensor | None = None, lam: Tensor | None = None) -> HeadStats:
     """Per-head statistics of logits a model formed itself, (B, H, Nq, Nk) with masked keys at
-    -inf, under ``normaliser`` (``sink``: the per-head sink logits (H,)); ``gate`` (B, H, Nq,
-    1 or d) the output gate, summarised as its mean per row.  The same statistics
-    :func:`head_stats` gives from q and k."""
+    -inf, under ``normaliser`` (``sink``: the per-head sink logits (H,); ``lam``: λ, z the two
+    maps side by side, under the differential normaliser); ``gate`` (B, H, Nq, 1 or d) the
+    output gate, summarised as its mean per row.  The same statistics :func:`head_stats` gives
+    from q and k."""
     with torch.no_grad():
         z = z.detach().to(work_dtype(z.dtype))
         if normaliser == "softmax":
             stats, mass = row_stats(z), None
         else:
             sink = None if sink is None else sink.detach().to(z.dtype)
-            stats = row_stats(z, normaliser=normaliser, sink=sink)
-            mass = row_mass(z, normaliser, sink)
+            lam = None if lam is None else lam.detach().to(z.dtype)
+            stats = row_stats(z, normaliser=normaliser, sink=sink, lam=lam)
+            mass = row_mass(z, normaliser, sink, lam)
         gate_rows = None if gate is None else gate.detach().double().mean(-1).expand(
             *stats.shape[:3])
         return _from_rows(stats, normaliser, mass, gate_rows)
@@ -210,7 +214,8 @@ def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float |
 def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
             mask: Tensor | None, causal: bool, causal_offset: int, block: int,
             offset: float | Tensor = 0.0, normaliser: str = "softmax",
-            sink: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
+            sink: Tensor | None = None,
+            lam: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
     """``(first query, row statistics)`` of each block of ``block`` queries, in order; None for
     a block in which no query has a key.  Under another normaliser than softmax the statistics
     come as ``(rows, key mass per row)``."""
@@ -241,6 +246,8 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
             offset = offset / cap  # it joins the scaled logits inside tanh
         if sink is not None:
             sink = sink.detach().to(work)
+        if lam is not None:
+            lam = lam.detach().to(work)
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
@@ -252,7 +259,7 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None,
                                     offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
-                                    sink=sink),
+                                    sink=sink, lam=lam),
             starts, workers)
         return list(zip(starts, blocks))
 
@@ -260,7 +267,8 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None, offset: float | Tensor = 0.0,
-                 normaliser: str = "softmax", sink: Tensor | None = None):
+                 normaliser: str = "softmax", sink: Tensor | None = None,
+                 lam: Tensor | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
@@ -283,19 +291,28 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     def cols_of(t: Tensor) -> Tensor:
         return t[..., lo:hi] if t.shape[-1] == n_k else t
 
-    z = q @ kt[..., lo:hi]                                   # (B, H, Nb, W), scaled logits
-    if isinstance(offset, Tensor) or offset != 0.0:
-        z = z + offset                                       # sigmoid attention's bias
-    if cap is not None:
-        z = z.tanh_().mul_(cap)                              # the soft-cap, before the mask
-    if bias is not None:
-        z = z + cols_of(bias)
-    if keep is not None:
-        keep = cols_of(keep)
-        if torch.broadcast_shapes(keep.shape, z.shape) == z.shape:
-            z.masked_fill_(~keep, -math.inf)
-        else:  # the mask has a batch the logits broadcast over
-            z = torch.where(keep, z, -math.inf)
+    def scores(q: Tensor, kt: Tensor) -> Tensor:
+        z = q @ kt[..., lo:hi]                               # (B, H, Nb, W), scaled logits
+        if isinstance(offset, Tensor) or offset != 0.0:
+            z = z + offset                                   # sigmoid attention's bias
+        if cap is not None:
+            z = z.tanh_().mul_(cap)                          # the soft-cap, before the mask
+        if bias is not None:
+            z = z + cols_of(bias)
+        if keep is not None:
+            kept = cols_of(keep)
+            if torch.broadcast_shapes(kept.shape, z.shape) == z.shape:
+                z.masked_fill_(~kept, -math.inf)
+            else:  # the mask has a batch the logits broadcast over
+                z = torch.where(kept, z, -math.inf)
+        return z
+
+    if normaliser == "differential":  # the two maps of q's and k's halves, side by side
+        half = q.shape[-1] // 2
+        z = torch.cat([scores(q[..., :half], kt[..., :half, :]),
+                       scores(q[..., half:], kt[..., half:, :])], dim=-1)  # (B, H, Nb, 2W)
+    else:
+        z = scores(q, kt)
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
     # Causality as a per-row key count (no mask is written): query i0 + r sees the first
     # first_hidden + r columns of the block.
@@ -305,8 +322,9 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     if normaliser == "softmax":
         return row_stats(z, limit=limit, threads=threads)
     if limit is not None:  # the key mass needs the hidden keys written out
-        cols = torch.arange(hi - lo, device=z.device)
-        z = z.masked_fill(cols >= limit.view(-1, 1), -math.inf)
+        hidden = torch.arange(hi - lo, device=z.device) >= limit.view(-1, 1)
+        z = z.masked_fill(hidden if z.shape[-1] == hi - lo else torch.cat([hidden, hidden], -1),
+                          -math.inf)
     # Another normaliser: its statistics (attnscale.stats) and each row's key mass.
-    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink),
-            row_mass(z, normaliser, sink))
+    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink, lam=lam),
+            row_mass(z, normaliser, sink, lam))
