@@ -169,8 +169,9 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
     squares (float64); under ``mech``'s normaliser (softmax without one)."""
     normaliser = "softmax" if mech is None else mech.normaliser
     sink = mech.sink_logits().detach() if normaliser == "sink" else None
-    stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink))
-    stats["mass"] = row_mass(z, normaliser, sink)
+    lam = mech.lam().detach() if normaliser == "differential" else None
+    stats = columns(row_stats(z, threads=1, normaliser=normaliser, sink=sink, lam=lam))
+    stats["mass"] = row_mass(z, normaliser, sink, lam)
     for key in SATURATION_STATS:
         v = stats[key]
         s = acc.setdefault(key, [0.0, 0.0])
@@ -223,7 +224,7 @@ def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) ->
     for n in ns:
         # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
         shortcut[n] = {m for m in mechanisms
-                       if _shortcut_scale(build_mechanism(m, 1, 1), n) is not None}
+                       if _shortcut_scale(build_mechanism(m, 2, 1), n) is not None}
         for d_k in d_ks:
             need = max(CHUNK_ELEMENTS, n) * BYTES_PER_LOGIT + d_k * BYTES_PER_KEY_COORDINATE
             seconds += n * len(mechanisms) * SECONDS_PER_LOGIT

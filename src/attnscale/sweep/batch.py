@@ -33,8 +33,8 @@ Chunk = tuple[Task, ...]
 
 # Most trials in one chunk.  A chunk is in flight as a whole, so this bounds what an interrupt
 # loses and the memory of one call (a recall chunk is one batched model); the default recall
-# study's chunks (a d_k's 45 runs over 2 workers) stay whole.
-MAX_CHUNK = 32
+# study's chunks (a d_k's 3 seeds of every mechanism, up to 96 runs, over 2 workers) stay whole.
+MAX_CHUNK = 48
 
 
 def chunks(tasks: Sequence[Task], slots: int,
