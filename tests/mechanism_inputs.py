@@ -56,3 +56,13 @@ def observed_rows(call) -> torch.Tensor:
         call()
     (rows,) = seen
     return rows
+
+
+def nan_rows(run, where: str, n: int = 6) -> list[bool]:
+    """Which output rows of (batch 0, head 0) are NaN when q, k or v (``where``; ``"none"``:
+    neither) holds a NaN at position 2 of that head: ``run(q, k, v)`` -> (B, H, n, D), float64
+    inputs."""
+    q, k, v = (t.detach() for t in qkv(n, n))
+    if where != "none":
+        {"q": q, "k": k, "v": v}[where][0, 0, 2, 0] = float("nan")
+    return run(q, k, v)[0, 0].isnan().any(-1).tolist()

@@ -15,7 +15,8 @@ from attnscale.errors import ConfigError
 from attnscale.experiments.lm.model import LMConfig, build_lm
 from attnscale.mechanisms import build_mechanism
 from attnscale.stats import row_mass, row_stats
-from mechanism_inputs import B, D, H, assert_lower_precision, grads, qkv, random_mask
+from mechanism_inputs import (B, D, H, assert_lower_precision, grads, nan_rows, qkv,
+                              random_mask)
 
 
 def differential_reference(q, k, v, m, mask=None, causal=False):
@@ -121,3 +122,12 @@ def test_refusals():
     from attnscale import hf
     with pytest.raises(ConfigError, match="DiffLlama"):
         hf.check_swappable("differential")
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_nan_reaches_the_rows_whose_logits_it_enters(where):
+    m = _mechanism()
+    fused = nan_rows(lambda q, k, v: attention(q, k, v, m, causal=True), where)
+    assert fused == nan_rows(lambda q, k, v: attention(q, k, v, m, causal=True, trace=True).out,
+                             where)
+    assert fused[2] and not fused[0] if where != "v" else all(fused)

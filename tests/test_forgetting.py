@@ -19,8 +19,8 @@ from attnscale.kernels import flex
 from attnscale.kernels.biased import ForgetBias, biased_attention
 from attnscale.mechanisms import build_mechanism
 from attnscale.stats import row_stats
-from mechanism_inputs import (B, D, H, assert_lower_precision, grads, observed_rows, qkv,
-                              random_mask)
+from mechanism_inputs import (B, D, H, assert_lower_precision, grads, nan_rows, observed_rows,
+                              qkv, random_mask)
 
 
 def fox_reference(q, k, v, log_f, mask=None):
@@ -203,3 +203,20 @@ def test_the_monitor_sees_the_biased_logits():
     trace = attention(q, k, v, mech, causal=True, log_forget=log_f, trace=True)
     z = trace.logits.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), -math.inf)
     assert_close(rows, row_stats(z))
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "log_f"])
+def test_a_nan_reaches_the_rows_whose_logits_it_enters(where):
+    mech = build_mechanism("forgetting", D, H).double()
+    log_f = _inputs(6, 6)[3].detach()
+    if where == "log_f":  # the gate of token 2: every c from there on
+        log_f[0, 0, 2] = math.nan
+    inputs = where if where != "log_f" else "none"
+
+    def run(trace):
+        return lambda q, k, v: attention(q, k, v, mech, causal=True, log_forget=log_f,
+                                         trace=trace)
+
+    fused = nan_rows(run(False), inputs)
+    assert fused == nan_rows(lambda *a: run(True)(*a).out, inputs)
+    assert fused[2] and not fused[0] if where != "v" else all(fused)

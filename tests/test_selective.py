@@ -141,3 +141,22 @@ def test_selective_in_multi_head_attention_and_refusals():
     from attnscale import hf
     with pytest.raises(ConfigError, match="KV cache"):
         hf.check_swappable("selective")
+
+
+def test_the_guard_records_the_biased_logits_and_refuses_qk_clip():
+    import attnscale
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(H * D, H, "selective", dtype=torch.float64)
+    x = torch.randn(B, 7, H * D, dtype=torch.float64)
+    with attnscale.guard(mha) as g:
+        mha(x, causal=True)
+        g.step(0)
+    split = lambda t: t.view(B, 7, H, D).transpose(1, 2)  # noqa: E731
+    z = attention(split(mha.w_q(x)), split(mha.w_k(x)), split(mha.w_v(x)), mha.mechanism,
+                  causal=True, trace=True).logits
+    z = z.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), -math.inf)
+    assert [r["logit_max"] for r in g.records] == pytest.approx(z.amax((0, 2, 3)).tolist())
+    for name in ("selective", "forgetting", "differential"):
+        with pytest.raises(ConfigError, match="logit bias or splits q and k") as err:
+            attnscale.guard(MultiHeadAttention(16, 2, name), qk_clip=10.0)
+        assert "\n" not in str(err.value)

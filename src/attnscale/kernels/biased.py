@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.rowsubset import block_hidden
-from attnscale.precision import upcast
+from attnscale.precision import all_finite, upcast
 from attnscale.workers import parallel_map, workers_for
 
 # Logits in one block: 2^19 (2 MiB of float32), every head of a batch element by as many
@@ -90,6 +90,15 @@ def selection(z0: Tensor, valid: Tensor) -> Tensor:
 
 
 Bias = ForgetBias | SelectBias
+
+
+def nan_query_rows(out: Tensor, q: Tensor) -> Tensor:
+    """``out`` (B, H, Nq, d_v) with NaN on every row whose query (B, H, Nq, ·) is not finite: a
+    NaN there enters every logit of the row, as in the materialised formula, where SDPA's fused
+    CPU kernel would return a finite row.  One min/max pass over q when everything is finite."""
+    if all_finite(q):
+        return out
+    return out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), math.nan)
 
 
 def dense_bias(bias: Bias, q: Tensor, k: Tensor, scale: float) -> Tensor:

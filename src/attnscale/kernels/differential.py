@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.kernels.biased import nan_query_rows
 from attnscale.precision import upcast
 
 
@@ -50,4 +51,4 @@ def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: T
     o = F.scaled_dot_product_attention(qs.to(v.dtype), ks.to(v.dtype), vs, attn_mask=mask,
                                        is_causal=causal, scale=scale)
     o = upcast(o[..., :d_v])
-    return (o[:, :h] - lam.to(o.dtype) * o[:, h:]).to(v.dtype)
+    return nan_query_rows(o[:, :h] - lam.to(o.dtype) * o[:, h:], q).to(v.dtype)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnscale.kernels import flex
-from attnscale.kernels.biased import ForgetBias
+from attnscale.kernels.biased import ForgetBias, nan_query_rows
 from attnscale.precision import upcast
 
 # The extra channels of q' and k': c's high and low float32 halves, each a (query, key) pair.
@@ -104,4 +104,4 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor, mask: Tens
     k2 = F.pad(k2, (0, width - k2.shape[-1]))
     v2 = F.pad(v2, (front, width - front - d_v))
     out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, is_causal=causal, scale=1.0)
-    return out[..., front:front + d_v].to(v.dtype)
+    return nan_query_rows(out[..., front:front + d_v], q2).to(v.dtype)
