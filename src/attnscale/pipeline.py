@@ -422,7 +422,8 @@ def logit_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causa
         return None
     check_log_forget(log_forget, q, k, causal)
     # c in float64 (its float32 halves keep the precision of c_i − c_j far down the sequence)
-    return ForgetBias(torch.cumsum(log_forget.to(torch.float64), dim=-1))
+    c = torch.cumsum(log_forget.to(torch.float64), dim=-1)                 # (B|1, H|1, N)
+    return ForgetBias(c.expand(q.shape[0], q.shape[1], -1))
 
 
 def check_log_forget(log_forget: Tensor, q: Tensor, k: Tensor, causal: bool) -> None:

@@ -236,14 +236,22 @@ class _SelectBlocks:
         return z0, valid
 
 
-def _biased_blocks(q_s: Tensor, k: Tensor, blocks: _Blocks, bias, b: int):
+def _scores(q: Tensor, k: Tensor, scale: float, b: int, i0: int, i1: int, n_k: int) -> Tensor:
+    """scale · q kᵀ of batch element b's queries i0..i1-1 and first n_k keys: (H, r, n_k), the
+    scale applied by the matmul itself (no scaled copy of q)."""
+    q_b = q[b, :, i0:i1]
+    return torch.baddbmm(q_b.new_empty(()).expand(q_b.shape[0], i1 - i0, n_k), q_b,
+                         k[b, :, :n_k].transpose(1, 2), beta=0.0, alpha=scale)
+
+
+def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int):
     """Batch element b's blocks in order, as ``(i0, i1, n_k, z)``: z (H, i1 − i0, n_k) the
-    biased, masked logits of queries i0..i1-1 against the keys they can see (q_s: q · scale)."""
-    state = bias.start(b, q_s)
+    biased, masked logits of queries i0..i1-1 against the keys they can see."""
+    state = bias.start(b, q)
     for i0 in blocks.starts():
         i1 = min(i0 + blocks.rows, blocks.n_q)
         n_k = blocks.n_keys(i0, i1)
-        s = torch.bmm(q_s[b, :, i0:i1], k[b, :, :n_k].transpose(1, 2))      # (H, r, n_k)
+        s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
         state = bias.add(s, b, i0, state)
         yield i0, i1, n_k, blocks.hide(s, b, i0)
 
@@ -260,11 +268,10 @@ class _BiasedAttention(torch.autograd.Function):
             bias = _ForgetBlocks(c, q.dtype)
         else:
             bias = _SelectBlocks(given, blocks.n_k)
-        q_s = q * scale
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                        # (B, H, Nq, d_v)
 
         def element(b: int) -> None:
-            for i0, i1, n_k, z in _biased_blocks(q_s, k, blocks, bias, b):
+            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b):
                 p = torch.softmax(z, dim=-1)
                 torch.bmm(p, v[b, :, :n_k], out=out[b, :, i0:i1])
 
@@ -279,7 +286,6 @@ class _BiasedAttention(torch.autograd.Function):
         q, k, v, out, mask, c = ctx.saved_tensors
         scale, causal, block_elements, bias = ctx.args
         blocks = _Blocks(q, k, mask, causal, block_elements)
-        q_s = q * scale
         d_out = d_out.contiguous()
         delta = torch.linalg.vecdot(d_out, out).unsqueeze(-1)             # δ_i = Σ_j P_ij dP_ij
         dq = torch.empty_like(q)
@@ -292,7 +298,7 @@ class _BiasedAttention(torch.autograd.Function):
             for i0 in reversed(blocks.starts()):
                 i1 = min(i0 + blocks.rows, blocks.n_q)
                 n_k = blocks.n_keys(i0, i1)
-                s = torch.bmm(q_s[b, :, i0:i1], k[b, :, :n_k].transpose(1, 2))  # (H, r, n_k)
+                s = _scores(q, k, scale, b, i0, i1, n_k)                     # (H, r, n_k)
                 if bias.ordered:
                     z0, valid = bias.recompute(s, b, i0)
                 else:
@@ -347,12 +353,11 @@ def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor 
         blocks = _Blocks(q, k, mask, causal, BIASED_BLOCK_ELEMENTS)
         strategy = (_ForgetBlocks(bias.c, q.dtype) if isinstance(bias, ForgetBias)
                     else _SelectBlocks(bias, blocks.n_k))
-        q_s = q * scale
         workers = workers_for(q.device, blocks.n_b)
         threads = 1 if workers > 1 else None  # the row kernel inside a worker: one thread
 
         def element(b: int) -> None:
-            for i0, i1, _, z in _biased_blocks(q_s, k, blocks, strategy, b):
+            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b):
                 rows[b, :, i0:i1].copy_(row_stats(z, threads=threads))
 
         parallel_map(element, range(blocks.n_b), workers)

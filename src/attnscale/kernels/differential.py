@@ -7,6 +7,11 @@ two halves are combined as o1 − λ o2.  The CPU flash kernel needs one head si
 so the halves of q and k (d/2) are padded with zeros to v's size (which doubles their share of
 the matmuls; without it SDPA falls back to its materialising math backend).  fp16 and bf16 run
 SDPA in their own type, which accumulates in float32, and combine the maps in float32.
+
+On the CPU without a mask (float32 and float64, q's and v's head sizes equal) the flash op runs
+under an autograd node of its own (:class:`_TwoMapsFlashCPU`), one call per map on v itself (no
+copy of v), keeping only the two outputs and log-sum-exps and writing each map's padded q and k
+again in its backward, so that one map's copies are alive at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: T
     leaving every query a key; ``causal`` top-left.
     """
     h = q.shape[1]
+    if (mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and q.dtype == v.dtype and q.dtype in (torch.float32, torch.float64)
+            and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+            and type(q) is torch.Tensor):
+        o = _TwoMapsFlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), lam.to(q.dtype),
+                                   float(scale), causal)
+        return nan_query_rows(o, q)
     q1, q2 = split_maps(q)
     k1, k2 = split_maps(k)
     qs = torch.cat([q1, q2], dim=1)                                        # (B, 2H, Nq, d/2)
@@ -52,3 +65,51 @@ def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: T
                                        is_causal=causal, scale=scale)
     o = upcast(o[..., :d_v])
     return nan_query_rows(o[:, :h] - lam.to(o.dtype) * o[:, h:], q).to(v.dtype)
+
+
+# The CPU flash-attention op and its backward (None where this torch lacks them).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _padded(x: Tensor, m: int) -> Tensor:
+    """Map m's half of q or k (B, H, N, d), zero-padded to d: (B, H, N, d), written once."""
+    half = x.shape[-1] // 2
+    out = torch.zeros_like(x)
+    out[..., :half] = x[..., m * half:(m + 1) * half]
+    return out
+
+
+class _TwoMapsFlashCPU(torch.autograd.Function):
+    """o = o1 − λ o2 from one CPU flash call per map on v itself (module doc), keeping only the
+    two outputs and their log-sum-exps; the backward runs the op's backward map by map (given g
+    and −λ g), so only one map's padded q and k are alive at a time: ∂L/∂λ = −Σ g·o2, each half
+    of dq and dk from its map, dv the sum of both maps'."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scale: float,
+                causal: bool) -> Tensor:
+        maps = [_CPU_FLASH(_padded(q, m), _padded(k, m), v, 0.0, causal, scale=scale)
+                for m in (0, 1)]                                         # (o_m, lse_m)
+        (o1, lse1), (o2, lse2) = maps
+        ctx.save_for_backward(q, k, v, lam, o1, o2, lse1, lse2)
+        ctx.args = (scale, causal)
+        return o1 - lam * o2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        q, k, v, lam, o1, o2, lse1, lse2 = ctx.saved_tensors
+        scale, causal = ctx.args
+        half = q.shape[-1] // 2
+        g = g.contiguous()
+        d_lam = -torch.linalg.vecdot(g, o2).sum()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), None
+        for m, (o, lse, g_m) in enumerate(((o1, lse1, g), (o2, lse2, -lam * g))):
+            dq_m, dk_m, dv_m = _CPU_FLASH_BACKWARD(g_m, _padded(q, m), _padded(k, m), v, o, lse,
+                                                   0.0, causal, scale=scale)
+            dq[..., m * half:(m + 1) * half] = dq_m[..., :half]
+            dk[..., m * half:(m + 1) * half] = dk_m[..., :half]
+            dv = dv_m if dv is None else dv.add_(dv_m)
+        return dq, dk, dv, d_lam.reshape(lam.shape), None, None

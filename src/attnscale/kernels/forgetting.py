@@ -19,7 +19,10 @@ the logits keep SDPA's precision at any length (measured 9e-7 at 1024 and 1.3e-6
 tokens, float32 on the CPU, whose GEMMs add a dot product's terms in order).  The gradient
 reaches c through the channels (Σ_i dZ_ij on the key side; the query side's row sums, zero for a
 softmax, are kept).  The CPU flash kernel needs one head size for q, k and v, hence v's zero
-channels; fp16 and bf16 run in float32 (a bf16 channel would round c by whole units).
+channels; fp16 and bf16 run in float32 (a bf16 channel would round c by whole units).  On the
+CPU without a mask the flash op runs under an autograd node of its own (:class:`_FoldedFlashCPU`)
+that keeps only its output and log-sum-exp and writes q', k', v' again in the backward, so the
+augmented copies do not stay alive between the passes.
 
 On CUDA, :func:`attnscale.kernels.flex.forget_attention` adds the same bias inside FlexAttention
 with a ``score_mod`` (exact per logit, no channels); under tracing (``torch.jit.trace``,
@@ -36,12 +39,17 @@ from torch import Tensor
 
 from attnscale.kernels import flex
 from attnscale.kernels.biased import ForgetBias, nan_query_rows
-from attnscale.precision import upcast
+from attnscale.precision import all_finite, upcast
 
 # The extra channels of q' and k': c's high and low float32 halves, each a (query, key) pair.
 FOLD_CHANNELS = 4
 # SDPA's fused CUDA kernels need the head size to be a multiple of 8.
 CUDA_HEAD_MULTIPLE = 8
+
+# The CPU flash-attention op and its backward (None where this torch lacks them).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def forget_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: ForgetBias,
@@ -73,22 +81,20 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: ForgetBia
     return (torch.softmax(z, dim=-1) @ upcast(v).to(q.dtype)).to(v.dtype)
 
 
-def _halves(c: Tensor, work: torch.dtype) -> list[Tensor]:
-    """c as float ``work`` parts whose sum is c: [hi, lo] (lo carries the gradient, hi is a
-    constant) for float32 work, [c] itself when c already is in the working precision."""
-    if c.dtype == work:
-        return [c]
-    hi = c.detach().to(work)
-    return [hi, (c - hi.to(c.dtype)).to(work)]
-
-
 def _folded(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor, mask: Tensor | None,
             causal: bool) -> Tensor:
     """SDPA on the augmented q', k', v' of the module doc."""
+    if (mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None):
+        hi, lo = _split(c, q.dtype)
+        out = _FoldedFlashCPU.apply(q.contiguous(), k.contiguous(),
+                                    upcast(v).to(q.dtype).contiguous(), lo, hi, float(scale),
+                                    causal)[..., FOLD_CHANNELS:]
+        return _nan_rows(out, q, c).to(v.dtype)
     work = q.dtype
     n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     q_parts, k_parts = [], []
-    for part in _halves(c, work):
+    for part in _split(c, work):
         q_parts += [part[..., :n_q], torch.ones_like(part[..., :n_q])]
         k_parts += [torch.ones_like(part[..., :n_k]), -part[..., :n_k]]
     front = len(q_parts)
@@ -104,4 +110,67 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor, mask: Tens
     k2 = F.pad(k2, (0, width - k2.shape[-1]))
     v2 = F.pad(v2, (front, width - front - d_v))
     out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, is_causal=causal, scale=1.0)
-    return nan_query_rows(out[..., front:front + d_v], q2).to(v.dtype)
+    return _nan_rows(out[..., front:front + d_v], q, c).to(v.dtype)
+
+
+def _nan_rows(out: Tensor, q: Tensor, c: Tensor) -> Tensor:
+    """NaN on the rows whose query or c_i is not finite (:func:`nan_query_rows`): c_i enters
+    every logit of row i."""
+    out = nan_query_rows(out, q)
+    if all_finite(c):
+        return out
+    return out.masked_fill(~torch.isfinite(c[..., :q.shape[-2], None]), math.nan)
+
+
+def _split(c: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(hi, lo) with c = hi + lo in ``work``: hi a constant, lo carrying c's gradient; hi = 0
+    when c already is in the working precision."""
+    if c.dtype == work:
+        return torch.zeros_like(c), c
+    hi = c.detach().to(work)
+    return hi, (c - hi.to(c.dtype)).to(work)
+
+
+def _augment(q: Tensor, k: Tensor, v: Tensor, scale: float, hi: Tensor,
+             lo: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q', k', v' of the module doc, each written once into a (·, 4 + d) tensor."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    q2 = q.new_empty(*q.shape[:-1], FOLD_CHANNELS + q.shape[-1])
+    q2[..., 0], q2[..., 1], q2[..., 2], q2[..., 3] = hi[..., :n_q], 1.0, lo[..., :n_q], 1.0
+    torch.mul(q, scale, out=q2[..., FOLD_CHANNELS:])
+    k2 = k.new_empty(*k.shape[:-1], FOLD_CHANNELS + k.shape[-1])
+    k2[..., 0], k2[..., 1], k2[..., 2], k2[..., 3] = 1.0, -hi[..., :n_k], 1.0, -lo[..., :n_k]
+    k2[..., FOLD_CHANNELS:] = k
+    v2 = v.new_empty(*v.shape[:-1], FOLD_CHANNELS + v.shape[-1])
+    v2[..., :FOLD_CHANNELS] = 0.0
+    v2[..., FOLD_CHANNELS:] = v
+    return q2, k2, v2
+
+
+class _FoldedFlashCPU(torch.autograd.Function):
+    """The CPU flash op on q', k', v' (module doc), returning its (B, H, Nq, 4 + d) output;
+    backward: the op's own backward on q', k', v' written again, the gradients of q, k, v as
+    views of theirs, and c's low half's from the channels: ∂L/∂lo_m = dq'_m[2] − dk'_m[3]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float,
+                causal: bool) -> Tensor:
+        q2, k2, v2 = _augment(q, k, v, scale, hi, lo.detach())
+        out, lse = _CPU_FLASH(q2, k2, v2, 0.0, causal, scale=1.0)
+        ctx.save_for_backward(q, k, v, lo, hi, out, lse)
+        ctx.args = (scale, causal)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        q, k, v, lo, hi, out, lse = ctx.saved_tensors
+        scale, causal = ctx.args
+        q2, k2, v2 = _augment(q, k, v, scale, hi, lo)
+        dq2, dk2, dv2 = _CPU_FLASH_BACKWARD(g.contiguous(), q2, k2, v2, out, lse, 0.0, causal,
+                                            scale=1.0)
+        d_lo = torch.zeros_like(lo)
+        d_lo[..., :q.shape[-2]] += dq2[..., 2]
+        d_lo[..., :k.shape[-2]] -= dk2[..., 3]
+        return (dq2[..., FOLD_CHANNELS:].mul_(scale), dk2[..., FOLD_CHANNELS:],
+                dv2[..., FOLD_CHANNELS:], d_lo, None, None, None)

@@ -13,9 +13,9 @@ The re-parameterisation keeps λ's learning dynamics in step with the other weig
 (:meth:`Differential.init_projections`, from torch's generator as ``nn.Linear`` draws W_Q); a
 bare mechanism, built without projections, keeps them at 0, so that λ = λ_init exactly.  The
 per-head normalisation ("GroupNorm" in the paper: an RMSNorm over each head's outputs, eps 1e-5)
-and the fixed factor (1 − λ_init) keep the gradient flow close to a Transformer's.  The norm has no gain, as in
-transformers' DiffLlama (``elementwise_affine=False``); the paper's code has one shared by the
-heads, which W_O absorbs.  A model that stacks layers tells each layer's mechanism its depth
+and the fixed factor (1 − λ_init) keep the gradient flow close to a Transformer's.  The norm
+has no gain, as in transformers' DiffLlama (``elementwise_affine=False``); the paper's code has
+one shared by the heads, which W_O absorbs.  A model that stacks layers tells each layer's mechanism its depth
 (:meth:`Differential.at_depth`, the LM does); option ``layer`` sets it for one layer, option
 ``lambda_init`` fixes λ_init whatever the depth.
 
@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
+from attnscale.mechanisms.rownorm import rms_rows
 
 # λ_q1, λ_k1, λ_q2, λ_k2 ~ N(0, LAMBDA_STD²): the paper's code, transformers' DiffLlama default.
 LAMBDA_STD = 0.1
@@ -102,8 +103,7 @@ class Differential(Mechanism):
 
     def normalise_output(self, o: Tensor) -> Tensor:
         """(1 − λ_init) · RMSNorm(o) over each head's outputs: o (B, H, Nq, d_v)."""
-        rms = torch.rsqrt(o.square().mean(dim=-1, keepdim=True) + SUBLN_EPS)  # (B, H, Nq, 1)
-        return o * rms * (1.0 - self.lambda_init)
+        return rms_rows(o, None, SUBLN_EPS) * (1.0 - self.lambda_init)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer}, lambda_init={self.lambda_init:g}"
