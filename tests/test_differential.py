@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attnscale.attention import MultiHeadAttention, attention
+from attnscale.attention import MultiHeadAttention, attention, observe
 from attnscale.errors import ConfigError
 from attnscale.experiments.lm.model import LMConfig, build_lm
 from attnscale.mechanisms import build_mechanism
@@ -131,3 +131,21 @@ def test_a_nan_reaches_the_rows_whose_logits_it_enters(where):
     assert fused == nan_rows(lambda q, k, v: attention(q, k, v, m, causal=True, trace=True).out,
                              where)
     assert fused[2] and not fused[0] if where != "v" else all(fused)
+
+
+def test_an_observer_gets_the_rows_of_both_maps():
+    q, k, v = (t.detach() for t in qkv(6, 9))
+    m = _mechanism()
+    mask = random_mask(6, 9, heads=H)
+    seen = []
+
+    def observer(obs):
+        assert obs.offers_rows and obs.normaliser == "differential"
+        obs.request_rows(seen.append)
+
+    with observe(observer):
+        attention(q, k, v, m, mask=mask, causal=True)
+    z = attention(q, k, v, m, mask=mask, causal=True, trace=True).logits
+    keep = mask & torch.ones(6, 9, dtype=torch.bool).tril()
+    z = z.masked_fill(~torch.cat([keep, keep], -1), -math.inf)
+    assert_close(seen[0], row_stats(z, normaliser="differential", lam=m.lam().detach()))

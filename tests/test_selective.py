@@ -20,7 +20,7 @@ from mechanism_inputs import (B, D, H, assert_lower_precision, grads, observed_r
                               random_mask)
 
 
-def selective_reference(q, k, v, mask=None, causal=True):
+def selective_reference(q, k, v, mask=None, causal=True, budget=None):
     """softmax(q kᵀ/√d − F) v with F_ij = Σ_{j<k<i} max(0, z⁰_kj), z⁰ the first head's logits,
     S_kj counted for keys 1 <= j < k that query k attends (the first head's mask), written as an
     explicit sum over the tokens k strictly between key and query; a row with no key gives 0."""
@@ -42,6 +42,15 @@ def selective_reference(q, k, v, mask=None, causal=True):
     keep = keep.tril() if causal else keep
     if mask is not None:
         keep = keep & mask
+    keep = keep.expand(z.shape)
+    if budget is not None:  # each row keeps its `budget` least-selected keys, ties: most recent
+        kept = torch.zeros_like(keep)
+        for idx in torch.cartesian_prod(*(torch.arange(n) for n in z.shape[:-1])):
+            b, h, i = idx.tolist()
+            attended = [j for j in range(n_k) if keep[b, h, i, j]]
+            best = sorted(attended, key=lambda j: (float(f[b, i, j]), -j))[:budget]
+            kept[b, h, i, best] = True
+        keep = kept
     p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)
     return torch.where(keep.any(-1, keepdim=True), p, 0.0) @ v
 
@@ -160,3 +169,21 @@ def test_the_guard_records_the_biased_logits_and_refuses_qk_clip():
         with pytest.raises(ConfigError, match="logit bias or splits q and k") as err:
             attnscale.guard(MultiHeadAttention(16, 2, name), qk_clip=10.0)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_context_pruning_keeps_the_least_selected_keys(monkeypatch, budget):
+    # the selection head's mask is also every other head's here: pruning is per row
+    monkeypatch.setattr(biased, "BIASED_BLOCK_ELEMENTS", H * 12 * 5)
+    q, k, v = qkv(12, 12, seed=5)
+    mask = random_mask(12, 12)
+    mech = build_mechanism("selective", D, H, budget=budget).double()
+    for trace in (False, True):
+        got = attention(q, k, v, mech, mask=mask, causal=True, trace=trace)
+        got = got.out if trace else got
+        want = selective_reference(q, k, v, mask, True, budget)
+        assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+            assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ConfigError, match="budget"):
+        build_mechanism("selective", D, H, budget=0)

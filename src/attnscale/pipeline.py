@@ -99,6 +99,8 @@ The contract:
   A mechanism with a logit bias always offers them (the pipeline scores its biased logits in one
   blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so its
   statistics include the bias; ``Observation.bias`` describes it for observers of their own.
+  So does differential attention, whose rows are of its two maps under the ``"differential"``
+  normaliser (:func:`attnscale.kernels.differential.differential_row_stats`).
   Unobserved calls pay nothing for this (one ``None`` check per kernel block).
 * Logits formed outside the pipeline.  A model that forms a mechanism's logits itself (from a
   table of scores, say, as the recall study's stacked models do) hands them to
@@ -121,8 +123,9 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError
 from attnscale.kernels.biased import (Bias, ForgetBias, SelectBias, bias_row_stats,
-                                      biased_attention, dense_bias)
-from attnscale.kernels.differential import differential_attention, split_maps
+                                      biased_attention, dense_bias, pruned)
+from attnscale.kernels.differential import (differential_attention, differential_row_stats,
+                                            split_maps)
 from attnscale.kernels.forgetting import forget_attention
 from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
@@ -413,8 +416,8 @@ def logit_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causa
             raise ConfigError(f"log_forget: mechanism {name!r} has no forget gate (only a "
                               "mechanism whose logit_bias is 'forget', such as 'forgetting').")
         return None
-    if kind == "select":
-        return SelectBias(mask)
+    if kind == "select":  # with selective attention's context pruning, where it is set
+        return SelectBias(mask, mechanism.budget)
     if kind != "forget":
         raise ConfigError(f"logit_bias must be one of {', '.join(LOGIT_BIASES)} or None, got "
                           f"{kind!r}.")
@@ -543,7 +546,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
         seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=trace or kernel_rows or bias is not None, offset=offset,
+                           offers_rows=(trace or kernel_rows or bias is not None
+                                        or normaliser == "differential"), offset=offset,
                            sink=sink, gate=gate, normaliser=normaliser, bias=bias, lam=how.lam)
         for observer in watchers:
             observer(seen)
@@ -556,6 +560,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         _RUNNING.reset(token)
     if rows is not None and bias is not None and not trace:  # the biased logits, scored once
         bias_row_stats(qs, ks, how.scale, bias, full_mask, causal, rows, row_stats)
+    if rows is not None and normaliser == "differential" and not trace:  # both maps, scored once
+        differential_row_stats(qs, ks, how.scale, how.lam, full_mask, causal, rows, row_stats)
     if rows is not None:
         if full_mask is not None:  # queries with no key attended everything: count 0 and
             # every statistic 0, as row_stats gives a row without keys
@@ -631,6 +637,10 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | Non
         if how.normaliser == "differential":  # both maps of a row see the same keys
             keep = torch.cat([keep.expand(*z.shape[:-1], -1)] * 2, dim=-1)
         masked = z.masked_fill(~keep, float("-inf"))               # mask
+    if isinstance(how.bias, SelectBias) and how.bias.budget is not None:  # context pruning
+        f = -dense_bias(how.bias, q, k, how.scale)                 # F, (B, 1, Nq, Nk)
+        masked = masked.masked_fill(pruned(f, torch.isneginf(masked[:, :1]), how.bias.budget),
+                                    float("-inf"))
     if rows is not None:
         with torch.no_grad():
             rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink,

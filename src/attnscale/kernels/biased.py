@@ -58,9 +58,11 @@ class ForgetBias:
 class SelectBias:
     """Selective attention's −F from the first head's scaled logits: ``mask`` the keys each
     query attends (bool, broadcastable to (B, H, Nq, Nk), None for all; the first head's mask
-    is read); causality only limits the attention, since S reads pairs j < k anyway."""
+    is read); causality only limits the attention, since S reads pairs j < k anyway.
+    ``budget``: context pruning, each query keeps at most this many keys (:func:`pruned`)."""
 
     mask: Tensor | None
+    budget: int | None = None
 
     def dense(self, q: Tensor, k: Tensor, scale: float) -> Tensor:
         """−F as (B, 1, Nq, Nk) from prepared q (B, H, Nq, d), k (B, H, Nk, d)."""
@@ -82,6 +84,19 @@ class SelectBias:
         j = torch.arange(n_k, device=device)
         k = torch.arange(i0, i0 + rows, device=device).unsqueeze(-1)
         return (j < k) & (j >= 1)
+
+
+def pruned(f: Tensor, hidden: Tensor, budget: int) -> Tensor:
+    """Context pruning (Leviathan et al. 2024, Section 4): the keys a query drops, bool like
+    ``f``.  Each row of F (..., n) keeps the ``budget`` keys it attends (``hidden`` False) that
+    were selected least, ties going to the most recent key; the others are pruned."""
+    n = f.shape[-1]
+    if n <= budget:
+        return torch.zeros_like(hidden, dtype=torch.bool).expand(f.shape)
+    order = torch.sort(f.masked_fill(hidden, math.inf).flip(-1), dim=-1, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=f.device)
+                                            .expand_as(order))
+    return rank.flip(-1) >= budget                                       # rank of each key
 
 
 def selection(z0: Tensor, valid: Tensor) -> Tensor:
@@ -179,6 +194,9 @@ class _ForgetBlocks:
             t.add_(self.lo[b, :, i0:i0 + r, None] - self.lo[b, :, None, :n_k])
         s.add_(t)
 
+    def prune(self, z: Tensor) -> Tensor:
+        return z
+
     def backward(self, dz: Tensor, b: int, i0: int) -> None:
         # c_m enters as + on row m and as − on column m: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im.
         r, n_k = dz.shape[-2], dz.shape[-1]
@@ -194,6 +212,8 @@ class _SelectBlocks:
     ordered = True
 
     def __init__(self, bias: SelectBias, n_k: int):
+        self.budget = bias.budget
+        self.f: Tensor | None = None                                        # the last block's F
         self.mask = None
         if bias.mask is not None:
             m = bias.mask.reshape((1,) * (4 - bias.mask.dim()) + tuple(bias.mask.shape))
@@ -219,10 +239,17 @@ class _SelectBlocks:
         self.carries[b, i0] = carry.clone()
         sel = selection(s[0], self._valid(b, i0, r, n_k, s.device))          # (r, n_k)
         cs = sel.cumsum(0)
-        f = (cs - sel).add_(carry[:n_k])                                     # F, exclusive
+        self.f = (cs - sel).add_(carry[:n_k])                                # F, exclusive
         carry[:n_k] += cs[-1]
-        s.sub_(f)
+        s.sub_(self.f)
         return carry
+
+    def prune(self, z: Tensor) -> Tensor:
+        """With a budget, the block's pruned keys at -inf, in place: z (H, r, n_k) masked, whose
+        first head's hidden keys are the ones a row does not attend."""
+        if self.budget is not None:
+            z.masked_fill_(pruned(self.f, torch.isneginf(z[0]), self.budget), -math.inf)
+        return z
 
     def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor]:
         """In the backward: subtract the block's F from s (H, r, n_k) in place; return the
@@ -232,7 +259,8 @@ class _SelectBlocks:
         valid = self._valid(b, i0, r, n_k, s.device)
         sel = selection(z0, valid)
         cs = sel.cumsum(0)
-        s.sub_((cs - sel).add_(self.carries[b, i0][:n_k]))
+        self.f = (cs - sel).add_(self.carries[b, i0][:n_k])
+        s.sub_(self.f)
         return z0, valid
 
 
@@ -253,7 +281,7 @@ def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b:
         n_k = blocks.n_keys(i0, i1)
         s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
         state = bias.add(s, b, i0, state)
-        yield i0, i1, n_k, blocks.hide(s, b, i0)
+        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0))
 
 
 class _BiasedAttention(torch.autograd.Function):
@@ -303,7 +331,7 @@ class _BiasedAttention(torch.autograd.Function):
                     z0, valid = bias.recompute(s, b, i0)
                 else:
                     bias.add(s, b, i0, None)
-                p = torch.softmax(blocks.hide(s, b, i0), dim=-1)
+                p = torch.softmax(bias.prune(blocks.hide(s, b, i0)), dim=-1)
                 do = d_out[b, :, i0:i1]
                 dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
                 dz = torch.bmm(do, v[b, :, :n_k].transpose(1, 2))            # dP = dO Vᵀ

@@ -16,6 +16,8 @@ again in its backward, so that one map's copies are alive at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -113,3 +115,35 @@ class _TwoMapsFlashCPU(torch.autograd.Function):
             dk[..., m * half:(m + 1) * half] = dk_m[..., :half]
             dv = dv_m if dv is None else dv.add_(dv_m)
         return dq, dk, dv, d_lam.reshape(lam.shape), None, None
+
+
+# Logits in one block of differential_row_stats: 2^20 floats, both maps of a run of queries of
+# every head.
+ROW_STATS_BLOCK_ELEMENTS = 2**20
+
+
+def differential_row_stats(q: Tensor, k: Tensor, scale: float, lam: Tensor,
+                           mask: Tensor | None, causal: bool, rows: Tensor,
+                           row_stats: Callable[..., Tensor]) -> None:
+    """Fill ``rows`` (float64 (B, H, Nq, columns)) with ``row_stats`` (:func:`attnscale.stats.
+    row_stats`, normaliser ``"differential"``) of every query's two logit maps, block by block
+    of queries (for the pipeline's observers).  ``mask`` bool (True = attend) broadcastable to
+    (B, H, Nq, Nk), the keys each query attends; ``causal`` top-left; q, k prepared."""
+    with torch.no_grad():
+        (q1, q2), (k1, k2) = split_maps(q.detach()), split_maps(k.detach())
+        b, h, n_q, _ = q.shape
+        n_k = k.shape[-2]
+        step = max(1, ROW_STATS_BLOCK_ELEMENTS // max(1, b * h * 2 * n_k))
+        hidden = None if mask is None else ~mask.reshape((1,) * (4 - mask.dim()) + mask.shape)
+        for i0 in range(0, n_q, step):
+            i1 = min(i0 + step, n_q)
+            z = torch.cat([scale * q1[..., i0:i1, :] @ k1.transpose(-2, -1),
+                           scale * q2[..., i0:i1, :] @ k2.transpose(-2, -1)], dim=-1)
+            off = torch.zeros(i1 - i0, n_k, dtype=torch.bool, device=q.device)
+            if causal:
+                off = torch.arange(n_k, device=q.device) > torch.arange(
+                    i0, i1, device=q.device).unsqueeze(-1)
+            if hidden is not None:
+                off = off | (hidden[..., i0:i1, :] if hidden.shape[-2] > 1 else hidden)
+            z = z.masked_fill(torch.cat([off, off], dim=-1), float("-inf"))
+            rows[..., i0:i1, :] = row_stats(z, normaliser="differential", lam=lam.detach())

@@ -24,12 +24,19 @@ carries the column sums of S from one block of queries to the next
 (:mod:`attnscale.kernels.biased`), on the CPU and on CUDA alike, without the (B, H, Nq, Nk)
 logits.  The statistics (the monitor, the guard) cover the logits the softmax sees, −F included.
 Its bias is not a scale of q kᵀ, so QK-Clip is refused for it.
+
+Option ``budget``: the paper's context pruning (its Section 4), each query attending at most
+``budget`` keys, those it attends that were selected least (lowest F; ties go to the most recent
+key), as a memory budget at inference; None (default) attends every key.  A key's F only grows
+along the sequence, so a pruned key is, in the paper's setting, evicted for good; here each row
+chooses anew, which can only keep more.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from attnscale.errors import check_int
 from attnscale.mechanisms.base import Mechanism, Scale, inv_sqrt, register
 
 
@@ -41,7 +48,13 @@ class Selective(Mechanism):
     # −F: a bias that depends on the whole sequence of the first head's logits.
     logit_bias = "select"
     bilinear = False
-    per_key = True
+
+    def __init__(self, d_head: int, n_heads: int, *, budget: int | None = None):
+        super().__init__(d_head, n_heads)
+        self.budget = None if budget is None else check_int("budget", budget, minimum=1)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         return q, k, inv_sqrt(self.d_head)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.budget is None else f", budget={self.budget}")

@@ -13,6 +13,10 @@ fine-tuning:
 * ``llama4-temp`` uses ``floor_scale = seq_len``: Llama 4's 8192 is the span of its chunked
   RoPE layers, so the temperature steps up where the trained context ends; ``logn`` likewise
   ``train_len = seq_len`` (Qwen's L is its training context);
+* for ``selective``: the loss at the trained context under context pruning (Leviathan et al.
+  2024, arXiv 2410.02703, Section 4), each query keeping at most ``seq_len / f`` keys (those
+  selected least) for f in :data:`PRUNE_FACTORS` (f = 1: no pruning), the attention memory f
+  times smaller, on the first ``seq_len`` positions of the same windows;
 * for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
   by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
   sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
@@ -61,7 +65,11 @@ M_GRID = tuple(round(0.8 + M_STEP * i, 2) for i in range(17))
 # Query-key scores per forward of entropy_by_position (B x H x N x N): bounds its batch of windows.
 ENTROPY_FLOATS = 2 ** 24
 # The section's mechanisms.
-MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid")
+MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "forgetting",
+              "selective", "differential")
+# Selective attention's memory budgets: each query keeps seq_len / f keys (f = 1: all).  The
+# paper's Table reports the same loss with 16x, 25x and 47x less memory at contexts 512-2048.
+PRUNE_FACTORS = (1, 2, 4, 8, 16)
 # Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
@@ -92,6 +100,20 @@ class Tempered(Mechanism):
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         q, k, scale = self.base.prepare(q, k, n_keys)
         return q, k, scale * self.m ** 2
+
+
+@contextlib.contextmanager
+def pruned_to(model: LM, budget: int | None) -> Iterator[None]:
+    """Every layer's selective attention keeps at most ``budget`` keys per query inside the
+    block (its context pruning; None: every key)."""
+    mechanisms = [block.attn.mechanism for block in model.blocks]
+    try:
+        for mech in mechanisms:
+            mech.budget = budget
+        yield
+    finally:
+        for mech in mechanisms:
+            mech.budget = None
 
 
 @contextlib.contextmanager
@@ -229,6 +251,14 @@ def lm_length(**config) -> dict:
         out["loss_at_length"] = [float(loss[:n].mean()) for n in lengths]
         out["entropy_by_position"] = entropy_by_position(
             model, inputs, batch_size=entropy_batch(model.config.n_heads, longest)).tolist()
+        if run.mechanism == "selective":  # the same loss with less memory?
+            short = (inputs[:, :run.seq_len], targets[:, :run.seq_len])
+            out["pruning"] = []
+            for f in PRUNE_FACTORS:
+                with pruned_to(model, None if f == 1 else run.seq_len // f):
+                    loss = loss_by_position(model, short, batch_size=run.batch_size).mean()
+                out["pruning"].append({"memory_factor": f, "budget": run.seq_len // f,
+                                       "loss": float(loss)})
         if factors is None:
             return
         out["yarn"] = []

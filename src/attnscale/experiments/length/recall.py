@@ -33,10 +33,10 @@ EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
 # The length study's config: the essay's demo with a key vocabulary for 512 distinct keys.
 LENGTH_CONFIG = RecallConfig(n_keys=max(EVAL_PAIRS))
 # The mechanisms compared: the fixed temperatures, the length-aware ones (ssmax, llama4-temp,
-# logn), the other normalisers (sink, sigmoid) and the normalised and capped ones, in the
-# figure's order.
+# logn), the other normalisers (sink, sigmoid), the normalised and capped ones, and the logit
+# biases and differential attention, in the figure's order.
 MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "qknorm",
-              "cosine", "softcap", "learned-temp")
+              "cosine", "softcap", "learned-temp", "forgetting", "selective", "differential")
 # Statistics kept per length, from trainer.evaluate.
 STATS = ("accuracy", *named("entropy", "max_weight"))
 

@@ -26,7 +26,7 @@ WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 # The default study: these variants x WORTSMAN_LRS x DEFAULT_WIDTHS x DEFAULT_SEEDS.
 DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=False)",
                     "qk-rmsnorm", "cosine", "softcap", "sigma-reparam", "mup", "sink", "sigmoid",
-                    "gated", "adaptive-temp")
+                    "gated", "adaptive-temp", "forgetting", "selective", "differential")
 DEFAULT_WIDTHS = (64, 128)
 DEFAULT_SEEDS = (0, 1)
 # The default study also runs these variants at WIDE_WIDTHS on WIDE_SEEDS, so that LR sensitivity

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.attention import attention
-from attnscale.kernels.biased import ForgetBias, SelectBias
+from attnscale.kernels.biased import ForgetBias, SelectBias, selection
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.pipeline import normalise, observe_logits, temper
 from attnscale.experiments.recall.config import RecallConfig
@@ -319,10 +319,11 @@ class StackedRecall(nn.Module):
             c = torch.cumsum(mech.forget_gates(seq).double(), dim=-1)         # (B, 1, P + 1)
             return ForgetBias(c).dense(P + 1, P)[:, 0, -1].to(E.dtype)         # c_P − c_j
         W_q_t, W_k_t = (w[m] for w in qk)
-        q = torch.cat([pairs @ W_q_t, E[idx.query[m]][:, None, :] @ W_q_t], dim=1)  # (B, P+1, d)
-        k = pairs @ W_k_t                                                     # (B, P, d_k)
+        q, k = pairs @ W_q_t, pairs @ W_k_t                                   # (B, P, d_k) each
         _, _, scale = mech.prepare(q[:, None], k[:, None], P)
-        return SelectBias(None).dense(q[:, None], k[:, None], scale)[:, 0, -1]  # −F_Pj
+        # the query's row only: F_Pj = Σ_{j<k<P} S_kj, every pair k before the query selecting
+        z0 = scale * (q @ k.transpose(-2, -1))                                # (B, P, P)
+        return -selection(z0, SelectBias(None).valid_dense(P, P, z0.device)).sum(-2)
 
     @torch.no_grad()
     def qk_dots(self, idx: BatchIndex) -> Tensor:
