@@ -220,3 +220,23 @@ def test_a_nan_reaches_the_rows_whose_logits_it_enters(where):
     fused = nan_rows(run(False), inputs)
     assert fused == nan_rows(lambda *a: run(True)(*a).out, inputs)
     assert fused[2] and not fused[0] if where != "v" else all(fused)
+
+
+def test_the_blockwise_kernel_on_worker_threads(monkeypatch):
+    # the CUDA path without FlexAttention: batch elements side by side, c's gradient gathered
+    import attnscale.kernels.biased as biased
+    from attnscale.workers import num_threads
+    monkeypatch.setattr(biased, "BIASED_BLOCK_ELEMENTS", H * 30 * 4)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(6, H, 30, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    log_f = F.logsigmoid(torch.randn(6, H, 30, generator=gen, dtype=torch.float64))
+    log_f.requires_grad_()
+    with num_threads(2):
+        got = biased_attention(q, k, v, D ** -0.5, ForgetBias(torch.cumsum(log_f, -1)), None,
+                               True)
+        got_grads = grads(got, (q, k, v, log_f))
+    want = fox_reference(q, k, v, log_f)
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, grads(want, (q, k, v, log_f))):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -187,3 +187,20 @@ def test_context_pruning_keeps_the_least_selected_keys(monkeypatch, budget):
             assert_close(a, b, rtol=1e-10, atol=1e-12)
     with pytest.raises(ConfigError, match="budget"):
         build_mechanism("selective", D, H, budget=0)
+
+
+def test_batch_elements_on_worker_threads_keep_their_own_selection(monkeypatch):
+    # several batch elements run side by side, each carrying its own state from block to block
+    from attnscale.workers import num_threads
+    monkeypatch.setattr(biased, "BIASED_BLOCK_ELEMENTS", H * 30 * 4)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(6, H, 30, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    mech = build_mechanism("selective", D, H, budget=5).double()
+    with num_threads(2):
+        got = attention(q, k, v, mech, causal=True)
+        dq, dk, dv = grads(got, (q, k, v))
+    want = selective_reference(q, k, v, None, True, 5)
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip((dq, dk, dv), grads(want, (q, k, v))):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)

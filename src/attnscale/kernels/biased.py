@@ -194,14 +194,16 @@ class _ForgetBlocks:
             t.add_(self.lo[b, :, i0:i0 + r, None] - self.lo[b, :, None, :n_k])
         s.add_(t)
 
-    def prune(self, z: Tensor) -> Tensor:
+    def prune(self, z: Tensor, state: None) -> Tensor:
         return z
+
+    def begin_backward(self) -> None:
+        """∂L/∂c, zeros, before the batch elements' threads add their rows into it."""
+        self.dc = torch.zeros_like(self.hi)
 
     def backward(self, dz: Tensor, b: int, i0: int) -> None:
         # c_m enters as + on row m and as − on column m: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im.
         r, n_k = dz.shape[-2], dz.shape[-1]
-        if self.dc is None:
-            self.dc = torch.zeros(self.hi.shape, dtype=dz.dtype, device=dz.device)
         self.dc[b, :, i0:i0 + r] += dz.sum(-1)
         self.dc[b, :, :n_k] -= dz.sum(-2)
 
@@ -213,7 +215,6 @@ class _SelectBlocks:
 
     def __init__(self, bias: SelectBias, n_k: int):
         self.budget = bias.budget
-        self.f: Tensor | None = None                                        # the last block's F
         self.mask = None
         if bias.mask is not None:
             m = bias.mask.reshape((1,) * (4 - bias.mask.dim()) + tuple(bias.mask.shape))
@@ -229,29 +230,34 @@ class _SelectBlocks:
             valid = valid & (m[:, :n_k] if m.shape[1] > 1 else m)
         return valid
 
-    def start(self, b: int, like: Tensor) -> Tensor:
-        """The carry Σ_{k < i0} S_kj before the first block: zeros (Nk,)."""
-        return like.new_zeros(self.n_k)
+    def start(self, b: int, like: Tensor) -> tuple[Tensor, None]:
+        """A batch element's state before its first block: the carry Σ_{k < i0} S_kj, zeros
+        (Nk,), and the last block's F (none yet).  Each batch element (a worker thread) has its
+        own."""
+        return like.new_zeros(self.n_k), None
 
-    def add(self, s: Tensor, b: int, i0: int, carry: Tensor) -> Tensor:
-        """Subtract the block's F from s (H, r, n_k) in place; return the carry for the next."""
+    def add(self, s: Tensor, b: int, i0: int,
+            state: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
+        """Subtract the block's F from s (H, r, n_k) in place; return the state for the next
+        block: the carry, and this block's F (r, n_k)."""
+        carry, _ = state
         r, n_k = s.shape[-2], s.shape[-1]
         self.carries[b, i0] = carry.clone()
         sel = selection(s[0], self._valid(b, i0, r, n_k, s.device))          # (r, n_k)
         cs = sel.cumsum(0)
-        self.f = (cs - sel).add_(carry[:n_k])                                # F, exclusive
+        f = (cs - sel).add_(carry[:n_k])                                     # F, exclusive
         carry[:n_k] += cs[-1]
-        s.sub_(self.f)
-        return carry
+        s.sub_(f)
+        return carry, f
 
-    def prune(self, z: Tensor) -> Tensor:
+    def prune(self, z: Tensor, state: tuple[Tensor | None, Tensor]) -> Tensor:
         """With a budget, the block's pruned keys at -inf, in place: z (H, r, n_k) masked, whose
-        first head's hidden keys are the ones a row does not attend."""
+        first head's hidden keys are the ones a row does not attend; F from ``state``."""
         if self.budget is not None:
-            z.masked_fill_(pruned(self.f, torch.isneginf(z[0]), self.budget), -math.inf)
+            z.masked_fill_(pruned(state[1], torch.isneginf(z[0]), self.budget), -math.inf)
         return z
 
-    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor]:
+    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor, Tensor]:
         """In the backward: subtract the block's F from s (H, r, n_k) in place; return the
         first head's raw logits and where S is valid, for the gradient through max(0, ·)."""
         r, n_k = s.shape[-2], s.shape[-1]
@@ -259,9 +265,9 @@ class _SelectBlocks:
         valid = self._valid(b, i0, r, n_k, s.device)
         sel = selection(z0, valid)
         cs = sel.cumsum(0)
-        self.f = (cs - sel).add_(self.carries[b, i0][:n_k])
-        s.sub_(self.f)
-        return z0, valid
+        f = (cs - sel).add_(self.carries[b, i0][:n_k])
+        s.sub_(f)
+        return z0, valid, f
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, b: int, i0: int, i1: int, n_k: int) -> Tensor:
@@ -281,7 +287,7 @@ def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b:
         n_k = blocks.n_keys(i0, i1)
         s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
         state = bias.add(s, b, i0, state)
-        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0))
+        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0), state)
 
 
 class _BiasedAttention(torch.autograd.Function):
@@ -320,6 +326,8 @@ class _BiasedAttention(torch.autograd.Function):
         # dK and dV accumulate transposed: dKᵀ += Qᵀ dZ reads dZ untransposed (a faster gemm).
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        if not bias.ordered:
+            bias.begin_backward()
 
         def element(b: int) -> None:
             after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
@@ -328,10 +336,11 @@ class _BiasedAttention(torch.autograd.Function):
                 n_k = blocks.n_keys(i0, i1)
                 s = _scores(q, k, scale, b, i0, i1, n_k)                     # (H, r, n_k)
                 if bias.ordered:
-                    z0, valid = bias.recompute(s, b, i0)
+                    z0, valid, f = bias.recompute(s, b, i0)
+                    state = (None, f)
                 else:
-                    bias.add(s, b, i0, None)
-                p = torch.softmax(bias.prune(blocks.hide(s, b, i0)), dim=-1)
+                    state = bias.add(s, b, i0, None)
+                p = torch.softmax(bias.prune(blocks.hide(s, b, i0), state), dim=-1)
                 do = d_out[b, :, i0:i1]
                 dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
                 dz = torch.bmm(do, v[b, :, :n_k].transpose(1, 2))            # dP = dO Vᵀ
@@ -346,9 +355,7 @@ class _BiasedAttention(torch.autograd.Function):
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         dq.mul_(scale)
         dk_t.mul_(scale)
-        d_c = None
-        if c is not None:
-            d_c = torch.zeros_like(c) if bias.dc is None else bias.dc.to(c.dtype)
+        d_c = None if c is None else bias.dc.to(c.dtype)
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
                 None, d_c)
 

@@ -24,9 +24,11 @@ CPU without a mask the flash op runs under an autograd node of its own (:class:`
 that keeps only its output and log-sum-exp and writes q', k', v' again in the backward, so the
 augmented copies do not stay alive between the passes.
 
-On CUDA, :func:`attnscale.kernels.flex.forget_attention` adds the same bias inside FlexAttention
-with a ``score_mod`` (exact per logit, no channels); under tracing (``torch.jit.trace``,
-``torch.compile``, ``torch.export``) on the CPU the formula runs materialised.
+The channels' precision rests on the CPU GEMM adding a dot product's terms in order; a GPU's
+need not, so on CUDA :func:`attnscale.kernels.flex.forget_attention` adds the same bias inside
+FlexAttention with a ``score_mod`` (exact per logit, no channels), and without FlexAttention the
+blockwise kernel of :mod:`attnscale.kernels.biased` does; under tracing (``torch.jit.trace``,
+``torch.compile``, ``torch.export``) the formula runs materialised.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnscale.kernels import flex
-from attnscale.kernels.biased import ForgetBias, nan_query_rows
+from attnscale.kernels.biased import ForgetBias, biased_attention, nan_query_rows
 from attnscale.precision import all_finite, upcast
 
 # The extra channels of q' and k': c's high and low float32 halves, each a (query, key) pair.
@@ -66,6 +68,8 @@ def forget_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Forget
         return flex.forget_attention(q, k, v, scale, bias.c, mask, causal)
     if torch.jit.is_tracing() or torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         return _materialised(q, k, v, scale, bias, mask, causal)
+    if q.device.type != "cpu":  # no FlexAttention: the blockwise kernel, exact in any GEMM order
+        return biased_attention(q, k, v, scale, bias, mask, causal)
     return _folded(q, k, v, scale, bias.c, mask, causal)
 
 
