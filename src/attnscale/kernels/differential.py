@@ -42,6 +42,7 @@ def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: T
     """
     h = q.shape[1]
     if (mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and q.shape[-2] > 0 and k.shape[-2] > 0  # the flash op fails on an empty sequence
             and q.dtype == v.dtype and q.dtype in (torch.float32, torch.float64)
             and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling()

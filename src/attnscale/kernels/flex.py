@@ -10,6 +10,11 @@ cap or mask does not recompile.
 
 On CUDA (and not under ``torch.jit.trace``), :func:`usable` is True and the compiled kernel runs;
 elsewhere :func:`capped_attention` runs FlexAttention eagerly (materialised, for tests).
+
+Forgetting Attention (FoX, arXiv 2503.02130) runs here too on CUDA (:func:`forget_attention`):
+its score_mod adds c_i − c_j, the cumulative log forget gates of query and key, from two float32
+halves of c so that the bias keeps its precision far down a sequence; c's gradient flows through
+the captured halves.
 """
 
 from __future__ import annotations
