@@ -87,7 +87,27 @@ FORMULAS = {
     "softpick": lambda q, k, m: _dot(q, k) / math.sqrt(D),       # the rule is its normaliser
     "stick-breaking": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # the rule is its normaliser
     "mscale": lambda q, k, m: (0.1 * math.log(1.0) + 1) ** 2 * _dot(q, k) / math.sqrt(D),
+    # without the layer input there are no forget gates (f = 1); tests/test_forgetting.py has FoX
+    "forgetting": lambda q, k, m: _dot(q, k) / math.sqrt(D),
+    "selective": lambda q, k, m: _dot(q, k) / math.sqrt(D) - _selection(q, k)[:, None],
+    # the two maps of the halves of q and k, side by side
+    "differential": lambda q, k, m: torch.cat([_dot(q[..., :D // 2], k[..., :D // 2]),
+                                               _dot(q[..., D // 2:], k[..., D // 2:])], -1)
+    / math.sqrt(D // 2),
 }
+
+
+def _selection(q, k):
+    """F_ij = Σ_{j<k<i} max(0, z⁰_kj) over the first head's logits, keys j >= 1 (arXiv
+    2410.02703), as an explicit sum: (B, Nq, Nk)."""
+    z0 = _dot(q[:, 0], k[:, 0]) / math.sqrt(D)
+    n_q, n_k = z0.shape[-2:]
+    f = torch.zeros_like(z0)
+    for i in range(n_q):
+        for j in range(1, n_k):
+            for kk in range(j + 1, i):
+                f[:, i, j] += z0[:, kk, j].clamp(min=0)
+    return f
 
 
 def _entropy(z):
@@ -249,10 +269,16 @@ def test_multi_head_attention_shapes(name):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 2, name)
     x, ctx = torch.randn(3, 5, 16), torch.randn(3, 9, 16)
+    assert mha(x, causal=True).shape == (3, 5, 16)
+    if MECHANISMS[name].logit_bias == "forget":  # FoX is causal self-attention
+        for call in (lambda: mha(x), lambda: mha(x, ctx, causal=True)):
+            with pytest.raises(ConfigError, match="causal self-attention"):
+                call()
+        return
     assert mha(x).shape == (3, 5, 16)
     assert mha(x, ctx).shape == (3, 5, 16)
-    assert mha.logits(x, ctx).shape == (3, 2, 5, 9)
-    assert mha(x, causal=True).shape == (3, 5, 16)
+    width = 18 if MECHANISMS[name].normaliser == "differential" else 9  # two maps side by side
+    assert mha.logits(x, ctx).shape == (3, 2, 5, width)
 
 
 def test_init_reparam_logits_equal_scaled_at_step_zero():

@@ -26,7 +26,7 @@ from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, SCALAR_KEYS, Mo
 from attnscale import pipeline, stats
 from attnscale.kernels import softcap
 from attnscale.stats import logit_std, softmax_stats
-from normalisers import reference_distribution_stats, sink_of
+from normalisers import lam_of, reference_distribution_stats, sink_of
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
 attention_module = importlib.import_module("attnscale.attention")
@@ -37,14 +37,18 @@ ORIGINAL_ATTENTION = attention_module.attention
 def reference(z: torch.Tensor, keep: torch.Tensor, mechanism=None) -> dict[str, torch.Tensor]:
     """Per-head record statistics from materialised logits z (B, H, Nq, Nk) and a bool mask,
     under the mechanism's normaliser (softmax when None)."""
-    keep = keep.expand(z.shape)
-    z = z.double().masked_fill(~keep, -math.inf)
     normaliser = "softmax" if mechanism is None else mechanism.normaliser
+    # differential: z holds two maps side by side, each over the keys
+    wide = normaliser == "differential"
+    keep = keep.expand(*z.shape[:-1], z.shape[-1] // 2 if wide else z.shape[-1])
+    keep_z = torch.cat([keep, keep], -1) if wide else keep
+    z = z.double().masked_fill(~keep_z, -math.inf)
     ok = keep.any(-1)                                     # rows with a key, (B, H, Nq)
     if normaliser == "softmax":  # the stable formulation: near one-hot rows keep their digits
         s = {**softmax_stats(z), "mass": ok.double()}
     else:
-        s = reference_distribution_stats(z, keep, normaliser, sink_of(mechanism))
+        s = reference_distribution_stats(z, keep, normaliser, sink_of(mechanism),
+                                         lam_of(mechanism))
     n = ok.sum((0, 2)).double()
 
     def mean(x):
@@ -53,7 +57,7 @@ def reference(z: torch.Tensor, keep: torch.Tensor, mechanism=None) -> dict[str, 
     return {"queries": n, "entropy_mean": mean(s["entropy"]),
             "entropy_min": torch.where(ok, s["entropy"], math.inf).amin((0, 2)),
             "max_weight_mean": mean(s["max_weight"]), "logit_std": mean(logit_std(z)),
-            "logit_absmax": torch.where(keep, z.abs(), 0.0).amax((0, 2, 3)),
+            "logit_absmax": torch.where(keep_z, z.abs(), 0.0).amax((0, 2, 3)),
             "jacobian_fro_mean": mean(s["jacobian_fro"]), "mass_mean": mean(s["mass"]),
             "sink_mass_mean": mean(1 - s["mass"]) if normaliser == "sink" else 0.0 * n}
 
@@ -249,7 +253,8 @@ def test_monitor_on_multi_head_attention_every_mechanism(name):
         out = mha(x, mask=mask, causal=True)
     assert torch.equal(out, expected)
     q, k, v = _mha_qkv(mha, x)
-    trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True)
+    trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True,
+                                log_forget=mha._forget_gates(x, None, True))
     keep = key_mask(mask, True, q, k)
     with torch.no_grad():
         assert_records_match(mon.records, reference(trace.logits, keep, mha.mechanism))

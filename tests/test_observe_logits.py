@@ -36,8 +36,12 @@ class _SelfFormed(nn.Module):
                    for w in (mha.w_q, mha.w_k, mha.w_v))
         self.mech = mha.mechanism
         self.gate = self.mech.gate_values(x) if self.mech.gate else None
-        trace = pipeline_run(q, k, v, self.mech, mask=mask, causal=True, trace=True, gate=self.gate)
-        self.logits = trace.logits.masked_fill(~key_mask(mask, True, q, k), -math.inf)
+        trace = pipeline_run(q, k, v, self.mech, mask=mask, causal=True, trace=True, gate=self.gate,
+                             log_forget=mha._forget_gates(x, None, True))
+        keep = key_mask(mask, True, q, k)
+        if self.mech.normaliser == "differential":  # two maps side by side
+            keep = torch.cat([keep, keep], -1)
+        self.logits = trace.logits.masked_fill(~keep, -math.inf)
 
     def forward(self) -> None:
         observe_logits(self.logits, self.mech, gate=self.gate)

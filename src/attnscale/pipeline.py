@@ -7,10 +7,13 @@ The stages always run in this order, and only :func:`run` spells them out::
     v = mechanism.prepare_values(v)                 # values (clip-qkv's clamp only)
     z = scale * (q @ k.T) + mechanism.offset(n)     # logits (offset: sigmoid attention's bias)
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
+    z = z + bias                                    # logit bias (forgetting, selective)
     z = z.masked_fill(~mask, -inf)                  # mask
     p = normalise(z)                                # normaliser: softmax | sink | sigmoid |
-                                                    #   softpick | stick-breaking
+                                                    #   softpick | stick-breaking |
+                                                    #   differential (p1 − λ p2)
     o = p @ v
+    o = mechanism.normalise_output(o)               # output norm (differential)
     o = o * gate                                    # output gate (gated, given the layer input)
 
 A *mechanism* is anything with the :class:`Rule` attributes: ``prepare(q, k, n_keys) -> (q', k',
@@ -31,7 +34,18 @@ The normalisers (:func:`normalise`), over the keys a query attends:
   et al. 2025): rows need not sum to 1 and weights can be exactly 0;
 * ``"stick-breaking"``: p_j = β_j Π_{k > j} (1 - β_k), β = σ(z), over the keys in order, the
   nearest (largest index) last (Tan et al. 2024): under causality the keys up to the query,
-  without it every key, the query taken to follow them all.
+  without it every key, the query taken to follow them all;
+* ``"differential"``: p = softmax(z1) − λ softmax(z2), two logit maps from the two halves of each
+  head's q and k (Ye et al. 2024), written side by side as z = [z1 | z2] (..., 2 Nk); the weights
+  can be negative and sum to 1 − λ.
+
+Logit biases (a mechanism's ``logit_bias``), added after the cap and before the mask:
+
+* ``"forget"``: c_i − c_j, c the cumulative sum of FoX's log forget gates ``log_forget``
+  (B, H, max(Nq, Nk)), read from the layer input by the model (Lin et al. 2025); causal only.
+  Without ``log_forget`` (a bare module, a model that gives none) there is no bias;
+* ``"select"``: −F_ij = −Σ_{j<k<i} max(0, z⁰_kj), the first head's accumulated selection
+  (Leviathan et al. 2024), computed from q and k.
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
@@ -40,8 +54,11 @@ flash kernel's per-row log-sum-exp (:mod:`attnscale.kernels.sink`); a capped mec
 :func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
 O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
-(:mod:`attnscale.kernels.entropy`) before SDPA.  A mechanism with ``adapt_queries(q, k, scale,
-mask, causal)`` folds its per-row factor into q itself and returns ``(q', k')`` (adaptive-temp:
+(:mod:`attnscale.kernels.entropy`) before SDPA; FoX's bias folds into SDPA as extra q/k channels
+(:mod:`attnscale.kernels.forgetting`; FlexAttention on CUDA), selective attention runs on a
+blockwise kernel (:mod:`attnscale.kernels.biased`) and differential attention's two maps on one
+SDPA call with 2H heads (:mod:`attnscale.kernels.differential`).  A mechanism with
+``adapt_queries(q, k, scale, mask, causal)`` folds its per-row factor into q itself and returns ``(q', k')`` (adaptive-temp:
 one autograd node for the entropy, β and the product, k passing through it so that the entropy's
 key gradient joins the attention's in place), the adapt stage's fast form; the factor and the
 gradients are those of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
@@ -87,6 +104,11 @@ The contract:
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
   ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
+  A mechanism with a logit bias always offers them (the pipeline scores its biased logits in one
+  blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so its
+  statistics include the bias; ``Observation.bias`` describes it for observers of their own.
+  So does differential attention, whose rows are of its two maps under the ``"differential"``
+  normaliser (:func:`attnscale.kernels.differential.differential_row_stats`).
   Unobserved calls pay nothing for this (one ``None`` check per kernel block).
 * Logits formed outside the pipeline.  A model that forms a mechanism's logits itself (from a
   table of scores, say, as the recall study's stacked models do) hands them to
@@ -109,6 +131,11 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError
 from attnscale.kernels import nans
+from attnscale.kernels.biased import (Bias, ForgetBias, SelectBias, bias_row_stats,
+                                      biased_attention, dense_bias, pruned)
+from attnscale.kernels.differential import (differential_attention, differential_row_stats,
+                                            split_maps)
+from attnscale.kernels.forgetting import forget_attention
 from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
@@ -137,6 +164,8 @@ class Rule(Protocol):
     per_key: bool       # False: row_temperature adapts the scale per row
     has_offset: bool    # offset(n_keys) is added to the logits
     acts_on_values: bool  # prepare_values acts on v
+    logit_bias: str | None  # None, "forget" or "select" (see the module doc)
+    normalises_output: bool  # normalise_output acts on p @ v (differential)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         ...
@@ -154,12 +183,23 @@ class Rule(Protocol):
     def sink_logits(self) -> Tensor:
         ...
 
+    def lam(self) -> Tensor:
+        ...
+
+    def normalise_output(self, o: Tensor) -> Tensor:
+        ...
+
+
+# The logit biases a mechanism can declare (its ``logit_bias``), see the module doc.
+LOGIT_BIASES = ("forget", "select")
+
 
 @dataclass(frozen=True)
 class AttentionTrace:
     """The intermediates of one materialised pipeline call (``trace=True``)."""
-    logits: Tensor   # (B, H, Nq, Nk) after the mechanism and the cap, before the mask
-    weights: Tensor  # (B, H, Nq, Nk) softmax; rows with no key to attend are all zero
+    logits: Tensor   # (B, H, Nq, Nk) after the mechanism, cap and bias, before the mask
+    #                  (B, H, Nq, 2 Nk) = [z1 | z2] under the differential normaliser
+    weights: Tensor  # (B, H, Nq, Nk) the normaliser's; rows with no key to attend are all zero
     out: Tensor      # (B, H, Nq, d_v) in the dtype of v
 
 
@@ -180,6 +220,8 @@ class Observation:
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
+    bias: Bias | None = None      # the logit bias (forgetting, selective), added after the cap
+    lam: Tensor | None = None     # λ of the "differential" normaliser (0-d, shared by the heads)
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -254,10 +296,13 @@ def observe_logits(logits: Tensor, mechanism: Rule, *, gate: Tensor | None = Non
         return
     z = logits.detach()
     normaliser = _declares(mechanism, "normaliser", "softmax")
-    seen = Observation(None, None, 1.0, None, None, False,
-                       (z > float("-inf")).sum(-1, keepdim=True), mechanism, gate=gate,
+    n_keys = (z > float("-inf")).sum(-1, keepdim=True)
+    if normaliser == "differential":  # two maps side by side: the keys of one
+        n_keys = (z[..., :z.shape[-1] // 2] > float("-inf")).sum(-1, keepdim=True)
+    seen = Observation(None, None, 1.0, None, None, False, n_keys, mechanism, gate=gate,
                        normaliser=normaliser, logits=z,
-                       sink=mechanism.sink_logits() if normaliser == "sink" else None)
+                       sink=mechanism.sink_logits() if normaliser == "sink" else None,
+                       lam=_lam(mechanism, normaliser))
     for observer in watchers:
         observer(seen)
 
@@ -351,6 +396,71 @@ def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None,
     return temper(q @ k.transpose(-2, -1), scale, cap, offset)
 
 
+def rule_logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None, offset: float | Tensor,
+                normaliser: str, bias: Bias | None = None) -> Tensor:
+    """Every logit of prepared q (B, H, Nq, d) and k (B, H, Nk, d) under a mechanism's rule,
+    before the mask: (B, H, Nq, Nk) with the logit ``bias`` added after the cap, or under the
+    ``"differential"`` normaliser the two maps of q's and k's halves side by side, (B, H, Nq,
+    2 Nk)."""
+    if normaliser == "differential":
+        (q1, q2), (k1, k2) = split_maps(q), split_maps(k)
+        return torch.cat([logits(q1, k1, scale, cap, offset), logits(q2, k2, scale, cap, offset)],
+                         dim=-1)
+    z = logits(q, k, scale, cap, offset)
+    if bias is not None:
+        if isinstance(scale, Tensor):
+            raise ConfigError("a logit bias with a per-head or per-row scale is not supported.")
+        z = z + dense_bias(bias, q, k, scale)
+    return z
+
+
+def logit_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+               log_forget: Tensor | None = None) -> Bias | None:
+    """The mechanism's logit bias for q (B, H, Nq, ·), k (B, H, Nk, ·), or None: selective
+    attention's (from the boolean ``mask`` of the keys each query attends, causality aside),
+    FoX's from ``log_forget`` (B, H, max(Nq, Nk)), the log forget gates (None: no forgetting);
+    its c = cumsum(log f) is float64, whose float32 halves keep c_i − c_j exact far down a
+    sequence (:mod:`attnscale.kernels.forgetting`)."""
+    kind = _declares(mechanism, "logit_bias", None)
+    if kind is None:
+        if log_forget is not None:
+            name = getattr(mechanism, "name", "") or type(mechanism).__name__
+            raise ConfigError(f"log_forget: mechanism {name!r} has no forget gate (only a "
+                              "mechanism whose logit_bias is 'forget', such as 'forgetting').")
+        return None
+    if kind == "select":  # with selective attention's context pruning, where it is set
+        return SelectBias(mask, mechanism.budget)
+    if kind != "forget":
+        raise ConfigError(f"logit_bias must be one of {', '.join(LOGIT_BIASES)} or None, got "
+                          f"{kind!r}.")
+    if log_forget is None:
+        return None
+    check_log_forget(log_forget, q, k, causal)
+    # c in float64 (its float32 halves keep the precision of c_i − c_j far down the sequence)
+    c = torch.cumsum(log_forget.to(torch.float64), dim=-1)                 # (B|1, H|1, N)
+    return ForgetBias(c.expand(q.shape[0], q.shape[1], -1))
+
+
+def check_log_forget(log_forget: Tensor, q: Tensor, k: Tensor, causal: bool) -> None:
+    """ConfigError unless ``log_forget`` fits q, k: a floating (B|1, H|1, max(Nq, Nk)) tensor of
+    log forget gates (<= 0, or NaN, which propagates) on q's device, under causality."""
+    n = max(q.shape[-2], k.shape[-2])
+    if not isinstance(log_forget, Tensor) or not log_forget.is_floating_point():
+        got = log_forget.dtype if isinstance(log_forget, Tensor) else type(log_forget).__name__
+        raise ConfigError(f"log_forget must be a floating-point tensor of log forget gates, got "
+                          f"{got}.")
+    if (log_forget.dim() != 3 or log_forget.shape[-1] != n
+            or log_forget.shape[0] not in (1, q.shape[0])
+            or log_forget.shape[1] not in (1, q.shape[1])):
+        raise ConfigError(f"log_forget must be (B, H, max(Nq, Nk)) = ({q.shape[0]}, {q.shape[1]}, "
+                          f"{n}), got {tuple(log_forget.shape)}.")
+    if log_forget.device != q.device:
+        raise ConfigError(f"log_forget is on {log_forget.device} but q is on {q.device}.")
+    if not causal:
+        raise ConfigError("log_forget: forgetting attention is causal (a forget gate acts on the "
+                          "keys before a query); pass causal=True.")
+
+
 def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask: Tensor | None,
                causal: bool) -> tuple[Tensor, Tensor, Scale, float | Tensor]:
     """The mechanism's stages before the logits: ``(q', k', scale, offset)``.
@@ -385,14 +495,22 @@ _ROW_WEIGHTS = {"softpick": softpick_weights, "stick-breaking": stick_breaking_w
 _ROW_KERNELS = {"softpick": softpick_attention, "stick-breaking": stick_breaking_attention}
 
 
-def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
+def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None,
+              lam: Tensor | None = None) -> Tensor:
     """Weights from masked logits z (B, H, Nq, Nk) (``-inf`` = masked) by ``normaliser``.
 
-    ``sink``: the per-head sink logit (H,) for ``"sink"``.  A row with every key masked gets all
-    zero weights under every normaliser but ``"softmax"`` (NaN there: the caller zeroes it).
+    ``sink``: the per-head sink logit (H,) for ``"sink"``; ``lam``: λ (0-d, or per head (H,))
+    for ``"differential"``, whose z is the two maps side by side, (B, H, Nq, 2 Nk).  A row with
+    every key masked gets all zero weights under every normaliser but ``"softmax"`` and
+    ``"differential"`` (NaN there: the caller zeroes it).
     """
     if normaliser == "softmax":
         return torch.softmax(z, dim=-1)
+    if normaliser == "differential":
+        z1, z2 = split_maps(z)
+        lam = lam.to(z.dtype)
+        lam = lam.view(-1, 1, 1) if lam.dim() == 1 else lam
+        return torch.softmax(z1, dim=-1) - lam * torch.softmax(z2, dim=-1)
     if normaliser == "sigmoid":
         return torch.sigmoid(z)
     if normaliser in _ROW_WEIGHTS:
@@ -404,19 +522,22 @@ def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
-        causal: bool = False, trace: bool = False,
-        gate: Tensor | None = None) -> Tensor | AttentionTrace:
+        causal: bool = False, trace: bool = False, gate: Tensor | None = None,
+        log_forget: Tensor | None = None) -> Tensor | AttentionTrace:
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
     ``gate``: the output gate, broadcastable to (B, H, Nq, d_v) (a gating mechanism's
     ``gate_values`` of the layer input), multiplied into the output; None for no gate.
+    ``log_forget``: FoX's log forget gates (B, H, max(Nq, Nk)) (its ``forget_gates`` of the
+    layer input), for a mechanism whose ``logit_bias`` is ``"forget"``; causal only.
     Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
     recast the kernels' float32 internals (their blocks, the mechanisms' statistics) to half.
     """
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
-            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate)
+            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate,
+                       log_forget=log_forget)
     check_qkv(q, k, v, mechanism)
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
@@ -433,18 +554,21 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
     check_normaliser(normaliser)
     sink = mechanism.sink_logits() if normaliser == "sink" else None
-    how = _How(scale, cap, offset, normaliser, sink)
+    bias = logit_bias(mechanism, qs, ks, full_mask, causal, log_forget)
+    how = _How(scale, cap, offset, normaliser, sink, bias, _lam(mechanism, normaliser))
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
         # observed (the monitor documents this), and their contextvars would break the trace.
-        return _gated(_compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace), gate)
+        out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace)
+        return _gated(_finished(out, mechanism), gate)
     watchers = _OBSERVERS.get()
     rows = seen = None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
         seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate,
-                           normaliser=normaliser)
+                           offers_rows=(trace or kernel_rows or bias is not None
+                                        or normaliser == "differential"), offset=offset,
+                           sink=sink, gate=gate, normaliser=normaliser, bias=bias, lam=how.lam)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
@@ -454,13 +578,17 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace, rows)
     finally:
         _RUNNING.reset(token)
+    if rows is not None and bias is not None and not trace:  # the biased logits, scored once
+        bias_row_stats(qs, ks, how.scale, bias, full_mask, causal, rows, row_stats)
+    if rows is not None and normaliser == "differential" and not trace:  # both maps, scored once
+        differential_row_stats(qs, ks, how.scale, how.lam, full_mask, causal, rows, row_stats)
     if rows is not None:
         if full_mask is not None:  # queries with no key attended everything: count 0 and
             # every statistic 0, as row_stats gives a row without keys
             rows.masked_fill_((n_keys == 0).to(rows.device), 0.0)
         for sink_fn in seen._sinks:
             sink_fn(rows)
-    return _gated(out, gate)
+    return _gated(_finished(out, mechanism), gate)
 
 
 @dataclass(frozen=True)
@@ -471,6 +599,23 @@ class _How:
     offset: float | Tensor
     normaliser: str
     sink: Tensor | None
+    bias: Bias | None = None
+    lam: Tensor | None = None
+
+
+def _lam(mechanism: Rule, normaliser: str) -> Tensor | None:
+    """λ of the differential normaliser (0-d), None under the others."""
+    return mechanism.lam() if normaliser == "differential" else None
+
+
+def _finished(out: Tensor | AttentionTrace, mechanism: Rule) -> Tensor | AttentionTrace:
+    """The mechanism's output normalisation (differential's per-head RMSNorm), if it has one;
+    computed in float32 for half types."""
+    if not _declares(mechanism, "normalises_output", False):
+        return out
+    if isinstance(out, AttentionTrace):
+        return AttentionTrace(out.logits, out.weights, _finished(out.out, mechanism))
+    return mechanism.normalise_output(upcast(out)).to(out.dtype)
 
 
 def _gated(out: Tensor | AttentionTrace, gate: Tensor | None) -> Tensor | AttentionTrace:
@@ -517,15 +662,23 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
                   n_keys: int | Tensor, rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
-    z = logits(q, k, how.scale, how.cap, how.offset)               # logits and cap, (B,H,Nq,Nk)
+    z = rule_logits(q, k, how.scale, how.cap, how.offset, how.normaliser, how.bias)  # (B,H,Nq,Nk)
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
-        masked = z.masked_fill(~(mask | empty), float("-inf"))     # mask
+        keep = mask | empty
+        if how.normaliser == "differential":  # both maps of a row see the same keys
+            keep = torch.cat([keep.expand(*z.shape[:-1], -1)] * 2, dim=-1)
+        masked = z.masked_fill(~keep, float("-inf"))               # mask
+    if isinstance(how.bias, SelectBias) and how.bias.budget is not None:  # context pruning
+        f = -dense_bias(how.bias, q, k, how.scale)                 # F, (B, 1, Nq, Nk)
+        masked = masked.masked_fill(pruned(f, torch.isneginf(masked[:, :1]), how.bias.budget),
+                                    float("-inf"))
     if rows is not None:
         with torch.no_grad():
-            rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink))
-    p = normalise(masked, how.normaliser, how.sink)                # normaliser
+            rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink,
+                                 lam=None if how.lam is None else how.lam.detach()))
+    p = normalise(masked, how.normaliser, how.sink, how.lam)       # normaliser
     if mask is not None:
         p = p.masked_fill(empty, 0.0)
     out = p @ upcast(v)                                            # (B, H, Nq, d_v)
@@ -544,6 +697,16 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
     scale = how.scale
     if isinstance(scale, Tensor):  # per-head or per-row: folded into q, the kernels get a float
         q, scale = q * scale, 1.0
+    if (how.bias is not None or how.normaliser == "differential") and (
+            how.cap is not None or isinstance(how.offset, Tensor) or how.offset != 0.0):
+        raise ConfigError("a logit bias or the differential normaliser with a cap or an offset "
+                          "is not supported.")
+    if how.normaliser == "differential":
+        return differential_attention(q, k, v, scale, how.lam, mask, causal)
+    if isinstance(how.bias, ForgetBias):
+        return forget_attention(q, k, v, scale, how.bias, mask, causal)
+    if how.bias is not None:
+        return biased_attention(q, k, v, scale, how.bias, mask, causal)
     if how.normaliser == "sigmoid":
         return sigmoid_attention(q, k, v, scale, how.offset, how.cap, mask, causal)
     if how.normaliser in _ROW_KERNELS:

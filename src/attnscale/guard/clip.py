@@ -149,8 +149,9 @@ def _mechanism_site(name: str, module: nn.Module) -> ClipSite:
                           "model.")
     if not scales_with_weights(mech):
         raise ConfigError(f"qk_clip: {name} runs mechanism {mech.name!r}, whose logits do not "
-                          "scale with W_Q and W_K (it normalises q and k, or reparametrises the "
-                          "weights); its own parameters own the temperature.")
+                          "scale with W_Q and W_K (it normalises q and k, reparametrises the "
+                          "weights, adds a logit bias or splits q and k into two maps); its own "
+                          "rule owns the temperature.")
     for linear in (module.w_q, module.w_k):
         if hasattr(linear, "parametrizations"):
             raise ConfigError(f"qk_clip: {name} has parametrised W_Q/W_K; it cannot rescale "

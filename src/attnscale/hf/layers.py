@@ -43,6 +43,18 @@ def _n_heads(layer: nn.Module) -> int:
     return int(n)
 
 
+# Mechanisms HF's attention function cannot run, by what they are (their logit_bias or
+# normaliser), and why.
+_HF_REFUSALS = {
+    "forget": "reads forget gates from the layer's input, which HF's attention function does not "
+              "see; use attnscale.MultiHeadAttention or attnscale.lm for it.",
+    "select": "subtracts what every earlier query selected, which a KV cache does not keep "
+              "(decoding would drop it); use attnscale.MultiHeadAttention or attnscale.lm for it.",
+    "differential": "learns λ vectors per layer that a pretrained model does not have; "
+                    "transformers' DiffLlama family is differential attention itself.",
+}
+
+
 def check_swappable(name: str, **options) -> None:
     """ConfigError unless :func:`set_mechanism` can install ``name`` with options of these names.
 
@@ -60,6 +72,9 @@ def check_swappable_options(name: str, options: dict, param: str) -> None:
         raise ConfigError(f"mechanism {name!r} gates the attention output with the layer's "
                           "input, which HF's attention function does not see; use "
                           "attnscale.MultiHeadAttention or attnscale.lm for it.")
+    refusal = _HF_REFUSALS.get(MECHANISMS[name].logit_bias or MECHANISMS[name].normaliser)
+    if refusal:
+        raise ConfigError(f"mechanism {name!r} {refusal}")
     if not MECHANISMS[name].defined_at_init:
         raise ConfigError(f"mechanism {name!r} acts on the W_Q and W_K weights, not on the q and "
                           "k HF passes to the attention function; use "

@@ -278,7 +278,7 @@ class Monitor:
             # Rows with no key to attend are excluded here; the pipeline zeroes their output.
             self._add(seen.q, seen.k, seen=seen, scale=seen.scale, cap=seen.cap, mask=seen.mask,
                       causal=seen.causal, offset=seen.offset,
-                      normaliser=seen.normaliser, sink=seen.sink)
+                      normaliser=seen.normaliser, sink=seen.sink, lam=seen.lam)
 
     def _observe_sdpa(self, query: Tensor, key: Tensor, value: Tensor,
                       attn_mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -322,7 +322,7 @@ class Monitor:
     def _merge_logits(self, site: str, seen: Observation) -> None:
         """The statistics of a call whose logits the model handed over (``observe_logits``)."""
         self._merge(site, logit_stats(seen.logits, normaliser=seen.normaliser, sink=seen.sink,
-                                      gate=seen.gate))
+                                      gate=seen.gate, lam=seen.lam))
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         for table in (self._totals, self._pending):
