@@ -655,8 +655,12 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
     def recompute(q: Tensor, k: Tensor, v: Tensor, scale: Scale, offset: float | Tensor,
                   sink: Tensor | None, mask: Tensor | None) -> Tensor:
         return _fused(q, k, v, replace(how, scale=scale, offset=offset, sink=sink), mask, causal)
+    # The CPU flash op serves softmax, the sink and differential attention's two maps; the
+    # selective kernel places the NaN of q and k itself (its selection carries them on).
     return nans.ruled(out, q, k, v, how.scale, how.offset, how.sink, mask, causal, recompute,
-                      flash=how.cap is None and how.normaliser in ("softmax", "sink"))
+                      flash=how.cap is None and how.normaliser in ("softmax", "sink",
+                                                                   "differential"),
+                      exact_qk=isinstance(how.bias, SelectBias))
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
