@@ -122,12 +122,13 @@ def test_the_shipped_stores_grow_by_the_new_mechanisms_alone(name):
             added[key] = {axis: grid[axis][len(spec.grid[axis]):] for axis in grid
                           if len(grid[axis]) > len(spec.grid[axis])}
     new = ["softpick", "stick-breaking"]
+    biases = ["forgetting", "selective", "differential"]  # logit biases, differential attention
     if name == "recall":
-        assert set(added["recall"]["mechanism"]) >= {*new, "mscale"}
+        assert set(added["recall"]["mechanism"]) >= {*new, "mscale", *biases}
     elif name == "lm":
         assert added["lm"] == {"variant": [*new, "mscale(factor=40.0)",
-                                           "qk-rmsnorm(over=model)"]}
+                                           "qk-rmsnorm(over=model)", *biases]}
         assert added["sinks"] == "new store" and "wide" not in added
     else:
-        assert added == {"recall-length": {"mechanism": new},
-                         "lm-length": {"mechanism": [*new, "mscale"]}}
+        assert added == {"recall-length": {"mechanism": [*new, *biases]},
+                         "lm-length": {"mechanism": [*new, "mscale", *biases]}}
