@@ -31,7 +31,6 @@ from attnscale.errors import ConfigError, parse_typed
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import (MECHANISMS, build_mechanism, check_mechanism, mechanism_options,
                                   option_types, parse_option)
-from attnscale.pipeline import MASKED_BIAS
 from attnscale.stats import row_stats
 from attnscale.workers import check_device
 from normalisers import reference_distribution_stats, reference_weights, sink_of
@@ -486,7 +485,7 @@ def test_multi_head_attention_inputs_are_in_its_dtype(name):
         with pytest.raises(ConfigError, match=f"x is {dtype} but the module's weights are "
                                               "torch.float32") as err:
             mha(torch.randn(1, 3, 16, dtype=dtype))
-        assert f"x.to(torch.float32)" in _one_line(err.value)
+        assert "x.to(torch.float32)" in _one_line(err.value)
     with pytest.raises(ConfigError, match="x must be floating point, got torch.int64"):
         mha(torch.randint(0, 3, (1, 3, 16)))
     with pytest.raises(ConfigError, match="context is torch.float64"):
