@@ -53,7 +53,8 @@ scaled_dot_product_attention``; a sink is one extra key on the same call, or on 
 flash kernel's per-row log-sum-exp (:mod:`attnscale.kernels.sink`); a capped mechanism runs on
 :func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
-O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
+O(Nk · block), as is the one kernel of softpick and stick-breaking, which normalise whole rows
+(:mod:`attnscale.kernels.rowwise`); adaptive-temp's row entropies come from one blockwise pass
 (:mod:`attnscale.kernels.entropy`) before SDPA; FoX's bias folds into SDPA as extra q/k channels
 (:mod:`attnscale.kernels.forgetting`; FlexAttention on CUDA), selective attention runs on a
 blockwise kernel (:mod:`attnscale.kernels.biased`) and differential attention's two maps on one

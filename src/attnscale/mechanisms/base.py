@@ -84,8 +84,8 @@ class Mechanism(nn.Module):
     # The temperature is a rule on q and k known at init without data; False when it lives in
     # the weights of W_Q and W_K (init-reparam, sigma-reparam), so bare q, k cannot show it.
     defined_at_init: ClassVar[bool] = True
-    # How the masked logits become weights: "softmax", "sink" (softmax with a per-head sink logit
-    # that carries no value) or "sigmoid" (p_i = σ(z_i), elementwise).
+    # How the masked logits become weights: one of attnscale.stats.NORMALISERS ("softmax",
+    # "sink", "sigmoid", "softpick", "stick-breaking", "differential"; the module doc).
     normaliser: ClassVar[str] = "softmax"
     # The output is gated by σ(x W_g) computed from the layer input (gate_values).
     gate: ClassVar[bool] = False
