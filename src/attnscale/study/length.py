@@ -562,9 +562,10 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
                     columns=COLUMNS)
 
 
-# The full study: 8 mechanisms x 3 seeds of recall at the essay's widths and the length
-# config's 1200 steps; the LM (width 64, 2 layers) at 2000 steps, 3 mechanisms x 3 seeds.
-# --quick (about 10 minutes on 2 cores): 2 seeds; recall at width 64 (d_k = d_model = 64),
+# The full study: the recall mechanisms (recall_length.MECHANISMS) x 3 seeds at the essay's
+# widths and the length config's 1200 steps; the LM (width 64, 2 layers) at 2000 steps, its
+# mechanisms (lm_length.MECHANISMS) x 3 seeds.  --quick (about 10 minutes on 2 cores as
+# measured with fewer mechanisms; it grows with their count): 2 seeds; recall at width 64,
 # 600 steps, 500 held-out sequences per length; the LM at 600 steps on 16 windows.
 STUDY = register(Study(
     name="length",
