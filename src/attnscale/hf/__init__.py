@@ -43,8 +43,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("attnscale.hf needs transformers: pip install 'attnscale[hf]'") from err
 
 from attnscale.hf.attention import (
-    ATTN_IMPLEMENTATION, MECHANISM_ATTR, MIN_TRANSFORMERS, SINK_KWARG, UNSUPPORTED_KWARGS,
-    NativeTemperature, WithSinks, attnscale_attention_forward, register,
+    ATTN_IMPLEMENTATION, MECHANISM_ATTR, MIN_TRANSFORMERS, POSITION_BIAS_KWARG, SINK_KWARG,
+    NativeTemperature, WithSinks, attnscale_attention_forward, attnscale_mask, register,
 )
 from attnscale.hf.callback import TemperatureCallback
 from attnscale.hf.checkpoint import from_pretrained, saved_mechanism
@@ -52,7 +52,7 @@ from attnscale.hf.layers import (
     attention_layers, check_supported, check_swappable, set_mechanism,
 )
 
-__all__ = ["ATTN_IMPLEMENTATION", "MECHANISM_ATTR", "MIN_TRANSFORMERS", "SINK_KWARG",
-           "UNSUPPORTED_KWARGS", "NativeTemperature", "TemperatureCallback", "WithSinks",
-           "attention_layers", "attnscale_attention_forward", "check_supported",
+__all__ = ["ATTN_IMPLEMENTATION", "MECHANISM_ATTR", "MIN_TRANSFORMERS", "POSITION_BIAS_KWARG",
+           "SINK_KWARG", "NativeTemperature", "TemperatureCallback", "WithSinks",
+           "attention_layers", "attnscale_attention_forward", "attnscale_mask", "check_supported",
            "check_swappable", "from_pretrained", "register", "saved_mechanism", "set_mechanism"]
