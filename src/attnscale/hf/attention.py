@@ -17,7 +17,8 @@ from attnscale.errors import ConfigError
 from attnscale.families import FAMILIES, family_name, family_of
 from attnscale.mechanisms import Mechanism
 from attnscale.mechanisms.base import Scale, inv_sqrt
-from attnscale.pipeline import MASKED_BIAS
+from attnscale.kernels.peak import head_peaks
+from attnscale.pipeline import MASKED_BIAS, additive_mask
 
 # The attention implementation name, for from_pretrained(..., attn_implementation=...).
 ATTN_IMPLEMENTATION = "attnscale"
@@ -160,6 +161,21 @@ def _masks(attention_mask: Tensor | None, n_q: int
     keep = attention_mask > MASKED_BIAS
     values = torch.where(keep, attention_mask, torch.zeros((), dtype=attention_mask.dtype))
     return keep, False, (values if bool(values.any()) else None)
+
+
+def head_logit_peaks(query: Tensor, key: Tensor, attention_mask: Tensor | None,
+                     scaling: float | None = None, position_bias: Tensor | None = None
+                     ) -> Tensor:
+    """Each query head's largest logit ``scaling · q kᵀ`` (+ the position bias), before any
+    cap, over the keys an HF attention call with these arguments attends (the mask read as
+    :func:`attnscale_attention_forward` reads it): float64 (H,), -inf for a head with no key."""
+    mask, causal, bias = _masks(attention_mask, query.shape[2])
+    if position_bias is not None:
+        bias = position_bias if bias is None else position_bias + bias
+    if bias is not None:
+        mask = additive_mask(bias, mask)
+    scale = inv_sqrt(query.shape[-1]) if scaling is None else scaling
+    return head_peaks(query, key, scale, mask=mask, causal=causal)
 
 
 def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
