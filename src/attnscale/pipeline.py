@@ -176,6 +176,7 @@ class Observation:
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
+    bias: Tensor | None = None    # the call's additive logit bias (already in ``mask``), or None
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -440,7 +441,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         seen = Observation(qs, ks, scale, cap, mask if bias is None else additive_mask(bias, mask),
                            causal, n_keys, mechanism,
                            offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate,
-                           normaliser=normaliser)
+                           normaliser=normaliser, bias=bias)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
