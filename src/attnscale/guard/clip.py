@@ -58,7 +58,9 @@ import torch
 from torch import Tensor, nn
 
 from attnscale.errors import ConfigError
-from attnscale.families import ClipTarget, facts, family_of, is_attention_layer
+from attnscale.families import (
+    ClipTarget, bypassing_layers, facts, family_of, is_attention_layer,
+)
 from attnscale.mechanisms import Mechanism
 from attnscale.mechanisms.qk_clip import QKClip
 
@@ -216,6 +218,11 @@ def clip_sites(model: nn.Module) -> list[ClipSite]:
     Raises:
         ConfigError: a layer the clip cannot handle (see the module doc), or no attention layer.
     """
+    own = bypassing_layers(model)
+    if own:
+        raise ConfigError(f"qk_clip: {own[0][0]} ({own[0][1]}) forms its softmax itself, not "
+                          "through transformers' AttentionInterface, so the clip cannot see "
+                          "its logits.")
     sites = []
     for name, module in model.named_modules():
         name = name or type(model).__name__

@@ -18,13 +18,15 @@ from attnscale.families import FAMILIES, family_name, family_of
 from attnscale.mechanisms import Mechanism
 from attnscale.mechanisms.base import Scale, inv_sqrt
 from attnscale.kernels.peak import head_peaks
-from attnscale.pipeline import MASKED_BIAS, additive_mask
+from attnscale.pipeline import MASKED_BIAS
 
 # The attention implementation name, for from_pretrained(..., attn_implementation=...).
 ATTN_IMPLEMENTATION = "attnscale"
 # Attribute (and state_dict prefix) of the swapped mechanism on each attention layer, and the
 # config attribute that records it ({"name": ..., "options": {...}}) for save_pretrained.
 MECHANISM_ATTR = "attnscale_mechanism"
+# Inkling 2 passes sink logits computed per query (B, H, Nq, 1) under this name.
+ROW_SINKS_KWARG = "sinks"
 # T5's relative position bias reaches the attention function under this name (HF
 # modeling_t5.py); it is added to the logits as the pipeline's ``bias``.
 POSITION_BIAS_KWARG = "position_bias"
@@ -164,16 +166,12 @@ def _masks(attention_mask: Tensor | None, n_q: int
 
 
 def head_logit_peaks(query: Tensor, key: Tensor, attention_mask: Tensor | None,
-                     scaling: float | None = None, position_bias: Tensor | None = None
-                     ) -> Tensor:
-    """Each query head's largest logit ``scaling · q kᵀ`` (+ the position bias), before any
-    cap, over the keys an HF attention call with these arguments attends (the mask read as
+                     scaling: float | None = None) -> Tensor:
+    """Each query head's largest logit ``scaling · q kᵀ`` -- the logit W_Q and W_K make, before
+    any cap and without any additive position bias (what QK-Clip bounds) -- over the keys an HF
+    attention call with these arguments attends (the mask read as
     :func:`attnscale_attention_forward` reads it): float64 (H,), -inf for a head with no key."""
-    mask, causal, bias = _masks(attention_mask, query.shape[2])
-    if position_bias is not None:
-        bias = position_bias if bias is None else position_bias + bias
-    if bias is not None:
-        mask = additive_mask(bias, mask)
+    mask, causal, _ = _masks(attention_mask, query.shape[2])
     scale = inv_sqrt(query.shape[-1]) if scaling is None else scaling
     return head_peaks(query, key, scale, mask=mask, causal=causal)
 
@@ -198,6 +196,10 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     Returns:
         ``(output (B, Nq, H, d_v), None)``; attention weights are never materialised.
     """
+    if kwargs.get(ROW_SINKS_KWARG) is not None:  # ignoring them would change the attention
+        raise ConfigError(f"{type(module).__name__} passes per-query sink logits "
+                          f"({ROW_SINKS_KWARG}=, one per query and head), which attnscale's "
+                          "sink normaliser (one per head) does not hold.")
     if dropout and module.training:
         raise ConfigError("attention dropout > 0 in training is not supported by "
                           "attn_implementation='attnscale'; set the model's attention dropout "

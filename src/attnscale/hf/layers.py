@@ -6,7 +6,9 @@ from __future__ import annotations
 from torch import nn
 
 from attnscale.errors import ConfigError
-from attnscale.families import LayerFacts, facts, family_of, is_attention_layer
+from attnscale.families import (
+    LayerFacts, bypassing_layers, facts, family_of, is_attention_layer,
+)
 from attnscale.hf.attention import (
     ATTN_IMPLEMENTATION, CLIP_QKV, MECHANISM_ATTR, clamp_projections, register,
     unclamp_projections,
@@ -58,6 +60,18 @@ def swap_facts(layers: list[tuple[str, nn.Module]], name: str | None = None
         raise ConfigError(f"set_mechanism cannot change {len(refused)} of {len(layers)} "
                           f"attention layers, so it changes none: {shown}{more}.")
     return out
+
+
+def refuse_bypassing(model: nn.Module, what: str) -> None:
+    """ConfigError naming the attention layers of ``model`` that form their softmax themselves
+    (the family table's ``own_attention``): ``what`` would leave them at their native
+    temperature."""
+    own = bypassing_layers(model)
+    if own:
+        name, cls = own[0]
+        raise ConfigError(f"{what}: {name} ({cls}, and {len(own) - 1} more like it) forms its "
+                          "softmax itself, not through transformers' AttentionInterface, so it "
+                          f"would keep its native temperature; {what} changes no layer.")
 
 
 def check_swappable(name: str, **options) -> None:
@@ -129,6 +143,7 @@ def set_mechanism(model: nn.Module, name: str | None, **options) -> list[str]:
     mechanisms = {}
     if name is not None:
         check_swappable(name, **options)
+        refuse_bypassing(model, "set_mechanism")
         table = swap_facts(layers, name)
         # Built before anything changes, so a bad option value leaves the model as it was.
         for qualified, layer in layers:
