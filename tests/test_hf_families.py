@@ -45,6 +45,19 @@ def documented() -> tuple[str, dict[str, list[str]]]:
 
 
 VERSION, ROWS = documented()
+# The table's transformers: on another (an older admitted 5.x), a family the table runs may be
+# missing, or not yet route its attention through the interface; there is then nothing for
+# attnscale to serve, which these tests assert instead of the table's outcome.
+REFERENCE = VERSION == transformers.__version__
+
+
+def absent_here(result) -> bool:
+    """Whether ``result`` is a family this (older) transformers lacks or keeps off the
+    interface; never so on the table's own transformers."""
+    if result.status != "not built":
+        return False
+    assert not REFERENCE, f"{result.model_type} was not built: {result.reason}"
+    return True
 
 
 def doc_cells(result) -> list[str]:
@@ -68,7 +81,7 @@ def test_family(model_type):
         # attention that forms its softmax itself is in the table, so swaps are never partial
         unknown = [c for c in r.extra["bypassing"] if c not in OWN_ATTENTION]
         assert not unknown, f"{model_type}: attention outside the interface: {unknown}"
-    if VERSION == transformers.__version__:
+    if REFERENCE:
         assert ROWS.get(model_type) == doc_cells(r), (
             f"docs/families.md is not current for {model_type}: regenerate it with "
             "python -m attnscale.hf.survey --out docs/families.md --force")
@@ -127,8 +140,8 @@ ONCE_REFUSED = ["bert", "roberta", "distilbert", "albert", "electra", "camembert
 @pytest.mark.parametrize("model_type", ONCE_WRONG + ONCE_REFUSED)
 def test_once_wrong_or_refused_families(model_type):
     r = check_family(model_type)
-    if r.status == "not built":  # the tiny config itself does not run on HF's eager path
-        pytest.fail(f"{model_type} was not built: {r.reason}")
+    if absent_here(r):
+        return
     assert r.status == "exact", r.reason
     assert r.monitor == "all"
     if model_type in ONCE_REFUSED:
@@ -149,6 +162,8 @@ def test_once_wrong_or_refused_families(model_type):
 ])
 def test_partial_swaps_and_clips_are_refused_with_the_reason(model_type, swap, clip):
     r = check_family(model_type)
+    if absent_here(r) or (not REFERENCE and not r.extra.get("bypassing")):
+        return  # an older transformers serves this family through the interface alone
     assert r.status == "exact", r.reason
     if swap is None:
         assert r.swap == "whole"
@@ -159,12 +174,19 @@ def test_partial_swaps_and_clips_are_refused_with_the_reason(model_type, swap, c
 
 def test_inkling2_per_query_sinks_are_refused_not_ignored():
     r = check_family("inkling2_text")
+    if absent_here(r):
+        return
     assert r.status == "refused" and "per-query sink logits (sinks=" in r.reason
 
 
 def test_laguna_layers_get_their_own_head_counts():
     """Laguna's layers have their own head counts (num_attention_heads_per_layer); the
     mechanism is built for the layer's, not config.num_attention_heads."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "laguna" not in CONFIG_MAPPING_NAMES:
+        assert not REFERENCE
+        return
     cfg = transformers.AutoConfig.for_model(
         "laguna", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -36,7 +36,7 @@ SINK_KWARG = "s_aux"
 # The mechanism set_mechanism applies at the projections (clip-qkv: OLMo's and DBRX's clamp).
 CLIP_QKV = "clip-qkv"
 # Oldest transformers whose AttentionInterface / AttentionMaskInterface / sdpa_mask this uses.
-MIN_TRANSFORMERS = "4.56"
+MIN_TRANSFORMERS = "5.0"
 
 
 class NativeTemperature(Mechanism):
@@ -146,7 +146,7 @@ def unclamp_projections(layer: nn.Module) -> None:
         handle.remove()
 
 
-def _masks(attention_mask: Tensor | None, n_q: int
+def _masks(attention_mask: Tensor | None, n_q: int, n_k: int
            ) -> tuple[Tensor | None, bool, Tensor | None]:
     """HF's mask as the pipeline's ``(mask, causal, bias)``, as eager reads it.
 
@@ -158,6 +158,9 @@ def _masks(attention_mask: Tensor | None, n_q: int
         return None, False, None
     if _CAUSAL_MASKS.get(id(attention_mask)) is attention_mask:
         return None, n_q > 1, None
+    if attention_mask.dim() == 4 and attention_mask.shape[-1] > n_k:
+        # a mask built for a longer cache: its first Nk keys, as eager (and HF's SDPA) slice it
+        attention_mask = attention_mask[..., :n_k]
     if attention_mask.dtype == torch.bool:
         return attention_mask, False, None
     keep = attention_mask > MASKED_BIAS
@@ -171,7 +174,7 @@ def head_logit_peaks(query: Tensor, key: Tensor, attention_mask: Tensor | None,
     any cap and without any additive position bias (what QK-Clip bounds) -- over the keys an HF
     attention call with these arguments attends (the mask read as
     :func:`attnscale_attention_forward` reads it): float64 (H,), -inf for a head with no key."""
-    mask, causal, _ = _masks(attention_mask, query.shape[2])
+    mask, causal, _ = _masks(attention_mask, query.shape[2], key.shape[2])
     scale = inv_sqrt(query.shape[-1]) if scaling is None else scaling
     return head_peaks(query, key, scale, mask=mask, causal=causal)
 
@@ -225,7 +228,7 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)      # (B, H, Nk, d), O(N d) memory
         value = value.repeat_interleave(groups, dim=1)
-    mask, causal, bias = _masks(attention_mask, query.shape[2])
+    mask, causal, bias = _masks(attention_mask, query.shape[2], key.shape[2])
     position_bias = kwargs.get(POSITION_BIAS_KWARG)
     if position_bias is not None:  # T5: added to the logits before the mask, as eager does
         bias = position_bias if bias is None else position_bias + bias

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import inspect
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -347,14 +348,26 @@ def _relative(got: list[Tensor], want: list[Tensor]) -> float:
 
 @contextlib.contextmanager
 def _quiet():
+    """transformers' logging and warnings off, and the Hub offline: a default config that names
+    a pretrained backbone must fail to build, never download it."""
+    import huggingface_hub.constants as hub
+
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    offline, env = hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
+    hub.HF_HUB_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             yield
         finally:
             transformers.logging.set_verbosity(verbosity)
+            hub.HF_HUB_OFFLINE = offline
+            if env is None:
+                os.environ.pop("HF_HUB_OFFLINE", None)
+            else:
+                os.environ["HF_HUB_OFFLINE"] = env
 
 
 def check_family(model_type: str, *, implementation: str = ATTN_IMPLEMENTATION,
