@@ -554,15 +554,7 @@ def test_a_model_with_no_visible_attention_says_which_implementation_to_use():
     assert g.records == []
 
 
-class _MLA(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_a_proj = torch.nn.Linear(4, 4)
-        self.kv_a_proj_with_mqa = torch.nn.Linear(4, 4)
-
-
 @pytest.mark.parametrize("model, match", [
-    (_MLA(), "multi-head latent attention"),
     (MultiHeadAttention(16, 2, "qknorm"), "do not scale with W_Q and W_K"),
     (MultiHeadAttention(16, 2, "qk-clip"), "already runs the 'qk-clip' mechanism"),
     (torch.nn.Linear(4, 4), "no attention layer whose W_Q and W_K"),

@@ -171,7 +171,10 @@ class _Observer(Monitor):
         self._seen += 1
         g = self.guard
         module = site.split("#")[0]  # a second call of one module in a forward: same layer
-        capped = how.get("cap") is not None
+        # S_max is the logit W_Q and W_K make: before a cap, without an additive position bias
+        # (T5's), which is the model's and which no rescaling of W_Q, W_K moves.
+        biased = seen is not None and getattr(seen, "bias", None) is not None
+        capped = how.get("cap") is not None or biased
         record = g._recording and not g._remeasuring
         track = g._tracking()
         if seen is not None and seen.logits is not None:  # formed by the model itself
@@ -180,8 +183,11 @@ class _Observer(Monitor):
         if track and (capped or not record):
             # S_max alone: before the cap (the logit the clip scales), one blocked q kᵀ.
             scale = how.get("scale")
+            mask = how.get("mask")
+            if biased:  # the attended keys of the bias-carrying additive mask
+                mask = mask > MASKED_BIAS
             g._fold(module, head_peaks(q, k, inv_sqrt(q.shape[-1]) if scale is None else scale,
-                                       mask=how.get("mask"), causal=how.get("causal", False)))
+                                       mask=mask, causal=how.get("causal", False)))
         if not record:
             return
         g._keys[site] = max(g._keys.get(site, 0),
