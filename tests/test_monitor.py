@@ -128,7 +128,7 @@ CASES = ["plain", "causal", "causal-bottom-right", "causal-empty-rows",
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_head_stats_match_materialised_reference(name, backend):
+def testcall_head_stats_match_materialised_reference(name, backend):
     q, k, kw, z, keep = _case(name)
     means = head_stats(q, k, block=5, **kw).means()
     records = [{key: means[key][h] for key in means} for h in range(H)]
@@ -678,7 +678,7 @@ def test_softcap_monitor_does_not_score_the_logits_again(monkeypatch):
     def recompute(*args, **kwargs):
         raise AssertionError("the monitor recomputed logits the kernel had formed")
 
-    monkeypatch.setattr(observer, "_head_stats", recompute)
+    monkeypatch.setattr(observer, "call_head_stats", recompute)
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)
     x = torch.randn(2, 24, 32)

@@ -112,7 +112,7 @@ from attnscale.guard.log import (
 )
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.kernels.peak import head_peaks
-from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
+from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, call_head_stats
 from attnscale.measure.monitor.observer import Monitor, module_names, recomputing
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
@@ -194,7 +194,7 @@ class _Observer(Monitor):
 
         if seen is not None and seen.request_rows(lambda rows: take(HeadStats.from_rows(rows))):
             return
-        take(_head_stats(q, k, block=self.block, **how))
+        take(call_head_stats(q, k, block=self.block, **how))
 
     def _add_logits(self, site: str, module: str, seen, record: bool, track: bool) -> None:
         """A call whose logits the model formed and handed over (``observe_logits``): S_max and

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from attnscale.columns import RECORD_STATS
 from attnscale.errors import ConfigError, check_int
 from attnscale.mechanisms import Mechanism
-from attnscale.measure.monitor.blocks import (DEFAULT_BLOCK, HeadStats, _head_stats,
+from attnscale.measure.monitor.blocks import (DEFAULT_BLOCK, HeadStats, call_head_stats,
                                               logit_stats)
 from attnscale.pipeline import Observation, add_observer, running
 
@@ -317,7 +317,7 @@ class Monitor:
         if (seen is not None and how.get("normaliser", "softmax") == "softmax"
                 and seen.request_rows(from_kernel)):
             return
-        self._merge(site, _head_stats(q, k, block=self.block, gate=gate, **how))
+        self._merge(site, call_head_stats(q, k, block=self.block, gate=gate, **how))
 
     def _merge_logits(self, site: str, seen: Observation) -> None:
         """The statistics of a call whose logits the model handed over (``observe_logits``)."""
