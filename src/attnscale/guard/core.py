@@ -21,27 +21,28 @@ that made it, and the call's statistics, key count and S_max come from its
 without the guard.  Only the forward passes of a *training step* count, however the trainer calls
 the model: a forward pass that enters the model (at its root, or at a submodule as Lightning's
 ``training_step`` calling ``self.model`` does) in training mode with grad enabled, and in it the
-calls of attention modules in training mode.  Evaluation and prediction passes (``eval()`` or ``torch.no_grad()``),
-sanity checks and generation never count, nor does gradient checkpointing's recomputation during
-backward (:func:`attnscale.measure.monitor.observer.recomputing`); a reentrant checkpoint's first
-forward, which runs without grad inside a training forward, does.  A recorded step is the first
-one and every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of
-``every``.  A ``torch.compile``-d model or submodule is observed as the same model run eagerly:
-the guard's hooks are graph breaks, run as plain Python.
+calls of attention modules in training mode.  Evaluation and prediction passes (``eval()`` or
+``torch.no_grad()``), sanity checks and generation never count, nor does gradient checkpointing's
+recomputation during backward (:func:`attnscale.measure.monitor.observer.recomputing`); a reentrant
+checkpoint's first forward, which runs without grad inside a training forward, does.  A recorded
+step is the first one and every step whose label (the ``step`` passed to :meth:`Guard.step`) is a
+multiple of ``every``.  A ``torch.compile``-d model or submodule is observed as the same model run
+eagerly: the guard's hooks are graph breaks, run as plain Python.
 
 **Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
-training forward passes and only the keys each query attends (``n_keys``: the most keys in one
-of the layer's calls, the n of the entropy's range [0, ln n]): ``logit_max`` (largest pre-softmax
-logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats),
-``max_weight_mean``, ``jacobian_fro_mean`` (the mean Frobenius norm of the softmax Jacobian, the
-essay's gradient-flow quantity), ``logit_std`` and ``logit_std_ratio`` (its ratio to the head's
-value at the first recorded step: how far the temperature has drifted from where it started),
-and with the clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by
-at that step, 1 = untouched).  :meth:`Guard.record_next` records the next step whatever its
-label.  They go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``,
-:mod:`attnscale.guard.log`), to a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to
-:attr:`Guard.latest` (what the HF and Lightning callbacks hand to their loggers).  Per layer the
-spread over heads is :func:`layer_rows`.  Logits a model formed itself reach the guard through
+training forward passes and only the keys each query attends (``n_keys``: the most keys in one of
+the layer's calls, the n of the entropy's range [0, ln n]), with the statistics of
+:data:`attnscale.columns.GUARD_STATS`: ``logit_max`` (largest pre-softmax logit, signed),
+``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats), ``max_weight_mean``,
+``jacobian_fro_mean`` (the mean Frobenius norm of the softmax Jacobian, the essay's gradient-flow
+quantity), ``logit_std``; then ``logit_std_ratio`` (``logit_std``'s ratio to the head's value at
+the first recorded step: how far the temperature has drifted from where it started), and with the
+clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by at that step, 1
+= untouched).  :meth:`Guard.record_next` records the next step whatever its label.  They go to
+``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``, :mod:`attnscale.guard.log`),
+to a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the
+HF and Lightning callbacks hand to their loggers).  Per layer the spread over heads is
+:func:`layer_rows`.  Logits a model formed itself reach the guard through
 :func:`attnscale.pipeline.observe_logits`.
 
 **Data parallelism** (``torch.distributed`` initialised): on a recorded step the statistics are
@@ -106,7 +107,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnscale.columns import MONITOR_SUMMARIES
+from attnscale.columns import GUARD_STATS, MONITOR_SUMMARIES, named
 from attnscale.errors import ConfigError, check_float, check_int
 from attnscale.guard.clip import clip_sites
 from attnscale.guard.log import (
@@ -123,6 +124,13 @@ DEFAULT_ALARM_LOGIT = K2_TAU
 # Default entropy-collapse alarm: a head's mean entropy under a tenth of its first value.
 DEFAULT_ALARM_ENTROPY_FRACTION = 0.1
 ON_ALARM = ("warn", "raise", "stop")
+# The statistics of attnscale.columns this module reads by name (the alarms, Guard.latest,
+# layer_rows): a ValueError at import if one is renamed there.
+named("logit_max", "entropy_mean", "logit_std")
+# The per-head scalars a TensorBoard writer receives on each recorded step (the records, the log
+# and Guard.records carry every statistic of GUARD_KEYS).
+WRITER_KEYS = (*named("logit_max", "entropy_min", "entropy_mean", "max_weight_mean"),
+               "logit_std_ratio")
 # The per-layer scalars of Guard.latest, each with the way two steps' values combine into the
 # worse of them (worst()): the largest logit and spread, the lowest entropy, the largest drift.
 LATEST_KEYS = {"logit_max": max, "logit_max_spread": max, "entropy_mean_min": min,
@@ -527,9 +535,7 @@ class Guard:
             for head in range(len(means["queries"])):
                 row = {"step": step, "layer": layer, "head": head, "module": site,
                        "queries": int(means["queries"][head]), "n_keys": keys[site],
-                       **{key: means[key][head] for key in
-                          ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
-                           "max_weight_mean", "jacobian_fro_mean", "logit_std")}}
+                       **{key: means[key][head] for key in GUARD_STATS}}
                 first = self._first.setdefault((site, head), {
                     "logit_std": row["logit_std"], "entropy_mean": row["entropy_mean"]})
                 std0 = first["logit_std"]
@@ -597,8 +603,7 @@ class Guard:
             self._file.flush()
         if self.writer is not None:
             for r in rows:
-                for key in ("logit_max", "entropy_min", "entropy_mean", "max_weight_mean",
-                            "logit_std_ratio"):
+                for key in WRITER_KEYS:
                     self.writer.add_scalar(f"attnscale/{key}/layer{r['layer']}/head{r['head']}",
                                            r[key], step)
             for tag, value in self.latest.items():
