@@ -490,7 +490,8 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
 # Bad input: one-line errors
 
 
-@pytest.mark.parametrize("options, match", [
+# Bad options of attnscale.guard and the message each gets (the callbacks give the same).
+BAD_OPTIONS = [
     ({"qk_clip": 0}, "qk_clip must be > 0"),
     ({"qk_clip": -1.0}, "qk_clip must be > 0"),
     ({"qk_clip": math.nan}, "qk_clip must be finite"),
@@ -505,9 +506,16 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
     ({"alarm_logit": 0}, "alarm_logit must be > 0"),
     ({"log": ""}, "log must be a path"),
     ({"log": "x.txt"}, "log 'x.txt' must end in one of .jsonl"),
+    ({"block": 0}, "block must be >= 1"),
+    ({"alarm_entropy_floor": -1}, "alarm_entropy_floor must be > 0"),
+    ({"writer": object()}, "writer must have add_scalar"),
+    ({"force": "yes"}, "force must be True or False"),
     ({"resume": -1}, "resume must be >= 0"),
     ({"resume": 2.5}, "resume must be an integer"),
-])
+]
+
+
+@pytest.mark.parametrize("options, match", BAD_OPTIONS)
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(ConfigError, match=match) as err:
         attnscale.guard(MultiHeadAttention(16, 2), **options)

@@ -96,6 +96,7 @@ watch beside it.  Two modes:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -108,7 +109,7 @@ import torch
 from torch import Tensor, nn
 
 from attnscale.columns import GUARD_STATS, MONITOR_SUMMARIES, named
-from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.errors import ConfigError, check_float, check_int, did_you_mean
 from attnscale.guard.clip import clip_sites
 from attnscale.guard.log import (
     ALARMS, GUARD_KEYS, LogScan, read_log, repair_log, resume_mark, scan_log,
@@ -153,6 +154,43 @@ def _optional_positive(param: str, value: object) -> float | None:
     return None if value is None else check_float(param, value, positive=True)
 
 
+def _check_options(*, every: int, log, writer, qk_clip, alpha, strict, alarm_logit,
+                   alarm_entropy_floor, alarm_entropy_fraction, on_alarm, block,
+                   force) -> dict:
+    """The options of :func:`guard` but the model, the optimizer and ``resume``, validated (a
+    one-line ConfigError naming the option) and canonical: numbers as floats, ``log`` as a Path
+    of the right form (whether an existing file may be written is decided with ``resume``)."""
+    out = {"every": check_int("every", every, minimum=1),
+           "block": check_int("block", block, minimum=1),
+           "qk_clip": _optional_positive("qk_clip", qk_clip),
+           "alpha": check_float("alpha", alpha),
+           "alarm_logit": _optional_positive("alarm_logit", alarm_logit),
+           "alarm_entropy_floor": _optional_positive("alarm_entropy_floor", alarm_entropy_floor),
+           "alarm_entropy_fraction": _optional_positive("alarm_entropy_fraction",
+                                                        alarm_entropy_fraction)}
+    if not 0.0 <= out["alpha"] <= 1.0:
+        raise ConfigError(f"alpha must be in [0, 1], got {alpha!r}.")
+    for name, flag in (("strict", strict), ("force", force)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}.")
+    if strict and out["qk_clip"] is None:
+        raise ConfigError("strict=True is a mode of the clip; give qk_clip=tau as well.")
+    out["strict"] = strict
+    if out["alarm_entropy_fraction"] is not None and out["alarm_entropy_fraction"] >= 1:
+        raise ConfigError(f"alarm_entropy_fraction must be in (0, 1), got "
+                          f"{alarm_entropy_fraction!r}.")
+    if not callable(on_alarm) and on_alarm not in ON_ALARM:
+        raise ConfigError(f"on_alarm must be one of {', '.join(ON_ALARM)} or a callable, "
+                          f"got {on_alarm!r}.")
+    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+        raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
+                          "SummaryWriter).")
+    # The form only (a file name, .jsonl, a writable folder): force=True here.
+    out["log"] = None if log is None else check_output_path("log", log, suffixes=(".jsonl",),
+                                                            force=True)
+    return out
+
+
 class Guard:
     """See the module doc; build it with :func:`guard`."""
 
@@ -170,32 +208,18 @@ class Guard:
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}.")
         self.model, self.optimizer = model, optimizer
-        self.every = check_int("every", every, minimum=1)
-        self.block = check_int("block", block, minimum=1)
-        self.qk_clip = _optional_positive("qk_clip", qk_clip)
-        self.alpha = check_float("alpha", alpha)
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"alpha must be in [0, 1], got {alpha!r}.")
-        if not isinstance(strict, bool):
-            raise ConfigError(f"strict must be True or False, got {strict!r}.")
-        if strict and self.qk_clip is None:
-            raise ConfigError("strict=True is a mode of the clip; give qk_clip=tau as well.")
-        self.strict = strict
-        self.alarm_logit = _optional_positive("alarm_logit", alarm_logit)
-        self.alarm_entropy_floor = _optional_positive("alarm_entropy_floor", alarm_entropy_floor)
-        self.alarm_entropy_fraction = _optional_positive("alarm_entropy_fraction",
-                                                         alarm_entropy_fraction)
-        if self.alarm_entropy_fraction is not None and self.alarm_entropy_fraction >= 1:
-            raise ConfigError(f"alarm_entropy_fraction must be in (0, 1), got "
-                              f"{alarm_entropy_fraction!r}.")
-        if not callable(on_alarm) and on_alarm not in ON_ALARM:
-            raise ConfigError(f"on_alarm must be one of {', '.join(ON_ALARM)} or a callable, "
-                              f"got {on_alarm!r}.")
-        self.on_alarm = on_alarm
-        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
-            raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
-                              "SummaryWriter).")
-        self.writer = writer
+        options = _check_options(
+            every=every, log=log, writer=writer, qk_clip=qk_clip, alpha=alpha, strict=strict,
+            alarm_logit=alarm_logit, alarm_entropy_floor=alarm_entropy_floor,
+            alarm_entropy_fraction=alarm_entropy_fraction, on_alarm=on_alarm, block=block,
+            force=force)
+        self.every, self.block = options["every"], options["block"]
+        self.qk_clip, self.alpha, self.strict = (options["qk_clip"], options["alpha"],
+                                                 options["strict"])
+        self.alarm_logit = options["alarm_logit"]
+        self.alarm_entropy_floor = options["alarm_entropy_floor"]
+        self.alarm_entropy_fraction = options["alarm_entropy_fraction"]
+        self.on_alarm, self.writer = on_alarm, writer
         self.resume = None if resume is None else check_int("resume", resume, minimum=0)
         self.force = force
         if log is not None and self.resume is not None and not force and _is_guard_log(log):
@@ -711,9 +735,10 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
 
 class GuardCallback:
     """What every training-loop callback over :func:`guard` shares: the options (those of
-    :func:`guard`; the loop supplies the model, the optimizer and the step it resumes from, so
-    passing any of them is a TypeError), entering the guard when training starts and leaving it
-    when training ends."""
+    :func:`guard`, checked when the callback is built with the guard's own errors; the loop
+    supplies the model, the optimizer and the step it resumes from, so passing any of them, or an
+    option :func:`guard` lacks, is a TypeError), entering the guard when training starts and
+    leaving it when training ends."""
 
     # How errors and the refusal of a second clipping guard name this callback.
     name = "attnscale.GuardCallback"
@@ -723,6 +748,17 @@ class GuardCallback:
             if option in options:
                 raise TypeError(f"{type(self).__name__} finds the {option} itself; do not pass "
                                 f"{option}=.")
+        known = [p for p in inspect.signature(guard).parameters
+                 if p not in ("model", "optimizer", "resume")]
+        for option in options:
+            if option not in known:
+                raise TypeError(f"{type(self).__name__} got an unexpected option {option!r}."
+                                f"{did_you_mean(option, known)} Its options are those of "
+                                f"attnscale.guard: {', '.join(known)}.")
+        # Checked now, as the guard checks them, rather than when training starts.
+        defaults = {p.name: p.default for p in inspect.signature(guard).parameters.values()
+                    if p.name in known}
+        _check_options(**{**defaults, **options})
         self.options = options
         self.guard: Guard | None = None
 
