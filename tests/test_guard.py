@@ -188,6 +188,23 @@ def test_records_are_tidy_and_match_a_float64_recomputation():
     assert spread[0]["logit_max"] == frame[frame.layer == 0]["logit_max"].max()
 
 
+def test_logit_std_ratio_is_each_steps_std_over_the_heads_first():
+    """At every recorded step after the first (where it is 1 by construction), each head's
+    ratio is its logit_std over its first recorded logit_std, and the per-layer maximum is the
+    largest head's; Adam at a high LR moves it well away from 1."""
+    g, _ = train(make_hf("llama"), batches(4), lr=0.05, every=1, alarm_logit=None)
+    first = {(r["module"], r["head"]): r["logit_std"] for r in g.records if r["step"] == 0}
+    later = [r for r in g.records if r["step"] > 0]
+    assert len(first) == 2 * 4 and len(later) == 3 * 2 * 4
+    for r in later:
+        assert r["logit_std_ratio"] == pytest.approx(
+            r["logit_std"] / first[r["module"], r["head"]], rel=1e-12)
+    assert max(abs(math.log(r["logit_std_ratio"])) for r in later) > math.log(2)
+    last = [r for r in later if r["step"] == 3 and r["layer"] == 1]
+    assert g.latest["attnscale/logit_std_ratio_max/layer1"] == max(
+        r["logit_std_ratio"] for r in last)
+
+
 def test_every_selects_the_first_step_and_the_multiples():
     g, _ = train(make_hf("llama"), batches(7), lr=1e-3, every=3, alarm_logit=None)
     assert sorted({r["step"] for r in g.records}) == [0, 3, 6]
