@@ -444,6 +444,9 @@ def _free_port() -> int:
 
 
 def test_data_parallel_clip_uses_the_max_over_ranks(tmp_path):
+    """The ranks see different largest logits (rank 1's inputs 3x rank 0's, on the same
+    weights): every rank records and clips with the larger, per head, as one process holding
+    both batches does; the smaller (an all-reduce taking the min) would clip less."""
     # fork: the ranks start from this process's imports (spawn would import torch again)
     mp.start_processes(guard_ddp.worker, args=(_free_port(), str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
@@ -451,8 +454,24 @@ def test_data_parallel_clip_uses_the_max_over_ranks(tmp_path):
     assert torch.equal(r0["w_q"], r1["w_q"]) and torch.equal(r0["w_k"], r1["w_k"])
     assert r0["s_max"] == r1["s_max"]
     torch.manual_seed(0)
-    fresh = MultiHeadAttention(16, 2)
-    assert not torch.equal(fresh.w_q.weight, r0["w_q"])  # it did clip
+    mha = MultiHeadAttention(16, 2)
+    per_rank = []
+    for rank in (0, 1):
+        x = guard_ddp.worker_batch(rank)
+        q, k = mha._split(mha.w_q(x)).double(), mha._split(mha.w_k(x)).double()
+        per_rank.append(((q @ k.transpose(-1, -2)) / math.sqrt(8)).amax((0, 2, 3)).detach())
+    want, smaller = torch.maximum(*per_rank), torch.minimum(*per_rank)
+    assert bool((want > smaller * 2).all())               # the ranks' maxima differ per head
+    assert_close(torch.tensor(r0["s_max"], dtype=torch.float64), want, rtol=1e-5, atol=0)
+    # the same clip in one process, both batches in its one step
+    opt = torch.optim.SGD(mha.parameters(), lr=0.0)
+    with attnscale.guard(mha, optimizer=opt, qk_clip=0.5, every=1, alarm_logit=None) as g:
+        for rank in (0, 1):
+            mha(guard_ddp.worker_batch(rank)).sum().backward()
+        opt.step()
+        g.step(0)
+    assert_close(r0["w_q"], mha.w_q.weight.detach(), rtol=1e-6, atol=0)
+    assert_close(r0["w_k"], mha.w_k.weight.detach(), rtol=1e-6, atol=0)
 
 
 def test_data_parallel_records_and_alarms_are_the_global_batchs_on_every_rank(tmp_path):
