@@ -210,6 +210,18 @@ def test_every_selects_the_first_step_and_the_multiples():
     assert sorted({r["step"] for r in g.records}) == [0, 3, 6]
 
 
+def test_n_keys_is_each_steps_own():
+    """A record's n_keys is the most keys a query attended in that step's calls, so a step of
+    shorter sequences after longer ones records its own (causal: the sequence length)."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2)
+    with attnscale.guard(mha, every=1, alarm_logit=None) as g:
+        for step, n in enumerate((9, 4, 6)):
+            mha(torch.randn(2, n, 16), causal=True)
+            g.step(step)
+    assert [r["n_keys"] for r in g.records] == [9, 9, 4, 4, 6, 6]
+
+
 def test_only_attended_keys_count_under_a_padding_mask():
     """Keys hidden by a padding mask carry huge logits; no statistic may see them."""
     torch.manual_seed(0)
