@@ -107,6 +107,23 @@ def test_clip_qkv_hooks_go_with_the_mechanism_and_survive_a_reload(tmp_path):
         torch.testing.assert_close(again(ids()).logits, model(ids()).logits, atol=0, rtol=0)
 
 
+def test_a_copied_clip_qkv_model_clamps_once_and_unswaps_whole():
+    # The clamp hooks travel with copy.deepcopy (an EMA copy, a pickled model): the copy clamps
+    # the projections once, not again after RoPE, and removing the mechanism removes its hooks.
+    import copy
+
+    model = qwen3()
+    hf.set_mechanism(model, "clip-qkv", clip=CLIP)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids()).logits, model(ids()).logits, atol=0, rtol=0)
+    hf.set_mechanism(twin, None)
+    assert not twin.model.layers[0].self_attn.q_proj._forward_hooks
+    assert model.model.layers[0].self_attn.q_proj._forward_hooks  # the original keeps its own
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids()).logits, qwen3()(ids()).logits)
+
+
 def test_clip_qkv_is_refused_on_latent_attention_with_the_reason():
     cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -124,8 +124,21 @@ def attnscale_mask(*args, **kwargs) -> Tensor | None:
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
-# Layers whose q, k, v projection outputs clip-qkv clamps: layer -> the hooks' handles.
-_CLAMPED: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+class ProjectionClamp:
+    """Forward hook clamping a projection's output to [-clip, clip] (clip-qkv in an HF layer).
+    A class, not a closure, so that a copied model (``copy.deepcopy``, pickling) carries hooks
+    :func:`unclamp_projections` still recognises."""
+
+    def __init__(self, clip: float):
+        self.clip = float(clip)
+
+    def __call__(self, module: nn.Module, inputs: tuple, out: Tensor) -> Tensor:
+        return out.clamp(-self.clip, self.clip)
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    """The q, k and v projections the family's layout names for ``layer``."""
+    return list(family_of(layer).layout.projections(layer, family_name(layer)).values())
 
 
 def clamp_projections(layer: nn.Module, clip: float) -> None:
@@ -134,16 +147,21 @@ def clamp_projections(layer: nn.Module, clip: float) -> None:
     one) do: before any q/k norm and RoPE, so the logits depend on relative positions only.
     Undone by :func:`unclamp_projections`."""
     unclamp_projections(layer)
-    layout = family_of(layer).layout
-    projections = layout.projections(layer, family_name(layer)).values()
-    _CLAMPED[layer] = [p.register_forward_hook(lambda _m, _i, out: out.clamp(-clip, clip))
-                       for p in projections]
+    for projection in _projections(layer):
+        projection.register_forward_hook(ProjectionClamp(clip))
 
 
 def unclamp_projections(layer: nn.Module) -> None:
-    """Remove the hooks of :func:`clamp_projections` (nothing when there are none)."""
-    for handle in _CLAMPED.pop(layer, []):
-        handle.remove()
+    """Remove the hooks of :func:`clamp_projections` (nothing when there are none), also from a
+    copy of the model they were installed on."""
+    try:
+        projections = _projections(layer)
+    except ConfigError:  # a family outside the table, or a layout without such projections
+        return
+    for projection in projections:
+        hooks = projection._forward_hooks  # torch keeps a module's forward hooks here
+        for key in [k for k, hook in hooks.items() if isinstance(hook, ProjectionClamp)]:
+            del hooks[key]
 
 
 def _masks(attention_mask: Tensor | None, n_q: int, n_k: int
@@ -219,7 +237,8 @@ def attnscale_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     if mechanism is None:
         mechanism = _native(d_head, n_heads, inv_sqrt(d_head) if scaling is None else scaling,
                             softcap)
-    elif module in _CLAMPED:  # clip-qkv clamped the projections: its scale alone remains
+    elif getattr(mechanism, "name", None) == CLIP_QKV:
+        # set_mechanism clamped the projections' outputs (ProjectionClamp): its scale remains
         mechanism = _native(d_head, n_heads, inv_sqrt(d_head), None)
     sinks = kwargs.get(SINK_KWARG)
     if sinks is not None:  # gpt-oss: keep the model's own learned sinks
