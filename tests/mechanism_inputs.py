@@ -44,12 +44,12 @@ def assert_lower_precision(got: torch.Tensor, args, want: torch.Tensor, wrt, dty
 
 def observed_rows(call) -> torch.Tensor:
     """The row statistics the pipeline hands an observer that asks for them during ``call()``:
-    a mechanism with a logit bias offers them and describes its bias."""
+    a mechanism with a logit bias of its own offers them and describes its bias."""
     from attnscale.attention import observe
     seen = []
 
     def observer(obs):
-        assert obs.offers_rows and obs.bias is not None
+        assert obs.offers_rows and obs.mechanism_bias is not None and obs.bias is None
         obs.request_rows(seen.append)
 
     with observe(observer):

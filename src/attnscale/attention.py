@@ -37,7 +37,7 @@ def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled", *,
               mask: Tensor | None = None, causal: bool = False, trace: bool = False,
-              gate: Tensor | None = None,
+              gate: Tensor | None = None, bias: Tensor | None = None,
               log_forget: Tensor | None = None) -> Tensor | AttentionTrace:
     """Attention output (B, H, Nq, d_v) for q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v).
 
@@ -46,7 +46,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
     ``causal`` is top-left aligned.  With ``trace=True`` the same pipeline runs materialised and
     returns an :class:`AttentionTrace` (logits, weights, out), O(B · H · Nq · Nk) memory.
     ``gate`` (broadcastable to (B, H, Nq, d_v)) multiplies the output: a gating mechanism's
-    ``gate_values`` of the layer input.  ``log_forget`` (B, H, max(Nq, Nk)): a forgetting
+    ``gate_values`` of the layer input.  ``bias`` (float, broadcastable to (B, H, Nq, Nk)) is added
+    to the logits after the cap, with the mask: a position bias (T5's relative bias, ALiBi); it
+    adds to a mechanism's own logit bias.  ``log_forget`` (B, H, max(Nq, Nk)): a forgetting
     mechanism's log forget gates (its ``forget_gates`` of the layer input), causal only.
     """
     for name, flag in (("trace", trace), ("causal", causal)):
@@ -54,7 +56,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
             raise ConfigError(f"{name} must be True or False, got {flag!r}.")
     check_qkv(q, k, v)  # before a registry name is built for q's dtype and heads
     return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace,
-               gate=gate, log_forget=log_forget)
+               gate=gate, bias=bias, log_forget=log_forget)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",

@@ -7,7 +7,8 @@ The stages always run in this order, and only :func:`run` spells them out::
     v = mechanism.prepare_values(v)                 # values (clip-qkv's clamp only)
     z = scale * (q @ k.T) + mechanism.offset(n)     # logits (offset: sigmoid attention's bias)
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
-    z = z + bias                                    # logit bias (forgetting, selective)
+    z = z + bias + mechanism_bias                   # logit bias: the caller's (position bias)
+                                                    #   and the mechanism's (forgetting, selective)
     z = z.masked_fill(~mask, -inf)                  # mask
     p = normalise(z)                                # normaliser: softmax | sink | sigmoid |
                                                     #   softpick | stick-breaking |
@@ -39,13 +40,19 @@ The normalisers (:func:`normalise`), over the keys a query attends:
   head's q and k (Ye et al. 2024), written side by side as z = [z1 | z2] (..., 2 Nk); the weights
   can be negative and sum to 1 − λ.
 
-Logit biases (a mechanism's ``logit_bias``), added after the cap and before the mask:
+The logit bias is one stage, added after the cap and before the mask, with two sources that add:
 
-* ``"forget"``: c_i − c_j, c the cumulative sum of FoX's log forget gates ``log_forget``
-  (B, H, max(Nq, Nk)), read from the layer input by the model (Lin et al. 2025); causal only.
-  Without ``log_forget`` (a bare module, a model that gives none) there is no bias;
-* ``"select"``: −F_ij = −Σ_{j<k<i} max(0, z⁰_kj), the first head's accumulated selection
-  (Leviathan et al. 2024), computed from q and k.
+* the caller's ``bias`` (float, broadcastable to (B, H, Nq, Nk)): a position bias (T5's relative
+  bias, arXiv 1910.10683; ALiBi, arXiv 2108.12409) or the values of an additive mask, given to
+  :func:`run`;
+* the mechanism's own (its ``logit_bias``, computed here by :func:`mechanism_bias` from the
+  prepared q and k or the model's gates), one of
+
+  - ``"forget"``: c_i − c_j, c the cumulative sum of FoX's log forget gates ``log_forget``
+    (B, H, max(Nq, Nk)), read from the layer input by the model (Lin et al. 2025); causal
+    only.  Without ``log_forget`` (a bare module, a model that gives none) there is no bias;
+  - ``"select"``: −F_ij = −Σ_{j<k<i} max(0, z⁰_kj), the first head's accumulated selection
+    (Leviathan et al. 2024), computed from q and k.
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
@@ -64,6 +71,15 @@ one autograd node for the entropy, β and the product, k passing through it so t
 key gradient joins the attention's in place), the adapt stage's fast form; the factor and the
 gradients are those of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
 and returns every intermediate as an :class:`AttentionTrace`.
+
+With the caller's ``bias``, softmax attention without a cap or a bias of its own runs on SDPA
+with the bias as its float mask; every other rule (a cap, another normaliser, a mechanism's
+bias) runs materialised (the caller's bias is O(Nq · Nk) already).  Under the differential
+normaliser the caller's bias enters both maps, as an additive mask does in DiffLlama.  Selective
+attention's selection is taken from q and k alone (the first head's scaled logits), without the
+caller's bias.  Observers receive the caller's bias and the mask as one additive float ``mask``
+(0/-inf where there is no bias), which the monitor and the guard read as such, and the bias
+itself as ``Observation.bias``; the mechanism's bias comes as ``Observation.mechanism_bias``.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
@@ -105,9 +121,12 @@ The contract:
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
   ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
-  A mechanism with a logit bias always offers them (the pipeline scores its biased logits in one
-  blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so its
-  statistics include the bias; ``Observation.bias`` describes it for observers of their own.
+  A mechanism with a logit bias of its own always offers them (the pipeline scores its biased
+  logits in one blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so
+  its statistics include that bias; ``Observation.mechanism_bias`` describes it for observers
+  of their own.  Row statistics cover every logit bias, the caller's and the mechanism's: they
+  are of the logits the normaliser sees.  (QK-Clip's S_max, the logits W_Q and W_K make, is
+  taken without either: :meth:`attnscale.measure.monitor.observer.Call.peak_logits`.)
   So does differential attention, whose rows are of its two maps under the ``"differential"``
   normaliser (:func:`attnscale.kernels.differential.differential_row_stats`).
   Unobserved calls pay nothing for this (one ``None`` check per kernel block).
@@ -211,7 +230,8 @@ class Observation:
     k: Tensor | None          # (B, H, Nk, d) after mechanism.prepare (None: see ``logits``)
     scale: Scale              # the logits are cap(scale · q kᵀ); tensor broadcast to (B,H,Nq,1)
     cap: float | None         # soft-cap c, or None
-    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality
+    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality;
+                              # with a bias, bias and mask as one additive float (-inf = masked)
     causal: bool              # top-left causal, on top of ``mask``
     n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
     mechanism: Rule           # the mechanism that prepared q and k
@@ -221,7 +241,8 @@ class Observation:
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
-    bias: Bias | None = None      # the logit bias (forgetting, selective), added after the cap
+    bias: Tensor | None = None    # the caller's additive logit bias (already in ``mask``), or None
+    mechanism_bias: Bias | None = None  # the mechanism's logit bias (forgetting, selective)
     lam: Tensor | None = None     # λ of the "differential" normaliser (0-d, shared by the heads)
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
@@ -398,25 +419,32 @@ def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None,
 
 
 def rule_logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None, offset: float | Tensor,
-                normaliser: str, bias: Bias | None = None) -> Tensor:
+                normaliser: str, mechanism_bias: Bias | None = None,
+                bias: Tensor | None = None) -> Tensor:
     """Every logit of prepared q (B, H, Nq, d) and k (B, H, Nk, d) under a mechanism's rule,
-    before the mask: (B, H, Nq, Nk) with the logit ``bias`` added after the cap, or under the
+    before the mask: (B, H, Nq, Nk) with the logit bias added after the cap (the mechanism's
+    ``mechanism_bias`` and the caller's ``bias``, broadcastable to (B, H, Nq, Nk)), or under the
     ``"differential"`` normaliser the two maps of q's and k's halves side by side, (B, H, Nq,
-    2 Nk)."""
+    2 Nk), the caller's bias in both."""
     if normaliser == "differential":
         (q1, q2), (k1, k2) = split_maps(q), split_maps(k)
-        return torch.cat([logits(q1, k1, scale, cap, offset), logits(q2, k2, scale, cap, offset)],
-                         dim=-1)
+        z1, z2 = logits(q1, k1, scale, cap, offset), logits(q2, k2, scale, cap, offset)
+        if bias is not None:
+            z1, z2 = z1 + bias.to(z1.dtype), z2 + bias.to(z2.dtype)
+        return torch.cat([z1, z2], dim=-1)
     z = logits(q, k, scale, cap, offset)
-    if bias is not None:
+    if mechanism_bias is not None:
         if isinstance(scale, Tensor):
-            raise ConfigError("a logit bias with a per-head or per-row scale is not supported.")
-        z = z + dense_bias(bias, q, k, scale)
+            raise ConfigError("a mechanism's logit bias with a per-head or per-row scale is not "
+                              "supported.")
+        z = z + dense_bias(mechanism_bias, q, k, scale)
+    if bias is not None:
+        z = z + bias.to(z.dtype)
     return z
 
 
-def logit_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-               log_forget: Tensor | None = None) -> Bias | None:
+def mechanism_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+                   log_forget: Tensor | None = None) -> Bias | None:
     """The mechanism's logit bias for q (B, H, Nq, ·), k (B, H, Nk, ·), or None: selective
     attention's (from the boolean ``mask`` of the keys each query attends, causality aside),
     FoX's from ``log_forget`` (B, H, max(Nq, Nk)), the log forget gates (None: no forgetting);
@@ -524,12 +552,15 @@ def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None,
 
 def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
         causal: bool = False, trace: bool = False, gate: Tensor | None = None,
+        bias: Tensor | None = None,
         log_forget: Tensor | None = None) -> Tensor | AttentionTrace:
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
     ``gate``: the output gate, broadcastable to (B, H, Nq, d_v) (a gating mechanism's
     ``gate_values`` of the layer input), multiplied into the output; None for no gate.
+    ``bias``: the caller's additive logit bias, float, broadcastable to (B, H, Nq, Nk) (module
+    doc); it adds to the mechanism's own.
     ``log_forget``: FoX's log forget gates (B, H, max(Nq, Nk)) (its ``forget_gates`` of the
     layer input), for a mechanism whose ``logit_bias`` is ``"forget"``; causal only.
     Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
@@ -538,8 +569,13 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate,
-                       log_forget=log_forget)
+                       bias=bias, log_forget=log_forget)
     check_qkv(q, k, v, mechanism)
+    causal_call = causal  # as called (FoX's forget gates need it), before it joins the mask
+    if bias is not None:
+        check_bias(bias, q, k)
+        if causal:  # the bias path forms its mask (SDPA takes a float mask or is_causal)
+            mask, causal = key_mask(mask, True, q, k), False
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
@@ -555,8 +591,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
     check_normaliser(normaliser)
     sink = mechanism.sink_logits() if normaliser == "sink" else None
-    bias = logit_bias(mechanism, qs, ks, full_mask, causal, log_forget)
-    how = _How(scale, cap, offset, normaliser, sink, bias, _lam(mechanism, normaliser))
+    own = mechanism_bias(mechanism, qs, ks, full_mask, causal_call, log_forget)
+    how = _How(scale, cap, offset, normaliser, sink, bias, own, _lam(mechanism, normaliser))
+    materialised = trace or _materialises(how)
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
         # observed (the monitor documents this), and their contextvars would break the trace.
@@ -566,10 +603,12 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     rows = seen = None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
-        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=(trace or kernel_rows or bias is not None
+        seen = Observation(qs, ks, scale, cap, mask if bias is None else additive_mask(bias, mask),
+                           causal, n_keys, mechanism,
+                           offers_rows=(materialised or kernel_rows or own is not None
                                         or normaliser == "differential"), offset=offset,
-                           sink=sink, gate=gate, normaliser=normaliser, bias=bias, lam=how.lam)
+                           sink=sink, gate=gate, normaliser=normaliser, bias=bias,
+                           mechanism_bias=own, lam=how.lam)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
@@ -579,9 +618,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace, rows)
     finally:
         _RUNNING.reset(token)
-    if rows is not None and bias is not None and not trace:  # the biased logits, scored once
-        bias_row_stats(qs, ks, how.scale, bias, full_mask, causal, rows, row_stats)
-    if rows is not None and normaliser == "differential" and not trace:  # both maps, scored once
+    if rows is not None and own is not None and not materialised:  # biased logits, scored once
+        bias_row_stats(qs, ks, how.scale, own, full_mask, causal, rows, row_stats)
+    if rows is not None and normaliser == "differential" and not materialised:  # both maps
         differential_row_stats(qs, ks, how.scale, how.lam, full_mask, causal, rows, row_stats)
     if rows is not None:
         if full_mask is not None:  # queries with no key attended everything: count 0 and
@@ -600,8 +639,9 @@ class _How:
     offset: float | Tensor
     normaliser: str
     sink: Tensor | None
-    bias: Bias | None = None
-    lam: Tensor | None = None
+    bias: Tensor | None = None            # the caller's additive logit bias
+    mechanism_bias: Bias | None = None    # the mechanism's (forgetting, selective)
+    lam: Tensor | None = None             # λ of the differential normaliser
 
 
 def _lam(mechanism: Rule, normaliser: str) -> Tensor | None:
@@ -619,6 +659,37 @@ def _finished(out: Tensor | AttentionTrace, mechanism: Rule) -> Tensor | Attenti
     return mechanism.normalise_output(upcast(out)).to(out.dtype)
 
 
+def check_bias(bias: Tensor, q: Tensor, k: Tensor) -> None:
+    """ConfigError unless ``bias`` is a floating tensor on q's device broadcastable to
+    (B, H, Nq, Nk)."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
+        raise ConfigError(f"bias must be a floating tensor (an additive logit bias), got {got}.")
+    if bias.device != q.device:
+        raise ConfigError(f"bias is on {bias.device} but q is on {q.device}.")
+    full = (*q.shape[:2], q.shape[-2], k.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(bias.shape, full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ConfigError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                          f"(B, H, Nq, Nk) = {full}.")
+
+
+def additive_mask(bias: Tensor, mask: Tensor | None) -> Tensor:
+    """``bias`` where ``mask`` (boolean, True = attend, or None) attends, -inf elsewhere."""
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
+def _materialises(how: _How) -> bool:
+    """Whether the fused path runs materialised: a caller's bias on anything but uncapped
+    softmax attention without a bias of its own (SDPA takes it as its float mask); the
+    combinations are rare and the bias is O(Nq · Nk) already."""
+    return how.bias is not None and (how.cap is not None or how.normaliser != "softmax"
+                                     or how.mechanism_bias is not None)
+
+
 def _gated(out: Tensor | AttentionTrace, gate: Tensor | None) -> Tensor | AttentionTrace:
     """The output gate: o · gate (float32 for half types), or ``out`` unchanged without one."""
     if gate is None:
@@ -633,10 +704,12 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
              trace: bool, rows: Tensor | None = None) -> Tensor | AttentionTrace:
     """The steps after ``prepare``: materialised (``trace``) or on the fused kernels; ``rows``
     (the observers' row statistics, see the module doc) is filled on the way when given."""
-    if trace:
+    if trace or _materialises(how):
+        # A caller's bias beside a cap, another normaliser or a mechanism's own bias.
         if full_mask is None and causal:
             full_mask = key_mask(None, True, q, k)
-        return _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        out = _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        return out if trace else out.out
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
@@ -661,13 +734,14 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
     return nans.ruled(out, q, k, v, how.scale, how.offset, how.sink, mask, causal, recompute,
                       flash=how.cap is None and how.normaliser in ("softmax", "sink",
                                                                    "differential"),
-                      exact_qk=isinstance(how.bias, SelectBias))
+                      exact_qk=isinstance(how.mechanism_bias, SelectBias))
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
                   n_keys: int | Tensor, rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
-    z = rule_logits(q, k, how.scale, how.cap, how.offset, how.normaliser, how.bias)  # (B,H,Nq,Nk)
+    z = rule_logits(q, k, how.scale, how.cap, how.offset, how.normaliser,
+                    how.mechanism_bias, how.bias)                  # logits, cap, bias (B,H,Nq,Nk)
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
@@ -675,9 +749,10 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | Non
         if how.normaliser == "differential":  # both maps of a row see the same keys
             keep = torch.cat([keep.expand(*z.shape[:-1], -1)] * 2, dim=-1)
         masked = z.masked_fill(~keep, float("-inf"))               # mask
-    if isinstance(how.bias, SelectBias) and how.bias.budget is not None:  # context pruning
-        f = -dense_bias(how.bias, q, k, how.scale)                 # F, (B, 1, Nq, Nk)
-        masked = masked.masked_fill(pruned(f, torch.isneginf(masked[:, :1]), how.bias.budget),
+    own = how.mechanism_bias
+    if isinstance(own, SelectBias) and own.budget is not None:     # context pruning
+        f = -dense_bias(own, q, k, how.scale)                      # F, (B, 1, Nq, Nk)
+        masked = masked.masked_fill(pruned(f, torch.isneginf(masked[:, :1]), own.budget),
                                     float("-inf"))
     if rows is not None:
         with torch.no_grad():
@@ -702,16 +777,19 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
     scale = how.scale
     if isinstance(scale, Tensor):  # per-head or per-row: folded into q, the kernels get a float
         q, scale = q * scale, 1.0
-    if (how.bias is not None or how.normaliser == "differential") and (
+    own = how.mechanism_bias
+    if (own is not None or how.normaliser == "differential") and (
             how.cap is not None or isinstance(how.offset, Tensor) or how.offset != 0.0):
-        raise ConfigError("a logit bias or the differential normaliser with a cap or an offset "
-                          "is not supported.")
+        raise ConfigError("a mechanism's logit bias or the differential normaliser with a cap or "
+                          "an offset is not supported.")
+    # A caller's bias reaches this point only on uncapped softmax without a mechanism's bias
+    # (_materialises): SDPA's float mask below.
     if how.normaliser == "differential":
         return differential_attention(q, k, v, scale, how.lam, mask, causal)
-    if isinstance(how.bias, ForgetBias):
-        return forget_attention(q, k, v, scale, how.bias, mask, causal)
-    if how.bias is not None:
-        return biased_attention(q, k, v, scale, how.bias, mask, causal)
+    if isinstance(own, ForgetBias):
+        return forget_attention(q, k, v, scale, own, mask, causal)
+    if own is not None:
+        return biased_attention(q, k, v, scale, own, mask, causal)
     if how.normaliser == "sigmoid":
         return sigmoid_attention(q, k, v, scale, how.offset, how.cap, mask, causal)
     if how.normaliser in _ROW_KERNELS:
@@ -722,6 +800,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
             raise ConfigError("a capped mechanism with a sink normaliser is not supported.")
         return sink_attention(q, k, v, scale, how.sink, how.offset, mask, causal)
     if how.cap is None:
+        if how.bias is not None:  # SDPA adds a float mask to the scaled logits
+            mask = additive_mask(how.bias.to(v.dtype), mask)
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)

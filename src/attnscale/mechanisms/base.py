@@ -193,8 +193,8 @@ class Mechanism(nn.Module):
             n_keys = k.shape[-2] if mask is None else pipeline.key_counts(mask, False, q, k)
         full = None if mask is None else pipeline.key_mask(mask, False, q, k)
         q, k, scale, offset = pipeline.apply_rule(self, q, k, n_keys, full, False)
-        bias = pipeline.logit_bias(self, q, k, full, log_forget is not None, log_forget)
-        return pipeline.rule_logits(q, k, scale, self.cap, offset, self.normaliser, bias)
+        own = pipeline.mechanism_bias(self, q, k, full, log_forget is not None, log_forget)
+        return pipeline.rule_logits(q, k, scale, self.cap, offset, self.normaliser, own)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:

@@ -132,16 +132,18 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
     Returns:
         :class:`HeadStats` with one entry per query head.
     """
-    return _head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
-                       causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+    return call_head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                           causal_offset=causal_offset,
+                           block=check_int("block", block, minimum=1))
 
 
-def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
-                mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-                block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
-                sink: Tensor | None = None, gate: Tensor | None = None,
-                lam: Tensor | None = None) -> HeadStats:
-    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
+def call_head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
+                    cap: float | None = None, mask: Tensor | None = None, causal: bool = False,
+                    causal_offset: int = 0, block: int, offset: float | Tensor = 0.0,
+                    normaliser: str = "softmax", sink: Tensor | None = None,
+                    gate: Tensor | None = None, lam: Tensor | None = None) -> HeadStats:
+    """:func:`head_stats` of one observed call, ``block`` already validated (by the caller, where
+    it entered: the monitor, once);
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
     the weights are the ``normaliser``'s (``sink``: the per-head sink logits; ``lam``: λ of the
     differential normaliser, whose two maps are the halves of q and k), and ``gate``
@@ -345,15 +347,17 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
     0.  ``sum / rows`` is a head's mean weight on the first key, the quantity of the attention-sink
     rate (Gu et al. 2024, arXiv 2410.10781: a head sinks when it exceeds a threshold; the
     softpick paper, arXiv 2504.20966, measures its normaliser by it).  Under the differential
-    normaliser it is the net weight p1 − λ p2, which can be negative; a logit bias (forgetting,
-    selective) is included.
+    normaliser it is the net weight p1 − λ p2, which can be negative; every logit bias (the
+    caller's, the mechanism's: forgetting, selective) is included.
 
     From the observation's q and k (or the logits handed to ``observe_logits``), ``block``
     queries at a time: the weights of whole rows are formed, O(B · H · block · Nk) memory (a
-    logit bias: the blocks of :func:`attnscale.kernels.biased.bias_row_stats`).
+    mechanism's logit bias: the blocks of :func:`attnscale.kernels.biased.bias_row_stats`; with
+    a caller's bias too, every query at once, since selective attention's F runs over the rows
+    in order).
     """
     with torch.no_grad():
-        if seen.logits is None and seen.bias is not None:
+        if seen.logits is None and seen.mechanism_bias is not None and seen.bias is None:
             return _biased_first_key_weight(seen)
         two_maps = seen.normaliser == "differential"
         lam = None if seen.lam is None else seen.lam.detach()
@@ -363,7 +367,12 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
         else:
             work = work_dtype(seen.q.dtype)
             q, k = seen.q.detach().to(work), seen.k.detach().to(work)
-            keep_all = key_mask(seen.mask, seen.causal, q, k)
+            mask = seen.mask
+            if seen.bias is not None:  # the caller's bias is in the additive mask: its keys
+                mask = mask > MASKED_BIAS
+            keep_all = key_mask(mask, seen.causal, q, k)
+            if seen.mechanism_bias is not None:  # with a caller's bias (above): whole rows
+                block = max(q.shape[-2], 1)
         n_q = z_all.shape[-2] if seen.logits is not None else q.shape[-2]
         total = rows = None
         for i0 in range(0, n_q, block):
@@ -373,7 +382,8 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
                 scale, offset = _rows(seen.scale, i0, i0 + block), _rows(seen.offset, i0,
                                                                          i0 + block)
                 z = rule_logits(q[..., i0:i0 + block, :], k, scale, seen.cap, offset,
-                                seen.normaliser)          # (B, H, Nb, Nk), differential 2 Nk
+                                seen.normaliser, seen.mechanism_bias,
+                                _rows(seen.bias, i0, i0 + block))  # (B, H, Nb, Nk|2 Nk)
                 if keep_all is not None:
                     keep = _rows(keep_all, i0, i0 + block).expand(*z.shape[:-1], -1)
                     if two_maps:  # both maps of a row see the same keys
@@ -389,8 +399,9 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
 
 
 def _biased_first_key_weight(seen: Observation) -> tuple[Tensor, Tensor]:
-    """:func:`first_key_weight` of a call with a logit bias, on the blocks of the biased kernel
-    (selective attention's F runs over the rows in order, so it is not cut by query blocks)."""
+    """:func:`first_key_weight` of a call with a mechanism's logit bias (and no caller's), on the
+    blocks of the biased kernel (selective attention's F runs over the rows in order, so it is
+    not cut by query blocks)."""
     work = work_dtype(seen.q.dtype)
     q, k = seen.q.detach().to(work), seen.k.detach().to(work)
     full = key_mask(seen.mask, seen.causal, q, k)
@@ -401,6 +412,6 @@ def _biased_first_key_weight(seen: Observation) -> tuple[Tensor, Tensor]:
         p0 = torch.where(sees, torch.softmax(z, dim=-1)[..., 0], 0.0)
         return torch.stack([p0, sees.to(p0.dtype)], dim=-1)
 
-    bias_row_stats(q, k, seen.scale, seen.bias, full, seen.causal and full is None, per_row,
-                   on_key_0)
+    bias_row_stats(q, k, seen.scale, seen.mechanism_bias, full, seen.causal and full is None,
+                   per_row, on_key_0)
     return per_row[..., 0].sum(dim=(0, 2)), per_row[..., 1].sum(dim=(0, 2))
