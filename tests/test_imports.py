@@ -158,3 +158,49 @@ def test_mechanisms_reach_the_pipeline_without_attention():
     graph = _graph()
     assert "attnscale.pipeline" in graph["attnscale.mechanisms.base"]
     assert "attnscale.attention" not in graph["attnscale.mechanisms.base"]
+
+
+def _private_imports(name: str, tree: ast.AST, modules: dict[str, Path]) -> list[str]:
+    """The ``_names`` module ``name`` takes from other modules of the package: ``from m import
+    _x``, and ``m._x`` where ``m`` is a package module it imported."""
+    found, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnscale"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    bound[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and bound[node.value.id] != name
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{bound[node.value.id]}.{node.attr}")
+    return found
+
+
+# Packages whose modules take no private name from another module of attnscale (a helper two
+# modules need moves down under a public name).
+PRIVATE_CLEAN = ("attnscale.kernels",)
+
+
+def test_kernel_modules_import_no_private_name():
+    modules = _modules()
+    bad = {name: found for name, path in modules.items()
+           if name.startswith(PRIVATE_CLEAN)
+           and (found := _private_imports(name, ast.parse(path.read_text(encoding="utf-8")),
+                                          modules))}
+    assert not bad, bad
+
+
+def test_the_private_import_check_finds_one():
+    modules = _modules()
+    tree = ast.parse("from attnscale.kernels.softcap import _fused_softcap\n"
+                     "from attnscale.kernels import native\nnative._rows\n")
+    assert _private_imports("attnscale.kernels.entropy", tree, modules) == [
+        "from attnscale.kernels.softcap import _fused_softcap", "attnscale.kernels.native._rows"]

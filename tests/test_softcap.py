@@ -12,7 +12,8 @@ from torch.testing import assert_close
 
 from attnscale.attention import attention_reference, key_mask
 from attnscale.kernels import native
-from attnscale.kernels.softcap import _CappedAttention, _Tiles
+from attnscale.kernels.softcap import _CappedAttention
+from attnscale.kernels.tiles import Tiles
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 
@@ -126,7 +127,7 @@ def test_blocks_hold_a_bounded_number_of_logits():
     q, k, _ = _inputs(50, 64)
     for budget in (64, 200, 1000, 10**6):
         for causal in (False, True):
-            tiles = _Tiles(q, k, None, causal, budget)
+            tiles = Tiles(q, k, None, causal, budget)
             seen, sizes = [], []
             for b, heads in tiles.groups():
                 (row_blocks,) = tiles.split(b, heads, q)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.kernels.rowsubset import RowSubset, hidden_rows, masked
-from attnscale.kernels.softcap import _Tiles
+from attnscale.kernels.tiles import Tiles
 from attnscale.precision import all_finite
 from attnscale.workers import parallel_map, workers_for
 
@@ -77,7 +77,7 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
     autograd; q and k contiguous (see :func:`row_entropy`)."""
     ent = q.new_empty(*q.shape[:-1], 1)                                   # (B, H, Nq, 1)
     lse = q.new_empty(*q.shape[:-1], 1)                                   # kept for backward
-    tiles = _Tiles(q, k, mask, causal, block_elements)
+    tiles = Tiles(q, k, mask, causal, block_elements)
     groups = list(tiles.groups())
     native_entropy = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
 
@@ -129,7 +129,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     keep = 0.0 if into is None else 1.0                                   # dQ = s dZ K (+ into)
     # dKᵀ (B, H, d, Nk) when dK is returned on its own: the layout baddbmm writes fastest
     dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2]) if into_k is None else None
-    tiles = _Tiles(q, k, mask, causal, block_elements)
+    tiles = Tiles(q, k, mask, causal, block_elements)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
-from attnscale.kernels.rowsubset import block_hidden
+from attnscale.kernels.tiles import Tiles
 from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -139,7 +139,7 @@ class _CappedAttention(torch.autograd.Function):
         fused = _fused_softcap(q)
         q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
         workers = workers_for(q.device, len(groups))
         # The row kernel runs inside a worker: one thread each when several workers run.
@@ -155,7 +155,7 @@ class _CappedAttention(torch.autograd.Function):
                 limit = tiles.causal_counts(i, s.shape[1])
                 if fused:  # the compiled kernel: softmax(c tanh(s)) in place, causality as counts
                     if rows is not None:  # the logits, written out for the statistics only
-                        tiles.capped_row_stats(rows, row_stats, s, cap, b, heads, i, threads)
+                        _capped_row_stats(tiles, rows, row_stats, s, cap, b, heads, i, threads)
                     p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap, out=s,
                                              limit=limit)
                 else:
@@ -186,7 +186,7 @@ class _CappedAttention(torch.autograd.Function):
         # runs ~1.4x faster on CPU than dK += dSᵀ Q.
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -226,80 +226,18 @@ def _fused_softcap(q: Tensor) -> bool:
     return q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
 
 
-class _Tiles:
-    """How the capped kernel cuts (B, H, Nq) into blocks of about ``block_elements`` logits.
-
-    A block is ``heads`` heads of one batch element by ``rows`` queries, by all the keys those
-    queries can see: every key, or under causality the prefix up to the block's last query.
-    """
-
-    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-                 block_elements: int):
-        self.n_b, self.n_h, self.n_q, _ = q.shape
-        self.n_k, self.causal = k.shape[-2], causal
-        self.rows = max(1, min(self.n_q, block_elements // max(self.n_k, 1)))
-        self.heads = max(1, min(self.n_h, block_elements // max(self.rows * self.n_k, 1)))
-        self.hidden = None
-        if mask is not None:  # invert once; view as (B|1, H|1, Nq|1, Nk|1)
-            self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-
-    def groups(self):
-        """(b, heads) of each head group, ``heads`` a slice."""
-        for b in range(self.n_b):
-            for h0 in range(0, self.n_h, self.heads):
-                yield b, slice(h0, h0 + self.heads)
-
-    def split(self, b: int, heads: slice, *tensors: Tensor) -> list[tuple[Tensor, ...]]:
-        """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
-        return [t[b, heads].split(self.rows, dim=1) for t in tensors]
-
-    def capped_row_stats(self, rows: Tensor, row_stats: RowStats, s: Tensor, cap: float, b: int,
-                         heads: slice, i: int, threads: int | None) -> None:
-        """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
-        from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
-        only the keys its queries can see (under causality a block's diagonal square is half
-        hidden, so whole blocks would waste a third of the tanh work)."""
-        out = self.rows_of(rows, b, heads, i)
-        i0, n_r, n_k = i * self.rows, s.shape[1], s.shape[2]
-        for j0 in range(0, n_r, STATS_ROWS):
-            j1 = min(j0 + STATS_ROWS, n_r)
-            hi = min(n_k, i0 + j1) if self.causal else n_k
-            z = self.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
-            limit = self.causal_counts(i, j1)  # keys of the block's first j1 queries, or None
-            out[:, j0:j1].copy_(row_stats(z, limit=None if limit is None else limit[j0:],
-                                          threads=threads))
-
-    def rows_of(self, t: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """The (h, r, ·) view of a (B, H, Nq, ·) tensor that row block i of a head group covers."""
-        i0 = i * self.rows
-        return t[b, heads, i0:i0 + self.rows]
-
-    def n_keys(self, i: int) -> int:
-        """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
-        return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
-
-    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int, j0: int = 0) -> Tensor:
-        """Set the logits of block i (from its row ``j0`` on) that the mask hides to -inf, in
-        place."""
-        if self.hidden is not None:
-            i0 = i * self.rows + j0
-            z.masked_fill_(block_hidden(self.hidden, b, heads, i0, i0 + z.shape[1], z.shape[-1]),
-                           float("-inf"))
-        return z
-
-    def causal_counts(self, i: int, rows: int) -> Tensor | None:
-        """Keys each of the ``rows`` queries of block i sees under causality (None: all)."""
-        if not self.causal:
-            return None
-        i0 = i * self.rows
-        return torch.arange(i0 + 1, i0 + rows + 1, dtype=torch.int64)
-
-    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
-        i0, n_k = i * self.rows, z.shape[-1]
-        self.hide_masked(z, b, heads, i)
-        if self.causal and i0 + 1 < n_k:  # only the block's diagonal square can hide keys
-            j = torch.arange(i0 + 1, n_k, device=z.device)                    # (c,)
-            rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
-            z[..., i0 + 1:].masked_fill_(j > rows, float("-inf"))
-        return z
+def _capped_row_stats(tiles: Tiles, rows: Tensor, row_stats: RowStats, s: Tensor, cap: float,
+                      b: int, heads: slice, i: int, threads: int | None) -> None:
+    """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
+    from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
+    only the keys its queries can see (under causality a block's diagonal square is half
+    hidden, so whole blocks would waste a third of the tanh work)."""
+    out = tiles.rows_of(rows, b, heads, i)
+    i0, n_r, n_k = i * tiles.rows, s.shape[1], s.shape[2]
+    for j0 in range(0, n_r, STATS_ROWS):
+        j1 = min(j0 + STATS_ROWS, n_r)
+        hi = min(n_k, i0 + j1) if tiles.causal else n_k
+        z = tiles.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
+        limit = tiles.causal_counts(i, j1)  # keys of the block's first j1 queries, or None
+        out[:, j0:j1].copy_(row_stats(z, limit=None if limit is None else limit[j0:],
+                                      threads=threads))
