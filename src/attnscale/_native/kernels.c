@@ -1,8 +1,9 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
  * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h)
  * the row entropy and log-sum-exp of adaptive temperature (entropy_kernel.h) and the bfloat16
- * row max of the S_max screen (peak_kernel.h), and the per-row steps of softpick and
- * stick-breaking attention (rectified_kernel.h).
+ * row max of the S_max screen (peak_kernel.h), the per-row steps of softpick and
+ * stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward and backward
+ * (rownorm_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
  * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
@@ -89,6 +90,13 @@ typedef void (*softpick_probs_fn)(const float *, int64_t, int64_t, float *, floa
 typedef void (*softpick_grad_fn)(const float *, float *, const float *, float, int64_t, int64_t);
 typedef void (*sb_probs_fn)(const float *, int64_t, int64_t, float *);
 typedef void (*sb_grad_fn)(const float *, float *, float *, int64_t, int64_t);
+typedef void (*rownorm_fwd_fn)(const float *, float *, float *, const float *, int64_t, int64_t,
+                               int64_t, const int64_t *, const int64_t *, int64_t, int, float,
+                               float, int64_t, int64_t);
+typedef void (*rownorm_bwd_fn)(const float *, const float *, float *, const float *,
+                               const float *, double *, float *, int64_t, int64_t, int64_t,
+                               const int64_t *, const int64_t *, const int64_t *, int64_t, int,
+                               float, int64_t, int64_t, int64_t);
 
 /* The build a call runs: 2 = AVX-512, 1 = AVX2, 0 = the portable 128-bit one.  ``portable`` caps
  * it: 0 = the best this CPU runs, 1 = the portable build, 2 = AVX2 at most (to test each). */
@@ -140,8 +148,8 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
- * steps. */
-int attnscale_kernels_version(void) { return 5; }
+ * steps, 6 = the RMSNorm kernels. */
+int attnscale_kernels_version(void) { return 6; }
 
 /* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
  * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
@@ -217,4 +225,27 @@ void attnscale_stick_breaking_grad(const float *s, float *p, float *dp, int64_t 
     sb_grad_fn row = PICK(stick_breaking_grad_row, portable);
     for (int64_t r = row0; r < row1; r++)
         row(s + r * ld, p + r * ld, dp + r * ld, row_limit(limit, period, r, width), width);
+}
+
+/* RMSNorm forward of tokens [t0, t1) (see rownorm_kernel.h): x (rows of d floats at a xs[0] +
+ * h xs[1] + c xs[2]) -> y (strides ys), rho per row or, grouped, per token over its n_h rows;
+ * w the gain (row h at w + h w_h) or NULL. */
+void attnscale_rownorm_forward(const float *x, float *y, float *rho, const float *w, int64_t d,
+                               int64_t n_h, int64_t n_c, const int64_t *xs, const int64_t *ys,
+                               int64_t w_h, int grouped, float m, float eps, int64_t t0,
+                               int64_t t1, int portable) {
+    rownorm_fwd_fn run = PICK(rownorm_forward, portable);
+    run(x, y, rho, w, d, n_h, n_c, xs, ys, w_h, grouped, m, eps, t0, t1);
+}
+
+/* RMSNorm backward of tokens [t0, t1): dx from x, g and the forward's rho; the gain's gradient
+ * added into dw (doubles, NULL: none) through the float scratch part, folded at every multiple
+ * of fold (>= 1) tokens. */
+void attnscale_rownorm_backward(const float *x, const float *g, float *dx, const float *rho,
+                                const float *w, double *dw, float *part, int64_t d, int64_t n_h,
+                                int64_t n_c, const int64_t *xs, const int64_t *gs,
+                                const int64_t *dxs, int64_t w_h, int grouped, float m, int64_t fold,
+                                int64_t t0, int64_t t1, int portable) {
+    rownorm_bwd_fn run = PICK(rownorm_backward, portable);
+    run(x, g, dx, rho, w, dw, part, d, n_h, n_c, xs, gs, dxs, w_h, grouped, m, fold, t0, t1);
 }

@@ -15,7 +15,8 @@ caller uses its PyTorch formulation instead:
   :mod:`attnscale.kernels.stick_breaking`).
 
 Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_probs`, :func:`softcap_grad` and the softpick and stick-breaking wrappers, which check dtype, device, layout and shapes and
+:func:`softcap_probs`, :func:`softcap_grad`, the softpick and stick-breaking wrappers and
+:func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype, device, layout and shapes and
 pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
@@ -41,7 +42,7 @@ NATIVE_ENV = "ATTNSCALE_NATIVE"
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,8 +79,14 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_stick_breaking_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, flag]
     lib.attnscale_stick_breaking_grad.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
                                                   flag]
+    lib.attnscale_rownorm_forward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,
+                                              flag, ctypes.c_float, ctypes.c_float, i64, i64,
+                                              flag]
+    lib.attnscale_rownorm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                               ptr, ptr, ptr, i64, flag, ctypes.c_float, i64,
+                                               i64, i64, flag]
     for name in ("softpick_probs", "softpick_grad", "stick_breaking_probs",
-                 "stick_breaking_grad"):
+                 "stick_breaking_grad", "rownorm_forward", "rownorm_backward"):
         getattr(lib, f"attnscale_{name}").restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
@@ -321,3 +328,100 @@ def stick_breaking_grad(s: Tensor, p: Tensor, dp: Tensor, *, limit: Tensor | Non
         require().attnscale_stick_breaking_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), width,
                                                 ld, limit_ptr, period, 0, rows, int(portable))
     return dp
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm rows (qk-rmsnorm): x (A, H, C, d) addressed by strides, one token = (a, c)
+
+# Tokens whose float partial sums of the gain's gradient are added into its float64 total at
+# once (at token indices that are multiples of it): 64 float terms per sum.
+FOLD_TOKENS = 64
+
+
+class RowGeometry:
+    """How the RMSNorm kernels address x (A, H, C, d): the sizes, and per tensor the float
+    strides of its a, h and c dimensions (each row d floats of unit stride)."""
+
+    def __init__(self, x: Tensor):
+        if x.dim() != 4:
+            raise ValueError(f"x must be (A, H, C, d), got shape {tuple(x.shape)}")
+        self.n_a, self.n_h, self.n_c, self.d = x.shape
+        self.tokens = self.n_a * self.n_c
+
+    def strides(self, name: str, t: Tensor) -> ctypes.Array:
+        """t's (a, h, c) strides as a C int64 array; ValueError unless t is float32 CPU of x's
+        shape with rows of unit stride."""
+        if t.shape != (self.n_a, self.n_h, self.n_c, self.d) or t.dtype != torch.float32 \
+                or t.device.type != "cpu" or (self.d > 1 and t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 on the CPU, of shape "
+                             f"{(self.n_a, self.n_h, self.n_c, self.d)} with rows of unit "
+                             f"stride; got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        return (ctypes.c_int64 * 3)(*t.stride()[:3])
+
+    def check(self, rho: Tensor, grouped: bool, span: tuple[int, int]) -> tuple[int, int]:
+        """``span`` (t0, t1), after checking it and ``rho``: contiguous float32 (A, H, C), or
+        (A, C) when ``grouped``."""
+        want = (self.n_a, self.n_c) if grouped else (self.n_a, self.n_h, self.n_c)
+        if rho.shape != want or rho.dtype != torch.float32 or not rho.is_contiguous():
+            raise ValueError(f"rho must be a contiguous float32 {want}")
+        t0, t1 = span
+        if not 0 <= t0 <= t1 <= self.tokens:
+            raise ValueError(f"span must lie within [0, {self.tokens}], got {span}")
+        return t0, t1
+
+
+def _gain(gain: Tensor | None, geometry: RowGeometry) -> tuple[int | None, int]:
+    """Pointer and per-row stride of a gain: (d,) shared by the rows, or (H, 1, d) per head."""
+    if gain is None:
+        return None, 0
+    if gain.dtype != torch.float32 or gain.device.type != "cpu" or not gain.is_contiguous():
+        raise ValueError("gain must be a contiguous float32 CPU tensor")
+    if gain.numel() == geometry.d:
+        return gain.data_ptr(), 0
+    if gain.numel() == geometry.n_h * geometry.d:
+        return gain.data_ptr(), geometry.d
+    raise ValueError(f"gain must hold d = {geometry.d} or H d = {geometry.n_h * geometry.d} "
+                     f"values, got {gain.numel()}")
+
+
+def rownorm_forward(x: Tensor, y: Tensor, rho: Tensor, gain: Tensor | None, *, m: float,
+                    eps: float, grouped: bool, span: tuple[int, int],
+                    portable: int = False) -> None:
+    """RMSNorm of tokens ``span`` = (t0, t1) of x (A, H, C, d) into y (x's shape, any layout
+    with unit-stride rows): y = gain · x · ρ, ρ = (Σ x² / m + eps)^(-1/2) over each row, or
+    with ``grouped`` over the H rows of each token.  ``rho``: contiguous float32 (A, H, C)
+    (or (A, C) grouped) receiving ρ.  One thread; callers split the tokens."""
+    geo = RowGeometry(x)
+    xs, ys = geo.strides("x", x), geo.strides("y", y)
+    t0, t1 = geo.check(rho, grouped, span)
+    w, w_h = _gain(gain, geo)
+    require().attnscale_rownorm_forward(x.data_ptr(), y.data_ptr(), rho.data_ptr(), w, geo.d,
+                                        geo.n_h, geo.n_c, xs, ys, w_h, int(grouped), float(m),
+                                        float(eps), t0, t1, int(portable))
+
+
+def rownorm_backward(x: Tensor, g: Tensor, dx: Tensor, rho: Tensor, gain: Tensor | None,
+                     d_gain: Tensor | None, *, m: float, grouped: bool, span: tuple[int, int],
+                     portable: int = False) -> None:
+    """The backward of :func:`rownorm_forward` for tokens ``span``: dx (x's shape, any layout
+    with unit-stride rows) from the incoming gradient g and the forward's ``rho``; with
+    ``d_gain`` (contiguous float64 of the gain's shape) Σ ρ g x over the tokens' rows is added
+    into it, in float32 sums over the tokens between multiples of :data:`FOLD_TOKENS`.  One
+    thread; callers split the tokens (at such multiples, for sums that do not depend on the
+    split), each with its own ``d_gain``."""
+    geo = RowGeometry(x)
+    xs, gs, dxs = geo.strides("x", x), geo.strides("g", g), geo.strides("dx", dx)
+    t0, t1 = geo.check(rho, grouped, span)
+    w, w_h = _gain(gain, geo)
+    dw = part = None
+    if d_gain is not None:
+        if gain is None or d_gain.shape != gain.shape or d_gain.dtype != torch.float64 \
+                or not d_gain.is_contiguous():
+            raise ValueError("d_gain must be a contiguous float64 tensor of the gain's shape")
+        part = torch.zeros(d_gain.numel(), dtype=torch.float32)
+        dw = d_gain.data_ptr()
+    require().attnscale_rownorm_backward(x.data_ptr(), g.data_ptr(), dx.data_ptr(),
+                                         rho.data_ptr(), w, dw,
+                                         None if part is None else part.data_ptr(), geo.d,
+                                         geo.n_h, geo.n_c, xs, gs, dxs, w_h, int(grouped),
+                                         float(m), FOLD_TOKENS, t0, t1, int(portable))
