@@ -89,6 +89,7 @@ def library() -> ctypes.CDLL | None:
                  "stick_breaking_grad", "rownorm_forward", "rownorm_backward"):
         getattr(lib, f"attnscale_{name}").restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
+    lib.attnscale_cpu_bf16.restype = ctypes.c_int
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
     version.restype = ctypes.c_int
     if version() != KERNELS_VERSION or lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
@@ -106,6 +107,13 @@ def isa() -> str | None:
     unavailable."""
     lib = library()
     return None if lib is None else lib.attnscale_kernels_isa().decode()
+
+
+def cpu_bf16() -> bool:
+    """Whether the CPU has AVX512_BF16 (bfloat16 dot products); False where the kernels are
+    unavailable."""
+    lib = library()
+    return lib is not None and bool(lib.attnscale_cpu_bf16())
 
 
 def require() -> ctypes.CDLL:
