@@ -82,8 +82,8 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #endif
 
 typedef void (*row_fn)(const float *, int64_t, double *);
-typedef void (*probs_fn)(const float *, int64_t, int64_t, float, float *);
-typedef void (*grad_fn)(const float *, const float *, float *, float, int64_t);
+typedef void (*softcap_exp_fn)(const float *, int64_t, int64_t, float, float *, float *);
+typedef void (*softcap_bwd_fn)(float *, float *, const float *, float, float, int64_t, int64_t);
 typedef void (*entropy_fn)(const float *, int64_t, double *);
 typedef float (*bf16_max_fn)(const uint16_t *, int64_t);
 typedef void (*softpick_probs_fn)(const float *, int64_t, int64_t, float *, float *);
@@ -160,27 +160,30 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
- * steps, 6 = the RMSNorm kernels and attnscale_cpu_bf16. */
+ * steps, 6 = the RMSNorm kernels, attnscale_cpu_bf16 and the soft-cap forward keeping each
+ * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
+ * of attnscale_softcap_probs, _grad). */
 int attnscale_kernels_version(void) { return 6; }
 
-/* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
- * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
- * of them is NaN.  s and p: rows of stride ld; p may be s. */
-void attnscale_softcap_probs(const float *s, float *p, int64_t width, int64_t ld,
-                             const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
-                             float cap, int portable) {
-    probs_fn row = PICK(softcap_probs_row, portable);
+/* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap
+ * tanh(s) - m) unnormalised, stats (m, 1 / sum) per row (two floats); e may be s. */
+void attnscale_softcap_exp(const float *s, float *e, int64_t width, int64_t ld,
+                           const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                           float cap, float *stats, int portable) {
+    softcap_exp_fn row = PICK(softcap_exp_row, portable);
     for (int64_t r = row0; r < row1; r++)
-        row(s + r * ld, row_limit(limit, period, r, width), width, cap, p + r * ld);
+        row(s + r * ld, row_limit(limit, period, r, width), width, cap, e + r * ld, stats + 2 * r);
 }
 
-/* Soft-cap backward of rows [row0, row1), in place on dp:
- * dp <- p (dp - delta[r]) (1 - tanh^2(s)).  s, p, dp: rows of stride ld. */
-void attnscale_softcap_grad(const float *s, const float *p, float *dp, const float *delta,
-                            int64_t width, int64_t ld, int64_t row0, int64_t row1, int portable) {
-    grad_fn row = PICK(softcap_grad_row, portable);
+/* Soft-cap backward of rows [row0, row1) in one pass, from the forward's stats:
+ * s <- p, dp <- p (dp - delta[r]) (1 - tanh^2 s). */
+void attnscale_softcap_backward(float *s, float *dp, const float *stats, const float *delta,
+                                int64_t width, int64_t ld, const int64_t *limit, int64_t period,
+                                int64_t row0, int64_t row1, float cap, int portable) {
+    softcap_bwd_fn row = PICK(softcap_backward_row, portable);
     for (int64_t r = row0; r < row1; r++)
-        row(s + r * ld, p + r * ld, dp + r * ld, delta[r], width);
+        row(s + r * ld, dp + r * ld, stats + 2 * r, delta[r], cap,
+            row_limit(limit, period, r, width), width);
 }
 
 /* Entropy and log-sum-exp of softmax over rows [row0, row1) of z (columns as for

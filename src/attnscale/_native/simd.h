@@ -25,6 +25,28 @@ static inline vf KERNEL(vmax)(vf a, vf b) {
 #endif
 }
 
+/* Whether any lane of a comparison mask is set: one test instruction on x86. */
+static inline int KERNEL(any)(vi mask) {
+#if defined(__x86_64__) && W == 16
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__x86_64__) && W == 8
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#elif defined(__x86_64__) && W == 4
+    return _mm_movemask_ps((__m128)mask) != 0;
+#else
+    int any = 0;
+    for (int j = 0; j < W; j++) any |= mask[j] != 0;
+    return any;
+#endif
+}
+
+/* Lane indices 0, 1, ..., W - 1. */
+static inline vi KERNEL(iota)(void) {
+    vi v;
+    for (int j = 0; j < W; j++) v[j] = j;
+    return v;
+}
+
 /* W keys from i on; keys at or beyond n read as -inf (masked). */
 static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
     vf v;

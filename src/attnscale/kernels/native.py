@@ -15,7 +15,7 @@ caller uses its PyTorch formulation instead:
   :mod:`attnscale.kernels.stick_breaking`).
 
 Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_probs`, :func:`softcap_grad`, the softpick and stick-breaking wrappers and
+:func:`softcap_exp`, :func:`softcap_backward`, the softpick and stick-breaking wrappers and
 :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype, device, layout and shapes and
 pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
@@ -64,11 +64,12 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_stats.restype = None
-    lib.attnscale_softcap_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64,
-                                            ctypes.c_float, flag]
-    lib.attnscale_softcap_probs.restype = None
-    lib.attnscale_softcap_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, flag]
-    lib.attnscale_softcap_grad.restype = None
+    lib.attnscale_softcap_exp.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
+                                          ptr, flag]
+    lib.attnscale_softcap_exp.restype = None
+    lib.attnscale_softcap_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
+                                               ctypes.c_float, flag]
+    lib.attnscale_softcap_backward.restype = None
     lib.attnscale_row_entropy.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_entropy.restype = None
     lib.attnscale_bf16_row_max.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
@@ -219,43 +220,37 @@ def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
     return out
 
 
-def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,
-                  limit: Tensor | None = None, portable: int = False) -> Tensor:
-    """Soft-cap attention weights p = softmax(cap · tanh(s)) of float32 logits ``s`` (..., n).
-
-    ``s = -inf`` marks a masked key; row r of the flattened rows sees only its first
-    ``limit[r % len(limit)]`` keys (causality without a mask).  Masked entries and rows without
-    a key are 0; a row holding NaN among the keys it sees is NaN there.  ``out`` (default: a new
-    tensor) may be ``s`` itself.  Returns ``out``.
-    """
+def softcap_exp(s: Tensor, cap: float, stats: Tensor, *, out: Tensor | None = None,
+                limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """The soft-cap forward's weights unnormalised: e = exp(cap · tanh(s) - m) of float32 logits
+    ``s`` (..., n), m the row's largest cap · tanh(s), with ``stats`` (..., 2) float32 receiving
+    (m, 1 / Σ e) per row: the weights are e · stats[..., 1:].  ``s = -inf`` marks a masked key
+    and row r of the flattened rows sees only its first ``limit[r % len(limit)]`` keys
+    (causality without a mask); the others get e = 0.  A row holding NaN among the keys it sees
+    is NaN there (stats (NaN, NaN)), a row without a key all 0 (stats (-inf, 0)).  ``out``
+    (default new) may be ``s``.  Returns ``out``."""
     rows, width, ld = _rows("s", s)
-    if out is None:
-        out = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype)
-    _same_rows("out", out, s, ld)
+    out = _out_like(s, out, ld)
+    _row_pair("stats", stats, s, 2)
     limit_ptr, period = _limit(limit)
-    require().attnscale_softcap_probs(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr, period,
-                                      0, rows, float(cap), int(portable))
+    if rows:
+        require().attnscale_softcap_exp(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr, period,
+                                        0, rows, float(cap), stats.data_ptr(), int(portable))
     return out
 
 
-def softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor, *,
-                 portable: int = False) -> Tensor:
-    """The soft-cap backward in place on ``dp``: dp ← p ∘ (dp − δ) ∘ (1 − tanh²(s)).
-
-    ``s`` (the logits :func:`softcap_probs` was given), ``p`` (its weights) and ``dp`` (dL/dp) are
-    float32 (..., n) of one layout; ``delta`` holds one float32 per row (..., 1).  Returns ``dp``.
-    """
-    rows, width, ld = _rows("s", s)
-    _same_rows("p", p, s, ld)
-    _same_rows("dp", dp, s, ld)
-    if delta.shape != (*s.shape[:-1], 1):
-        raise ValueError(f"delta must have shape {(*s.shape[:-1], 1)}, got {tuple(delta.shape)}")
-    if delta.dtype != torch.float32 or delta.device.type != "cpu":
-        raise ValueError(f"delta must be float32 on the CPU, got {delta.dtype} on {delta.device}")
-    delta = delta.contiguous()
-    require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), delta.data_ptr(),
-                                     width, ld, 0, rows, int(portable))
-    return dp
+def softcap_backward(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor, cap: float, *,
+                     limit: Tensor | None = None, portable: int = False) -> tuple[Tensor, Tensor]:
+    """The soft-cap backward in one pass over a block, in place: ``s`` (the logits the forward
+    had, float32 (..., n)) becomes the weights p = exp(cap · tanh(s) - m) / Σ from the forward's
+    :func:`softcap_exp` ``stats``, and ``dp`` (dL/dp) becomes p ∘ (dp - δ) ∘ (1 - tanh² s), with
+    ``delta`` δ (..., 1) per row.  Keys masked or beyond ``limit`` get p = 0.  Returns (p, dp)."""
+    rows, width, ld, delta, limit_ptr, period = _backward_rows(s, dp, stats, delta, limit)
+    if rows:
+        require().attnscale_softcap_backward(s.data_ptr(), dp.data_ptr(), stats.data_ptr(),
+                                             delta.data_ptr(), width, ld, limit_ptr, period, 0,
+                                             rows, float(cap), int(portable))
+    return s, dp
 
 
 def _row_pair(name: str, t: Tensor, like: Tensor, width: int = 1) -> Tensor:
@@ -266,6 +261,18 @@ def _row_pair(name: str, t: Tensor, like: Tensor, width: int = 1) -> Tensor:
         raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {want}, got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device}")
     return t
+
+
+def _backward_rows(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor,
+                   limit: Tensor | None) -> tuple:
+    """The checked arguments of a row backward reading logits ``s``, writing ``dp`` in place,
+    with two floats of forward ``stats`` and one ``delta`` per row: (rows, width, row stride,
+    delta contiguous, limit pointer, limit period)."""
+    rows, width, ld = _rows("s", s)
+    _same_rows("dp", dp, s, ld)
+    _row_pair("stats", stats, s, 2)
+    delta = _row_pair("delta", delta.contiguous(), s)
+    return (rows, width, ld, delta, *_limit(limit))
 
 
 def _out_like(s: Tensor, out: Tensor | None, ld: int) -> Tensor:
@@ -296,11 +303,7 @@ def softpick_grad(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor, *,
     """Softpick's backward in place on ``dp`` (dL/dp -> dL/ds), from the logits ``s``,
     :func:`softpick_probs`' ``stats`` and ``delta`` = Σ_j dp_j p_j per row (..., 1).  Returns
     ``dp``."""
-    rows, width, ld = _rows("s", s)
-    _same_rows("dp", dp, s, ld)
-    _row_pair("stats", stats, s, 2)
-    delta = _row_pair("delta", delta.contiguous(), s)
-    limit_ptr, period = _limit(limit)
+    rows, width, ld, delta, limit_ptr, period = _backward_rows(s, dp, stats, delta, limit)
     if rows:
         require().attnscale_softpick_grad(s.data_ptr(), dp.data_ptr(), stats.data_ptr(),
                                           delta.data_ptr(), width, ld, limit_ptr, period, 0,

@@ -9,6 +9,7 @@ its extra memory is O(heads · rows · Nk) instead of the (B, H, Nq, Nk) logits.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -35,6 +36,10 @@ class Tiles:
         self.hidden = None
         if mask is not None:  # invert once; view as (B|1, H|1, Nq|1, Nk|1)
             self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+    def block_elements(self) -> int:
+        """Logits in the largest block: heads · rows · Nk."""
+        return self.heads * self.rows * self.n_k
 
     def groups(self) -> Iterator[tuple[int, slice]]:
         """(b, heads) of each head group, ``heads`` a slice."""
@@ -80,3 +85,35 @@ class Tiles:
             rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
             z[..., i0 + 1:].masked_fill_(j > rows, float("-inf"))
         return z
+
+
+class Scratch:
+    """Blocks a kernel call's workers write their logits and gradients into, each worker thread
+    its own ``count`` buffers of ``elements`` values, reused from block to block: a fresh 2 MiB
+    block page-faults, which costs about a tenth of the matmul that fills it (measured on one
+    core of an AMD EPYC at B4 H8 N1024 d64)."""
+
+    def __init__(self, elements: int, dtype: torch.dtype, count: int,
+                 device: torch.device | str = "cpu"):
+        self.elements, self.dtype, self.count, self.device = elements, dtype, count, device
+        self._local = threading.local()
+
+    def block(self, slot: int, shape: tuple[int, ...]) -> Tensor:
+        """This thread's buffer ``slot`` as a contiguous tensor of ``shape`` (its contents are
+        whatever the last block left)."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = [
+                torch.empty(self.elements, dtype=self.dtype, device=self.device)
+                for _ in range(self.count)]
+        n = 1
+        for size in shape:
+            n *= size
+        return buffers[slot][:n].view(shape)
+
+    def scores(self, slot: int, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+        """alpha · a bᵀ for (h, r, d) a and (h, n, d) b, into buffer ``slot``: (h, r, n)."""
+        out = self.block(slot, (a.shape[0], a.shape[1], b.shape[1]))
+        if alpha == 1.0:
+            return torch.bmm(a, b.transpose(1, 2), out=out)
+        return torch.baddbmm(out, a, b.transpose(1, 2), beta=0.0, alpha=alpha, out=out)
