@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.kernels.rowsubset import RowSubset, hidden_rows, masked
-from attnscale.kernels.tiles import Tiles
+from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.precision import all_finite
 from attnscale.workers import parallel_map, workers_for
 
@@ -80,13 +80,13 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
     tiles = Tiles(q, k, mask, causal, block_elements)
     groups = list(tiles.groups())
     native_entropy = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
+    scratch = Scratch(tiles.block_elements(), q.dtype, 1, q.device)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where
         k_g = k[b, heads]
         for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent, lse))):
-            z = tiles.hide(_scores(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2), scale),
-                           b, heads, i)
+            z = tiles.hide(scratch.scores(0, q_blk, k_g[:, :tiles.n_keys(i)], scale), b, heads, i)
             if native_entropy:  # the compiled entropy kernel: H and lse in two passes
                 rows = native.row_entropy(z)
                 ent_blk.copy_(rows[..., :1])
@@ -130,6 +130,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     # dKᵀ (B, H, d, Nk) when dK is returned on its own: the layout baddbmm writes fastest
     dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2]) if into_k is None else None
     tiles = Tiles(q, k, mask, causal, block_elements)
+    scratch = Scratch(tiles.block_elements(), q.dtype, 1, q.device)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where
@@ -145,7 +146,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                     dq_blk.zero_()
                 continue
             n_k = tiles.n_keys(i)
-            z = tiles.hide(_scores(q_blk, k_g[:, :n_k].transpose(1, 2), scale), b, heads, i)
+            z = tiles.hide(scratch.scores(0, q_blk, k_g[:, :n_k], scale), b, heads, i)
             z.sub_(lse_blk)                                               # ln p, -inf if masked
             hidden = torch.isneginf(z)                                    # masked keys
             p = torch.exp(z)                                              # 0 at masked keys
