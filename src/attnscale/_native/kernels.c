@@ -85,6 +85,7 @@ typedef void (*row_fn)(const float *, int64_t, double *);
 typedef void (*softcap_exp_fn)(const float *, int64_t, int64_t, float, float *, float *);
 typedef void (*softcap_bwd_fn)(float *, float *, const float *, float, float, int64_t, int64_t);
 typedef void (*entropy_fn)(const float *, int64_t, double *);
+typedef void (*bf16_entropy_fn)(const uint16_t *, int64_t, float, double *);
 typedef float (*bf16_max_fn)(const uint16_t *, int64_t);
 typedef void (*softpick_probs_fn)(const float *, int64_t, int64_t, float *, float *);
 typedef void (*softpick_grad_fn)(const float *, float *, const float *, float, int64_t, int64_t);
@@ -162,7 +163,7 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
  * steps, 6 = the RMSNorm kernels, attnscale_cpu_bf16 and the soft-cap forward keeping each
  * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
- * of attnscale_softcap_probs, _grad). */
+ * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy. */
 int attnscale_kernels_version(void) { return 6; }
 
 /* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap
@@ -194,6 +195,17 @@ void attnscale_row_entropy(const float *z, int64_t width, int64_t ld, const int6
     entropy_fn row = PICK(entropy_row, portable);
     for (int64_t r = row0; r < row1; r++)
         row(z + r * ld, row_limit(limit, period, r, width), out + 2 * r);
+}
+
+/* Entropy, largest logit and the logits' standard deviation under softmax over rows
+ * [row0, row1) of scale times bfloat16 z (columns as for attnscale_row_stats, scale > 0); out:
+ * three doubles per row. */
+void attnscale_bf16_row_entropy(const uint16_t *z, int64_t width, int64_t ld,
+                                const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                                float scale, double *out, int portable) {
+    bf16_entropy_fn row = PICK(bf16_entropy_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(z + r * ld, row_limit(limit, period, r, width), scale, out + 3 * r);
 }
 
 /* Max of each of rows [row0, row1) of bfloat16 z (rows of stride ld, width keys): out[r]. */

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import math
 import os
 
 import torch
@@ -74,6 +75,9 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_row_entropy.restype = None
     lib.attnscale_bf16_row_max.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
     lib.attnscale_bf16_row_max.restype = None
+    lib.attnscale_bf16_row_entropy.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
+                                               ptr, flag]
+    lib.attnscale_bf16_row_entropy.restype = None
     lib.attnscale_softpick_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_softpick_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
                                             flag]
@@ -206,6 +210,28 @@ def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: int = False
                                         out.data_ptr(), int(portable))
     else:
         out.zero_()
+    return out
+
+
+def bf16_row_entropy(z: Tensor, scale: float, *, limit: Tensor | None = None,
+                     portable: int = False) -> Tensor:
+    """Entropy H (nats) of softmax(scale · z) over the last dimension of bfloat16 CPU logits
+    ``z`` (..., n), ``scale`` > 0, with the row's largest logit scale · z and an upper bound on
+    the standard deviation of the logits under its softmax (its float sums' rounding allowed
+    for): float64 (..., 3).  Masking, and H for rows
+    without a key or with NaN / +inf, as for :func:`row_entropy`; a row without a key gives
+    (0, -inf, 0), one with a NaN or +inf NaN throughout.  One thread."""
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    rows, width, ld = _rows("z", z, torch.bfloat16)
+    out = torch.empty(*z.shape[:-1], 3, dtype=torch.float64)
+    if rows and width:
+        limit_ptr, period = _limit(limit)
+        require().attnscale_bf16_row_entropy(z.data_ptr(), width, ld, limit_ptr, period, 0, rows,
+                                             float(scale), out.data_ptr(), int(portable))
+    else:
+        out.zero_()
+        out[..., 1] = -math.inf
     return out
 
 

@@ -89,6 +89,15 @@ def screen_bound(d: int) -> float:
 _FLUSH_SLACK = 2.0**-125
 
 
+def screen_error(q_norm: Tensor, k_norm: Tensor, d: int) -> Tensor:
+    """The bound on |z̃ - fl(z)| for a bfloat16-screened dot product of a query of norm
+    ``q_norm`` with keys of norm at most ``k_norm`` (broadcast together), d coordinates:
+    c ‖q‖ ‖k‖ (:func:`screen_bound`) plus the slack for values AMX or bfloat16 dot products
+    flush to zero (module docstring)."""
+    return (screen_bound(d) * q_norm * k_norm
+            + _FLUSH_SLACK * (d + math.sqrt(d) * (q_norm + k_norm)))
+
+
 def head_peaks(q: Tensor, k: Tensor, scale: float | Tensor, *, mask: Tensor | None = None,
                causal: bool = False, block_elements: int = PEAK_BLOCK_ELEMENTS,
                screen: bool | None = None) -> Tensor:
@@ -255,8 +264,7 @@ def _screened(q: Tensor, k: Tensor, kt: Tensor, scale: float | Tensor, mask: Ten
              for i0 in range(0, n_q, rows)]
     parallel_map(block, items, workers_for(q.device, len(items)))
     q_norm = q_norm.double()
-    err = (screen_bound(d) * q_norm * k_norm
-           + _FLUSH_SLACK * (d + math.sqrt(d) * (q_norm + k_norm)))
+    err = screen_error(q_norm, k_norm, d)
     if not bool(torch.isfinite(err).all()):  # a NaN or inf in q (or a norm overflowing)
         return None
     top = approx.double()
