@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from attnscale.kernels import entropy, native, peak
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.adaptive_temp import BETA_WINDOW, needs_exact_entropy
+from attnscale.workers import num_threads
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="attnscale's compiled kernels are not built or disabled")
@@ -70,11 +71,13 @@ def test_the_bound_holds_on_every_row(sharp, causal, monkeypatch):
         bounds["lo"], bounds["hi"] = lo, hi
         return torch.zeros_like(lo, dtype=torch.bool)
 
-    screened, _ = entropy.entropy_forward(q, k, None, causal, 0.2, exact_where=nowhere)
+    with num_threads(1):  # one worker: one call of exact_where sees every row, (B·H, Nq, 1)
+        screened, _ = entropy.entropy_forward(q, k, None, causal, 0.2, exact_where=nowhere)
     exact, _ = entropy.entropy_forward(q, k, None, causal, 0.2)
-    h = exact.double()
+    h = exact.double().flatten(0, 1)
+    assert bounds["lo"].shape == h.shape
     assert (bounds["lo"] <= h).all() and (h <= bounds["hi"]).all()
-    assert ((screened.double() - bounds["lo"]) >= -1e-6).all()
+    assert ((screened.double().flatten(0, 1) - bounds["lo"]) >= -1e-6).all()
     if sharp <= 1.0:  # logits of a few units: a bound of a few tenths, not a shrug
         assert ((bounds["hi"] - bounds["lo"]) < 1.0).all()
 

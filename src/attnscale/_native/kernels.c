@@ -1,19 +1,22 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
- * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h)
- * the row entropy and log-sum-exp of adaptive temperature (entropy_kernel.h) and the bfloat16
- * row max of the S_max screen (peak_kernel.h), the per-row steps of softpick and
- * stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward and backward
- * (rownorm_kernel.h).
+ * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
+ * the row entropy and log-sum-exp of adaptive temperature and its bfloat16 screen
+ * (entropy_kernel.h), the bfloat16 row max of the S_max screen (peak_kernel.h), the per-row steps
+ * of softpick and stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward
+ * and backward (rownorm_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
- * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
- * twenty-odd whole-tensor passes of the PyTorch formulation.  The numerics are those of
- * attnscale.stats: everything is centred on the top logit z_t, with
- *     u_i = exp(z_i - z_2)  for every non-top key (z_2 = largest non-top logit, so u_i <= 1),
- *     m   = exp(z_2 - z_t),  S = m U1,  p_t = 1 / (1 + S),
+ * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row
+ * (a third for the rare near-one-hot row), instead of the twenty-odd whole-tensor passes of the
+ * PyTorch formulation.  The numerics are those of attnscale.stats: everything is centred on the
+ * top logit z_t, with
+ *     u_i = exp(z_i - z_ref)  for every non-top key,
+ *     m   = exp(z_ref - z_t),  S = m U1,  p_t = 1 / (1 + S),
  *     H   = log1p(S) - p_t m sum_i u_i (z_i - z_t),
  *     |J| = p_t m sqrt(p_t^2 U1^2 + (1 + 2 p_t^2) U2 - 2 p_t m U3 + (p_t m U2)^2),
- * where U_k = sum_{i != t} u_i^k >= 1, so nothing cancels and nothing underflows near one-hot.
+ * where U_k = sum_{i != t} u_i^k and z_ref = z_t while the largest u is at least 2^-40 (every
+ * u^k a normal float), else z_ref = z_2, the largest logit below the top (then U_k >= 1): nothing
+ * cancels and nothing underflows near one-hot (rowstats_kernel.h).
  * The logit std is the corrected two-pass formula around the row mean.
  *
  * Masked keys are -inf logits, and optionally every column at or beyond a per-row limit

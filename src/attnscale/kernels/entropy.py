@@ -100,9 +100,11 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
     autograd; q and k contiguous (see :func:`row_entropy`).
 
     ``exact_where``: given, the rows may go through the bfloat16 screen (module doc) where it
-    applies; it receives float64 bounds (lo, hi), (B, H, Nq, 1), that each row's entropy lies
-    within and returns the rows (bool, same shape) whose exact H and lse the caller needs.  The
-    other rows get H within their bounds and a finite stand-in for lse.
+    applies; it receives float64 bounds (lo, hi), (rows, Nq, 1), that the entropy of each row of
+    some consecutive (batch, head) pairs lies within (with one worker thread, every row at once:
+    (B·H, Nq, 1)) and returns the rows (bool, same shape) whose exact H and lse the caller needs:
+    it must decide row by row.  The other rows get H within their bounds and a finite stand-in
+    for lse.
     """
     if exact_where is not None and screen_applies(q, k, scale):
         screened = _screened(q, k, mask, causal, scale, exact_where)
@@ -148,84 +150,97 @@ def screen_applies(q: Tensor, k: Tensor, scale: float) -> bool:
 def _screened(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
               exact_where: ExactWhere) -> tuple[Tensor, Tensor] | None:
     """:func:`entropy_forward` through the bfloat16 screen, or None where it cannot bound a row
-    (a NaN or inf in q or k, a logit overflowing bfloat16)."""
+    (a NaN or inf in q or k, a logit overflowing bfloat16).  The head groups are cut into one
+    run of consecutive groups per worker, and each worker does its run's whole work (bfloat16
+    copies, norms, screen, bounds and exact rows): with several threads, a torch op outside the
+    workers is an OpenMP team that stalls whenever a core is taken, and the bounds' elementwise
+    ops run once per run rather than once per block."""
     b, h, n_q, d = q.shape
-    q_norm = torch.linalg.vector_norm(q, dim=-1).double()                 # (B, H, Nq)
-    k_norm = torch.linalg.vector_norm(k, dim=-1).amax(dim=-1, keepdim=True).double()  # (B, H, 1)
-    if not (bool(torch.isfinite(q_norm).all()) and bool(torch.isfinite(k_norm).all())):
-        return None
-    est = torch.empty(b, h, n_q, 3, dtype=torch.float64)  # (H̃, max z̃, σ̃ bound) per row
+    ent = q.new_empty(b, h, n_q, 1)
+    lse = q.new_empty(b, h, n_q, 1)
+    est = torch.empty(b, h, n_q, 3, dtype=torch.float32)   # (H̃, max z̃, σ̃) per row
+    q_norm = torch.empty(b, h, n_q, 1, dtype=torch.float64)
+    k_norm = torch.empty(b, h, 1, 1, dtype=torch.float64)
     tiles = Tiles(q, k, mask, causal, SCREEN_BLOCK_ELEMENTS)
+    scratch = Scratch(tiles.block_elements(), torch.bfloat16, 1)
+    exact = Scratch(tiles.block_elements(), q.dtype, 1)
     groups = list(tiles.groups())
     workers = workers_for(q.device, len(groups))
-    scratch = Scratch(tiles.block_elements(), torch.bfloat16, 1)
-    q16, k16 = q.bfloat16(), k.bfloat16()
+    runs = [groups[w * len(groups) // workers:(w + 1) * len(groups) // workers]
+            for w in range(workers)]
+    failed = []
 
-    def screen(where: tuple[int, slice]) -> None:
-        bi, heads = where
-        k_g = k16[bi, heads]
-        for i, (q_blk, est_blk) in enumerate(zip(*tiles.split(bi, heads, q16, est))):
-            z = tiles.hide_masked(scratch.scores(0, q_blk, k_g[:, :tiles.n_keys(i)]), bi,
-                                  heads, i)                                # bf16 q·k, (h, r, n)
-            est_blk.copy_(native.bf16_row_entropy(z, scale,
-                                                  limit=tiles.causal_counts(i, z.shape[1])))
+    def run(where: list[tuple[int, slice]]) -> None:
+        for bi, heads in where:
+            k_g = k[bi, heads]
+            k_norm[bi, heads] = torch.linalg.vector_norm(k_g, dim=-1).amax(dim=-1).view(-1, 1, 1)
+            q_norm[bi, heads] = torch.linalg.vector_norm(q[bi, heads], dim=-1, keepdim=True)
+            k16 = k_g.bfloat16()
+            for i, (q_blk, est_blk) in enumerate(zip(*tiles.split(bi, heads, q, est))):
+                z = tiles.hide_masked(scratch.scores(0, q_blk.bfloat16(),
+                                                     k16[:, :tiles.n_keys(i)]), bi, heads, i)
+                est_blk.copy_(native.bf16_row_entropy(z, scale,
+                                                      limit=tiles.causal_counts(i, z.shape[1])))
+        # the run's rows: consecutive (batch, head) pairs, (heads, Nq, ·)
+        first, last = where[0], where[-1]
+        lo_row, hi_row = first[0] * h + first[1].start, last[0] * h + last[1].stop
+        rows = slice(lo_row, hi_row)
+        approx, top, sd = est.flatten(0, 1)[rows].double().split(1, dim=-1)
+        # |z̃ - fl(z)| <= eps on every key of a row (attnscale.kernels.peak.screen_error), so
+        # |H - H̃| <= eps e^eps (σ̃ + eps) (module doc); a keyless row is 0 either way
+        eps = scale * peak.screen_error(q_norm.flatten(0, 1)[rows], k_norm.flatten(0, 1)[rows], d)
+        bound = eps * torch.exp(eps) * (sd + eps) + SCREEN_SLACK * (1 + approx.abs())
+        if not bool(torch.isfinite(bound).all()):
+            failed.append(True)              # a NaN or inf in q or k, or a bfloat16 overflow
+            return
+        keyless = torch.isneginf(top)
+        bound = torch.where(keyless, 0.0, bound)
+        ent.flatten(0, 1)[rows] = approx.to(q.dtype)
+        lse.flatten(0, 1)[rows] = torch.where(keyless, 0.0, top).to(q.dtype)  # a stand-in
+        need = exact_where(approx - bound, approx + bound).squeeze(-1)   # (heads, Nq)
+        if not bool(need.any()):
+            return
+        need = need.view(-1, n_q)
+        for bi, heads in where:
+            k_g = k[bi, heads]
+            row0 = bi * h + heads.start - lo_row
+            need_g = need[row0:row0 + heads.stop - heads.start]
+            for i, (q_blk, ent_blk, lse_blk, need_blk) in enumerate(zip(
+                    *tiles.split(bi, heads, q, ent, lse), need_g.split(tiles.rows, dim=1))):
+                if bool(need_blk.any()):
+                    _exact_rows(q_blk, k_g[:, :tiles.n_keys(i)], tiles, bi, heads, i, scale,
+                                need_blk, tiles.causal_counts(i, q_blk.shape[1]), ent_blk,
+                                lse_blk, exact)
 
-    parallel_map(screen, groups, workers)
-    # |z̃ - fl(z)| <= eps on every key of a row (attnscale.kernels.peak.screen_error), so
-    # |H - H̃| <= eps e^eps (σ̃ + eps) (module doc); a row without a key is 0 either way
-    eps = (scale * peak.screen_error(q_norm, k_norm, d)).unsqueeze(-1)   # (B, H, Nq, 1)
-    approx, top, sd = est.split(1, dim=-1)
-    keyless = torch.isneginf(top)
-    bound = eps * torch.exp(eps) * (sd + eps) + SCREEN_SLACK * (1 + approx.abs())
-    if not bool(torch.isfinite(bound).all()):
-        return None                                       # a bfloat16 logit overflowed
-    bound = torch.where(keyless, 0.0, bound)
-    need = exact_where(approx - bound, approx + bound).squeeze(-1)        # (B, H, Nq)
-    ent = approx.to(q.dtype)
-    lse = torch.where(keyless, 0.0, top).to(q.dtype)     # a finite stand-in where not needed
-    if bool(need.any()):
-        _exact_rows(q, k, tiles, scale, need, ent, lse, workers)
-    return ent, lse
+    parallel_map(run, [r for r in runs if r], workers)
+    return None if failed else (ent, lse)
 
 
-def _exact_rows(q: Tensor, k: Tensor, tiles: Tiles, scale: float, need: Tensor, ent: Tensor,
-                lse: Tensor, workers: int) -> None:
-    """(H, lse) of the rows ``need`` (B, H, Nq) selects, in float32 as the unscreened path forms
-    them, into ``ent`` and ``lse`` (B, H, Nq, 1): per block, gathered, or the whole block where
-    most of its rows need it."""
-    scratch = Scratch(tiles.block_elements(), q.dtype, 1)
-
-    def group(where: tuple[int, slice]) -> None:
-        bi, heads = where
-        k_g = k[bi, heads]
-        for i, (q_blk, need_blk, ent_blk, lse_blk) in enumerate(
-                zip(*tiles.split(bi, heads, q, need.unsqueeze(-1), ent, lse))):
-            count = int(need_blk.sum())
-            if count == 0:
-                continue
-            n_k, limit = tiles.n_keys(i), tiles.causal_counts(i, q_blk.shape[1])
-            if count * 2 > need_blk.numel():        # most rows: the whole block
-                z = scratch.scores(0, q_blk, k_g[:, :n_k], scale)
-                rows = native.row_entropy(tiles.hide_masked(z, bi, heads, i), limit=limit)
-                ent_blk.copy_(rows[..., :1])
-                lse_blk.copy_(rows[..., 1:])
-                continue
-            for hh in range(q_blk.shape[0]):          # the rows that need it, gathered
-                idx = need_blk[hh, :, 0].nonzero().squeeze(-1)
-                if idx.numel() == 0:
-                    continue
-                z = _scores(q_blk[hh, idx].unsqueeze(0), k_g[hh:hh + 1, :n_k].transpose(1, 2),
-                            scale)                                           # (1, c, n_k)
-                if tiles.hidden is not None:
-                    i0, head = i * tiles.rows, heads.start + hh
-                    hid = block_hidden(tiles.hidden, bi, slice(head, head + 1), i0,
-                                       i0 + q_blk.shape[1], n_k)
-                    z.masked_fill_(hid[:, idx] if hid.shape[1] > 1 else hid, float("-inf"))
-                rows = native.row_entropy(z, limit=None if limit is None else limit[idx])
-                ent_blk[hh, idx] = rows[0, :, :1].to(ent.dtype)
-                lse_blk[hh, idx] = rows[0, :, 1:].to(lse.dtype)
-
-    parallel_map(group, list(tiles.groups()), workers)
+def _exact_rows(q_blk: Tensor, k_g: Tensor, tiles: Tiles, bi: int, heads: slice, i: int,
+                scale: float, need: Tensor, limit: Tensor | None, ent_blk: Tensor,
+                lse_blk: Tensor, scratch: Scratch) -> None:
+    """(H, lse) in float32, as the unscreened path forms them, of the rows of block i that
+    ``need`` (h, r) selects, into ``ent_blk`` and ``lse_blk`` (h, r, 1): gathered, or the whole
+    block where most of its rows need it.  q_blk (h, r, d), k_g (h, n_k, d)."""
+    if int(need.sum()) * 2 > need.numel():
+        z = scratch.scores(0, q_blk, k_g, scale)
+        rows = native.row_entropy(tiles.hide_masked(z, bi, heads, i), limit=limit)
+        ent_blk.copy_(rows[..., :1])
+        lse_blk.copy_(rows[..., 1:])
+        return
+    for hh in range(q_blk.shape[0]):
+        idx = need[hh].nonzero().squeeze(-1)
+        if idx.numel() == 0:
+            continue
+        z = _scores(q_blk[hh, idx].unsqueeze(0), k_g[hh:hh + 1].transpose(1, 2), scale)  # (1, c, n)
+        if tiles.hidden is not None:
+            i0, head = i * tiles.rows, heads.start + hh
+            hid = block_hidden(tiles.hidden, bi, slice(head, head + 1), i0, i0 + q_blk.shape[1],
+                               k_g.shape[1])
+            z.masked_fill_(hid[:, idx] if hid.shape[1] > 1 else hid, float("-inf"))
+        rows = native.row_entropy(z, limit=None if limit is None else limit[idx])
+        ent_blk[hh, idx] = rows[0, :, :1].to(ent_blk.dtype)
+        lse_blk[hh, idx] = rows[0, :, 1:].to(lse_blk.dtype)
 
 
 def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,

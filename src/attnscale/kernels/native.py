@@ -9,15 +9,18 @@ caller uses its PyTorch formulation instead:
 
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
-* the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature);
+* the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature),
+  and its bfloat16 screen's entropy, top logit and spread of bfloat16 rows;
 * the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen;
 * the per-row steps of softpick and stick-breaking attention (:mod:`attnscale.kernels.softpick`,
-  :mod:`attnscale.kernels.stick_breaking`).
+  :mod:`attnscale.kernels.stick_breaking`);
+* qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_exp`, :func:`softcap_backward`, the softpick and stick-breaking wrappers and
-:func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype, device, layout and shapes and
-pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
+Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
+:func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`, the softpick and
+stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype,
+device, layout and shapes and pass pointers and strides on; nothing else in attnscale touches
+``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot products.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
 """

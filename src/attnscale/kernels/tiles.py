@@ -9,6 +9,7 @@ its extra memory is O(heads · rows · Nk) instead of the (B, H, Nq, Nk) logits.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 
@@ -106,10 +107,7 @@ class Scratch:
             buffers = self._local.buffers = [
                 torch.empty(self.elements, dtype=self.dtype, device=self.device)
                 for _ in range(self.count)]
-        n = 1
-        for size in shape:
-            n *= size
-        return buffers[slot][:n].view(shape)
+        return buffers[slot][:math.prod(shape)].view(shape)
 
     def scores(self, slot: int, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         """alpha · a bᵀ for (h, r, d) a and (h, n, d) b, into buffer ``slot``: (h, r, n)."""
