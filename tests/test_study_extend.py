@@ -131,3 +131,16 @@ def test_the_shipped_stores_grow_by_the_new_mechanisms_alone(name):
     else:
         assert added == {"recall-length": {"mechanism": new},
                          "lm-length": {"mechanism": [*new, "mscale"]}}
+
+
+def test_the_results_page_figures_are_figures_of_the_study():
+    from dataclasses import replace
+
+    from attnscale.study import get
+
+    # the page shows what each shipped spec names, in the order of its folders
+    assert list(get("lm").page_figures) == ["lm_lr_sensitivity.png", "lm_loss_vs_lr.png"]
+    odd = replace(GROWN, name="odd-test", figures=("a.png",), page_figures={"b.png": "B"})
+    with pytest.raises(ValueError, match="page_figures names b.png"):
+        register(odd)
+    assert "odd-test" not in STUDIES

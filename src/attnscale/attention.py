@@ -37,7 +37,8 @@ def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled", *,
               mask: Tensor | None = None, causal: bool = False,
-              trace: bool = False, gate: Tensor | None = None) -> Tensor | AttentionTrace:
+              trace: bool = False, gate: Tensor | None = None,
+              bias: Tensor | None = None) -> Tensor | AttentionTrace:
     """Attention output (B, H, Nq, d_v) for q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v).
 
     ``mechanism`` is a built :class:`~attnscale.mechanisms.Mechanism` or a registry name (built at
@@ -45,14 +46,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
     ``causal`` is top-left aligned.  With ``trace=True`` the same pipeline runs materialised and
     returns an :class:`AttentionTrace` (logits, weights, out), O(B · H · Nq · Nk) memory.
     ``gate`` (broadcastable to (B, H, Nq, d_v)) multiplies the output: a gating mechanism's
-    ``gate_values`` of the layer input.
+    ``gate_values`` of the layer input.  ``bias`` (float, broadcastable to (B, H, Nq, Nk)) is added
+    to the logits after the cap, with the mask: a position bias (T5's relative bias, ALiBi).
     """
     for name, flag in (("trace", trace), ("causal", causal)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name} must be True or False, got {flag!r}.")
     check_qkv(q, k, v)  # before a registry name is built for q's dtype and heads
     return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace,
-               gate=gate)
+               gate=gate, bias=bias)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",

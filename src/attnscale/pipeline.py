@@ -47,6 +47,13 @@ key gradient joins the attention's in place), the adapt stage's fast form; the f
 gradients are those of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
 and returns every intermediate as an :class:`AttentionTrace`.
 
+A ``bias`` (float, broadcastable to (B, H, Nq, Nk)) is added to the logits after the cap, where the
+mask is applied: a position bias (T5's relative bias, arXiv 1910.10683; ALiBi, arXiv 2108.12409)
+or the values of an additive mask.  With a bias, softmax attention without a cap runs on SDPA with
+the bias as its float mask; every other rule runs materialised (the bias is O(Nq · Nk) already),
+and observers receive the bias and the mask as one additive float ``mask`` (0/-inf where there is
+no bias), which the monitor and the guard read as such.
+
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
 attend gives zero output and zero gradients, never NaN.  A NaN in q, k or v reaches exactly the
@@ -170,7 +177,8 @@ class Observation:
     k: Tensor | None          # (B, H, Nk, d) after mechanism.prepare (None: see ``logits``)
     scale: Scale              # the logits are cap(scale · q kᵀ); tensor broadcast to (B,H,Nq,1)
     cap: float | None         # soft-cap c, or None
-    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality
+    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality;
+                              # with a bias, bias and mask as one additive float (-inf = masked)
     causal: bool              # top-left causal, on top of ``mask``
     n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
     mechanism: Rule           # the mechanism that prepared q and k
@@ -180,6 +188,7 @@ class Observation:
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
+    bias: Tensor | None = None    # the call's additive logit bias (already in ``mask``), or None
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -404,20 +413,26 @@ def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
-        causal: bool = False, trace: bool = False,
-        gate: Tensor | None = None) -> Tensor | AttentionTrace:
+        causal: bool = False, trace: bool = False, gate: Tensor | None = None,
+        bias: Tensor | None = None) -> Tensor | AttentionTrace:
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
     ``gate``: the output gate, broadcastable to (B, H, Nq, d_v) (a gating mechanism's
     ``gate_values`` of the layer input), multiplied into the output; None for no gate.
+    ``bias``: an additive logit bias, float, broadcastable to (B, H, Nq, Nk) (module doc).
     Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
     recast the kernels' float32 internals (their blocks, the mechanisms' statistics) to half.
     """
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
-            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate)
+            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate,
+                       bias=bias)
     check_qkv(q, k, v, mechanism)
+    if bias is not None:
+        check_bias(bias, q, k)
+        if causal:  # the bias path forms its mask (SDPA takes a float mask or is_causal)
+            mask, causal = key_mask(mask, True, q, k), False
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
@@ -433,7 +448,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
     check_normaliser(normaliser)
     sink = mechanism.sink_logits() if normaliser == "sink" else None
-    how = _How(scale, cap, offset, normaliser, sink)
+    how = _How(scale, cap, offset, normaliser, sink, bias)
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
         # observed (the monitor documents this), and their contextvars would break the trace.
@@ -442,9 +457,10 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     rows = seen = None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
-        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
+        seen = Observation(qs, ks, scale, cap, mask if bias is None else additive_mask(bias, mask),
+                           causal, n_keys, mechanism,
                            offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate,
-                           normaliser=normaliser)
+                           normaliser=normaliser, bias=bias)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
@@ -471,6 +487,30 @@ class _How:
     offset: float | Tensor
     normaliser: str
     sink: Tensor | None
+    bias: Tensor | None = None
+
+
+def check_bias(bias: Tensor, q: Tensor, k: Tensor) -> None:
+    """ConfigError unless ``bias`` is a floating tensor on q's device broadcastable to
+    (B, H, Nq, Nk)."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
+        raise ConfigError(f"bias must be a floating tensor (an additive logit bias), got {got}.")
+    if bias.device != q.device:
+        raise ConfigError(f"bias is on {bias.device} but q is on {q.device}.")
+    full = (*q.shape[:2], q.shape[-2], k.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(bias.shape, full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ConfigError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                          f"(B, H, Nq, Nk) = {full}.")
+
+
+def additive_mask(bias: Tensor, mask: Tensor | None) -> Tensor:
+    """``bias`` where ``mask`` (boolean, True = attend, or None) attends, -inf elsewhere."""
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
 
 def _gated(out: Tensor | AttentionTrace, gate: Tensor | None) -> Tensor | AttentionTrace:
@@ -487,10 +527,12 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
              trace: bool, rows: Tensor | None = None) -> Tensor | AttentionTrace:
     """The steps after ``prepare``: materialised (``trace``) or on the fused kernels; ``rows``
     (the observers' row statistics, see the module doc) is filled on the way when given."""
-    if trace:
+    if trace or (how.bias is not None and (how.cap is not None or how.normaliser != "softmax")):
+        # A bias on the capped, sink or sigmoid kernels: materialised, like the bias itself.
         if full_mask is None and causal:
             full_mask = key_mask(None, True, q, k)
-        return _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        out = _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        return out if trace else out.out
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
@@ -518,6 +560,8 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | Non
                   n_keys: int | Tensor, rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
     z = logits(q, k, how.scale, how.cap, how.offset)               # logits and cap, (B,H,Nq,Nk)
+    if how.bias is not None:
+        z = z + how.bias.to(z.dtype)                               # position bias
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
@@ -554,6 +598,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
             raise ConfigError("a capped mechanism with a sink normaliser is not supported.")
         return sink_attention(q, k, v, scale, how.sink, how.offset, mask, causal)
     if how.cap is None:
+        if how.bias is not None:  # SDPA adds a float mask to the scaled logits
+            mask = additive_mask(how.bias.to(v.dtype), mask)
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)

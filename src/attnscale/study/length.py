@@ -520,6 +520,8 @@ STUDY = register(Study(
                                {"steps": 600, "eval_windows": 16})},
     quick_doc="2 seeds, fewer steps, recall at width 64: about 10 minutes on 2 cores",
     analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),
+    page_figures={FIGURES["recall"]: "recall accuracy vs pairs",
+                  FIGURES["lm_loss"]: "LM loss vs context"},
     examples="""
   attnscale reproduce --out report/ --include length/
 """,

@@ -130,15 +130,18 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
     Returns:
         :class:`HeadStats` with one entry per query head.
     """
-    return _head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
-                       causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+    return call_head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                           causal_offset=causal_offset,
+                           block=check_int("block", block, minimum=1))
 
 
-def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
-                mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-                block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
-                sink: Tensor | None = None, gate: Tensor | None = None) -> HeadStats:
-    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
+def call_head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
+                    cap: float | None = None, mask: Tensor | None = None, causal: bool = False,
+                    causal_offset: int = 0, block: int, offset: float | Tensor = 0.0,
+                    normaliser: str = "softmax", sink: Tensor | None = None,
+                    gate: Tensor | None = None) -> HeadStats:
+    """:func:`head_stats` of one observed call, ``block`` already validated (by the caller, where
+    it entered: the monitor, once);
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
     the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
     (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
