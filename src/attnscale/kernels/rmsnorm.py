@@ -102,8 +102,8 @@ def rms_backward(x: Tensor, g: Tensor, rho: Tensor, gain: Tensor | None, m: floa
                  range(len(spans)), len(spans))
     d_gain = None
     if need_gain and w is not None:
-        d_gain = parts[0]
-        for part in parts[1:]:
-            d_gain = d_gain + part
+        d_gain = torch.zeros(w.shape, dtype=torch.float64)   # no token: no gradient
+        for part in parts:
+            d_gain += part
         d_gain = d_gain.to(gain.dtype)
     return dx, d_gain
