@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import math
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -222,9 +223,15 @@ def tiny_config(model_type: str):
         raise NotBuilt(f"config: {_first_line(err)}") from None
 
 
+# Where Python put a module says nothing about a family and differs between checkouts: a module's
+# repr loses its file, and a path keeps only what follows site-packages.
+_MODULE_FILE = re.compile(r"(<module '[^']*') from '[^']*'")
+_SITE = re.compile(r"/\S*?/site-packages/")
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    line = text[0] if text else ""
+    line = _SITE.sub("", _MODULE_FILE.sub(r"\1", text[0])) if text else ""
     if len(line) > 120:
         line = line[:117] + "..."
     return f"{type(err).__name__}: {line}" if line else type(err).__name__
