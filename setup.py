@@ -17,6 +17,7 @@ setup(ext_modules=[Extension(
     depends=["src/attnscale/_native/simd.h", "src/attnscale/_native/rowstats_kernel.h",
              "src/attnscale/_native/softcap_kernel.h", "src/attnscale/_native/entropy_kernel.h",
              "src/attnscale/_native/peak_kernel.h", "src/attnscale/_native/rectified_kernel.h",
+             "src/attnscale/_native/rownorm_kernel.h",
              "src/attnscale/_native/kernel_set.h"],
     extra_compile_args=["-O3", "-Wno-psabi"] if unix else [],
     libraries=["m"] if unix else [],

@@ -28,14 +28,17 @@ _SDPA_NAMES = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "
 
 
 def instruction_set() -> str:
-    """The CPU generation attnscale's compiled kernels run on: "AVX-512 with AMX", "AVX-512",
-    "AVX2", "portable 128-bit", or a note that they are not built (PyTorch formulations)."""
+    """The CPU generation attnscale's compiled kernels run on: "AVX-512 with AMX", "AVX-512 with
+    BF16 (no AMX)" (bfloat16 dot products: AMD Zen 4 and later), "AVX-512", "AVX2", "portable
+    128-bit", or a note that they are not built (PyTorch formulations)."""
     isa = native.isa()
     if isa is None:
         return f"none (compiled kernels not available or {native.NATIVE_ENV}=0)"
     name = _ISA_NAMES.get(isa, isa)
-    if isa == "avx512" and peak.bf16_fast():
+    if isa == "avx512" and peak.amx():
         name += " with AMX"
+    elif isa == "avx512" and native.cpu_bf16():
+        name += " with BF16 (no AMX)"
     return name
 
 

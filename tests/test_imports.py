@@ -169,14 +169,8 @@ def test_mechanisms_reach_the_pipeline_without_attention():
 # ---------------------------------------------------------------------------------------------
 # Private names
 
-# (importing module, private name) pairs still allowed, each with its reason.
-PRIVATE_ALLOWED = {
-    # moved by the kernels rework (the shared tile helper goes down to the kernel helpers under
-    # a public name); delete these three once it lands
-    ("attnscale.kernels.entropy", "_Tiles"),
-    ("attnscale.kernels.rowwise", "_Tiles"),
-    ("attnscale.kernels.sigmoid", "_Tiles"),
-}
+# (importing module, private name) pairs still allowed, each with its reason in a comment.
+PRIVATE_ALLOWED: set[tuple[str, str]] = set()
 
 
 def _private(name: str) -> bool:

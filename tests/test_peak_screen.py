@@ -4,6 +4,7 @@ q kᵀ plus an exact second pass over the candidate rows, and the bfloat16 row-m
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,19 @@ def test_bf16_row_max_kernel(width, portable):
     assert_close(got, z.float().amax(dim=-1), rtol=0.0, atol=0.0)
     with pytest.raises(ValueError, match="z must be bfloat16"):
         native.bf16_row_max(z.float())
+
+
+@pytest.mark.skipif(not native.available(), reason="attnscale's compiled kernels are not built")
+def test_bfloat16_dot_products_count_as_fast_bfloat16(monkeypatch):
+    """AVX512_BF16 (AMD Zen 4 and later) runs the screen as AMX does: the kernels read the flag
+    as Linux reports it, and either flag turns the screen on."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("flags")), [])
+        assert native.cpu_bf16() == ("avx512_bf16" in flags)
+    monkeypatch.setattr(peak, "amx", lambda: False)
+    monkeypatch.setattr(native, "cpu_bf16", lambda: True)
+    assert peak.bf16_fast()
+    monkeypatch.setattr(native, "cpu_bf16", lambda: False)
+    assert not peak.bf16_fast()

@@ -121,11 +121,11 @@ def test_materialised_path_and_blocks_agree(name):
     assert_close(traced.weights, reference_weights(
         traced.logits, _keep(40, 40, None, True).expand_as(traced.logits), name))
     from attnscale.kernels import rowwise
-    from attnscale.kernels.softcap import _Tiles
+    from attnscale.kernels.tiles import Tiles
     small = rowwise.CAPPED_BLOCK_ELEMENTS
     try:  # blocks of 3 rows and one head: the row blocks, the causal prefix and head groups
         rowwise.CAPPED_BLOCK_ELEMENTS = 3 * 40
-        assert _Tiles(q, k, None, True, rowwise.CAPPED_BLOCK_ELEMENTS).rows == 3
+        assert Tiles(q, k, None, True, rowwise.CAPPED_BLOCK_ELEMENTS).rows == 3
         _check(name, q, k, v, None, True, rtol=1e-10, atol=1e-12)
         _check(name, q, k, v, _mask(40, 40), False, rtol=1e-10, atol=1e-12)
     finally:

@@ -12,7 +12,8 @@ from torch.testing import assert_close
 
 from attnscale.attention import attention_reference, key_mask
 from attnscale.kernels import native
-from attnscale.kernels.softcap import _CappedAttention, _Tiles
+from attnscale.kernels.softcap import _CappedAttention
+from attnscale.kernels.tiles import Tiles
 from attnscale.mechanisms import build_mechanism
 from attnscale.mechanisms.softcap import GEMMA2_CAP, GROK1_CAP
 
@@ -126,7 +127,7 @@ def test_blocks_hold_a_bounded_number_of_logits():
     q, k, _ = _inputs(50, 64)
     for budget in (64, 200, 1000, 10**6):
         for causal in (False, True):
-            tiles = _Tiles(q, k, None, causal, budget)
+            tiles = Tiles(q, k, None, causal, budget)
             seen, sizes = [], []
             for b, heads in tiles.groups():
                 (row_blocks,) = tiles.split(b, heads, q)
@@ -209,28 +210,61 @@ def _tanh_inputs(n: int = 203) -> torch.Tensor:
 
 @pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
 @pytest.mark.parametrize("cap", CAPS)
-def test_compiled_softcap_kernels_against_float64(portable, cap):
-    # Both instruction-set builds of the compiled kernels, on logits in every regime, against
+@pytest.mark.parametrize("limited", [False, True], ids=["all keys", "causal counts"])
+def test_compiled_softcap_kernels_against_float64(portable, cap, limited):
+    # Every instruction-set build of the compiled kernels, on logits in every regime (the tanh
+    # polynomial below 0.625, the expm1 form above it, both in one vector), against
     # softmax(c tanh(s)) and its backward in float64.  s is scaled by 0.1 / c so the capped
     # logits stay within ~30 (at c = 1, |s| still reaches ~30, where tanh saturates): exp(z - max)
     # carries z's float32 rounding, ~30 · 2^-24 = 2e-6 relative, below rtol.  Where the kernels
     # are not built, the typed wrappers refuse with RuntimeError naming ATTNSCALE_NATIVE.
     s = (_tanh_inputs() * (0.1 / cap)).float()
+    stats = torch.empty(*s.shape[:-1], 2)
     if not native.available():
         with pytest.raises(RuntimeError, match=native.NATIVE_ENV):
-            native.softcap_probs(s, cap, portable=portable)
+            native.softcap_exp(s, cap, stats, portable=portable)
         return
+    n = s.shape[-1]
+    rows = s[..., 0].numel()
+    # causality as counts: row r sees its first limit[r % len] keys (one row sees none)
+    limit = torch.arange(rows, dtype=torch.int64) * n // rows if limited else None
     sd = s.double()
-    z = (cap * torch.tanh(sd)).masked_fill(sd == float("-inf"), float("-inf"))
-    p_ref = torch.softmax(z, dim=-1)
-    p = native.softcap_probs(s, cap, portable=portable)
-    assert_close(p.double(), p_ref, rtol=1e-5, atol=1e-7)
+    seen = torch.ones(s.shape, dtype=torch.bool)
+    if limited:
+        seen = (torch.arange(n) < limit.view(*s.shape[:-1], 1))
+    z = (cap * torch.tanh(sd)).masked_fill((sd == float("-inf")) | ~seen, float("-inf"))
+    keyless = torch.isneginf(z).all(-1, keepdim=True)
+    p_ref = torch.softmax(z, dim=-1).masked_fill(keyless, 0.0)
+    e = native.softcap_exp(s, cap, stats, limit=limit, portable=portable)
+    assert_close(e.double() * stats[..., 1:].double(), p_ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(stats[..., 0].isneginf(), keyless.squeeze(-1))
     gen = torch.Generator().manual_seed(8)
     dp = torch.randn(s.shape, generator=gen)
-    delta = (p * dp).sum(-1, keepdim=True)
-    ds = native.softcap_grad(s, p, dp.clone(), delta, portable=portable)
-    ds_ref = p.double() * (dp.double() - delta.double()) * (1 - torch.tanh(sd) ** 2)
+    delta = (p_ref.float() * dp).sum(-1, keepdim=True)
+    p, ds = native.softcap_backward(s.clone(), dp.clone(), stats, delta, cap, limit=limit,
+                                   portable=portable)
+    assert_close(p.double(), p_ref, rtol=1e-5, atol=1e-7)
+    ds_ref = p_ref * (dp.double() - delta.double()) * (1 - torch.tanh(sd) ** 2)
     assert_close(ds.double(), ds_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not native.available(), reason="attnscale's compiled kernels are not built")
+@pytest.mark.parametrize("portable", [False, True, native.AVX2], ids=["native", "portable", "avx2"])
+def test_compiled_softcap_kernels_nan_rows(portable):
+    # A NaN among the keys a row sees makes the row NaN over those keys, forward and backward;
+    # the keys it does not see stay 0, and the other rows are untouched.
+    s = torch.randn(3, 40) * 0.01
+    s[1, 7] = float("nan")
+    stats = torch.empty(3, 2)
+    limit = torch.tensor([40, 20, 5])
+    e = native.softcap_exp(s, 50.0, stats, limit=limit, portable=portable)
+    assert torch.isnan(e[1, :20]).all() and torch.equal(e[1, 20:], torch.zeros(20))
+    assert torch.isnan(stats[1]).all() and torch.isfinite(e[[0, 2]]).all()
+    p, ds = native.softcap_backward(s.clone(), torch.ones(3, 40), stats, torch.zeros(3, 1), 50.0,
+                                    limit=limit, portable=portable)
+    assert torch.isnan(p[1, :20]).all() and torch.equal(p[1, 20:], torch.zeros(20))
+    assert torch.isnan(ds[1, :20]).all() and torch.isfinite(ds[[0, 2]]).all()
+    assert torch.equal(p[2, 5:], torch.zeros(35))
 
 
 def test_compiled_kernels_load_where_built():
@@ -247,18 +281,20 @@ def test_compiled_kernels_load_where_built():
 def test_typed_wrappers_refuse_bad_tensors(bad):
     # Checked before the library is touched, so the same errors where it is not built.
     s = torch.zeros(2, 3, 8)
-    p, dp, delta = torch.zeros_like(s), torch.zeros_like(s), torch.zeros(2, 3, 1)
+    dp, delta, stats = torch.zeros_like(s), torch.zeros(2, 3, 1), torch.zeros(2, 3, 2)
     if bad == "float64":
         with pytest.raises(ValueError, match=r"\bs\b.*float32"):
-            native.softcap_probs(s.double(), 1.0)
+            native.softcap_exp(s.double(), 1.0, stats)
     elif bad == "strided":
         with pytest.raises(ValueError, match=r"\bs\b.*unit stride"):
-            native.softcap_probs(s.transpose(1, 2), 1.0)
+            native.softcap_exp(s.transpose(1, 2), 1.0, stats)
     else:
+        with pytest.raises(ValueError, match=r"\bstats\b.*shape"):
+            native.softcap_exp(s, 1.0, stats[..., :1])
         with pytest.raises(ValueError, match=r"\bdp\b.*shape"):
-            native.softcap_grad(s, p, dp[..., :4], delta)
+            native.softcap_backward(s, dp[..., :4], stats, delta, 1.0)
         with pytest.raises(ValueError, match=r"\bdelta\b.*shape"):
-            native.softcap_grad(s, p, dp, delta[:1])
+            native.softcap_backward(s, dp, stats, delta[:1], 1.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include "entropy_kernel.h"
 #include "peak_kernel.h"
 #include "rectified_kernel.h"
+#include "rownorm_kernel.h"
 #undef vf
 #undef vi
 #undef KERNEL

@@ -1,18 +1,22 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
- * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h)
- * the row entropy and log-sum-exp of adaptive temperature (entropy_kernel.h) and the bfloat16
- * row max of the S_max screen (peak_kernel.h), and the per-row steps of softpick and
- * stick-breaking attention (rectified_kernel.h).
+ * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
+ * the row entropy and log-sum-exp of adaptive temperature and its bfloat16 screen
+ * (entropy_kernel.h), the bfloat16 row max of the S_max screen (peak_kernel.h), the per-row steps
+ * of softpick and stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward
+ * and backward (rownorm_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
- * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row, instead of the
- * twenty-odd whole-tensor passes of the PyTorch formulation.  The numerics are those of
- * attnscale.stats: everything is centred on the top logit z_t, with
- *     u_i = exp(z_i - z_2)  for every non-top key (z_2 = largest non-top logit, so u_i <= 1),
- *     m   = exp(z_2 - z_t),  S = m U1,  p_t = 1 / (1 + S),
+ * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row
+ * (a third for the rare near-one-hot row), instead of the twenty-odd whole-tensor passes of the
+ * PyTorch formulation.  The numerics are those of attnscale.stats: everything is centred on the
+ * top logit z_t, with
+ *     u_i = exp(z_i - z_ref)  for every non-top key,
+ *     m   = exp(z_ref - z_t),  S = m U1,  p_t = 1 / (1 + S),
  *     H   = log1p(S) - p_t m sum_i u_i (z_i - z_t),
  *     |J| = p_t m sqrt(p_t^2 U1^2 + (1 + 2 p_t^2) U2 - 2 p_t m U3 + (p_t m U2)^2),
- * where U_k = sum_{i != t} u_i^k >= 1, so nothing cancels and nothing underflows near one-hot.
+ * where U_k = sum_{i != t} u_i^k and z_ref = z_t while the largest u is at least 2^-40 (every
+ * u^k a normal float), else z_ref = z_2, the largest logit below the top (then U_k >= 1): nothing
+ * cancels and nothing underflows near one-hot (rowstats_kernel.h).
  * The logit std is the corrected two-pass formula around the row mean.
  *
  * Masked keys are -inf logits, and optionally every column at or beyond a per-row limit
@@ -81,14 +85,22 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #endif
 
 typedef void (*row_fn)(const float *, int64_t, double *);
-typedef void (*probs_fn)(const float *, int64_t, int64_t, float, float *);
-typedef void (*grad_fn)(const float *, const float *, float *, float, int64_t);
+typedef void (*softcap_exp_fn)(const float *, int64_t, int64_t, float, float *, float *);
+typedef void (*softcap_bwd_fn)(float *, float *, const float *, float, float, int64_t, int64_t);
 typedef void (*entropy_fn)(const float *, int64_t, double *);
+typedef void (*bf16_entropy_fn)(const uint16_t *, int64_t, float, double *);
 typedef float (*bf16_max_fn)(const uint16_t *, int64_t);
 typedef void (*softpick_probs_fn)(const float *, int64_t, int64_t, float *, float *);
 typedef void (*softpick_grad_fn)(const float *, float *, const float *, float, int64_t, int64_t);
 typedef void (*sb_probs_fn)(const float *, int64_t, int64_t, float *);
 typedef void (*sb_grad_fn)(const float *, float *, float *, int64_t, int64_t);
+typedef void (*rownorm_fwd_fn)(const float *, float *, float *, const float *, int64_t, int64_t,
+                               int64_t, const int64_t *, const int64_t *, int64_t, int, float,
+                               float, int64_t, int64_t);
+typedef void (*rownorm_bwd_fn)(const float *, const float *, float *, const float *,
+                               const float *, double *, float *, int64_t, int64_t, int64_t,
+                               const int64_t *, const int64_t *, const int64_t *, int64_t, int,
+                               float, int64_t, int64_t, int64_t);
 
 /* The build a call runs: 2 = AVX-512, 1 = AVX2, 0 = the portable 128-bit one.  ``portable`` caps
  * it: 0 = the best this CPU runs, 1 = the portable build, 2 = AVX2 at most (to test each). */
@@ -119,6 +131,18 @@ const char *attnscale_kernels_isa(void) {
     return names[build_level(0)];
 }
 
+/* Whether the CPU has AVX512_BF16 (bfloat16 dot products, AMD Zen 4 and later, Intel Cooper Lake
+ * and Sapphire Rapids): oneDNN then runs a bfloat16 q k^T about 4x faster than float32 (80 ->
+ * 346 GFLOPS on one core of an AMD EPYC Zen 5, measured), as AMX does on Intel. */
+int attnscale_cpu_bf16(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 static int64_t row_limit(const int64_t *limit, int64_t period, int64_t r, int64_t width) {
     if (!limit) return width;
     int64_t l = limit[r % period];
@@ -140,27 +164,30 @@ int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
- * steps. */
-int attnscale_kernels_version(void) { return 5; }
+ * steps, 6 = the RMSNorm kernels, attnscale_cpu_bf16 and the soft-cap forward keeping each
+ * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
+ * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy. */
+int attnscale_kernels_version(void) { return 6; }
 
-/* Soft-cap weights of rows [row0, row1): p = softmax(cap tanh(s)) over the first n_r keys
- * (n_r as for attnscale_row_stats) whose s > -inf; 0 elsewhere; NaN over those n_r keys if one
- * of them is NaN.  s and p: rows of stride ld; p may be s. */
-void attnscale_softcap_probs(const float *s, float *p, int64_t width, int64_t ld,
-                             const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
-                             float cap, int portable) {
-    probs_fn row = PICK(softcap_probs_row, portable);
+/* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap
+ * tanh(s) - m) unnormalised, stats (m, 1 / sum) per row (two floats); e may be s. */
+void attnscale_softcap_exp(const float *s, float *e, int64_t width, int64_t ld,
+                           const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                           float cap, float *stats, int portable) {
+    softcap_exp_fn row = PICK(softcap_exp_row, portable);
     for (int64_t r = row0; r < row1; r++)
-        row(s + r * ld, row_limit(limit, period, r, width), width, cap, p + r * ld);
+        row(s + r * ld, row_limit(limit, period, r, width), width, cap, e + r * ld, stats + 2 * r);
 }
 
-/* Soft-cap backward of rows [row0, row1), in place on dp:
- * dp <- p (dp - delta[r]) (1 - tanh^2(s)).  s, p, dp: rows of stride ld. */
-void attnscale_softcap_grad(const float *s, const float *p, float *dp, const float *delta,
-                            int64_t width, int64_t ld, int64_t row0, int64_t row1, int portable) {
-    grad_fn row = PICK(softcap_grad_row, portable);
+/* Soft-cap backward of rows [row0, row1) in one pass, from the forward's stats:
+ * s <- p, dp <- p (dp - delta[r]) (1 - tanh^2 s). */
+void attnscale_softcap_backward(float *s, float *dp, const float *stats, const float *delta,
+                                int64_t width, int64_t ld, const int64_t *limit, int64_t period,
+                                int64_t row0, int64_t row1, float cap, int portable) {
+    softcap_bwd_fn row = PICK(softcap_backward_row, portable);
     for (int64_t r = row0; r < row1; r++)
-        row(s + r * ld, p + r * ld, dp + r * ld, delta[r], width);
+        row(s + r * ld, dp + r * ld, stats + 2 * r, delta[r], cap,
+            row_limit(limit, period, r, width), width);
 }
 
 /* Entropy and log-sum-exp of softmax over rows [row0, row1) of z (columns as for
@@ -171,6 +198,17 @@ void attnscale_row_entropy(const float *z, int64_t width, int64_t ld, const int6
     entropy_fn row = PICK(entropy_row, portable);
     for (int64_t r = row0; r < row1; r++)
         row(z + r * ld, row_limit(limit, period, r, width), out + 2 * r);
+}
+
+/* Entropy, largest logit and the logits' standard deviation under softmax over rows
+ * [row0, row1) of scale times bfloat16 z (columns as for attnscale_row_stats, scale > 0); out:
+ * three doubles per row. */
+void attnscale_bf16_row_entropy(const uint16_t *z, int64_t width, int64_t ld,
+                                const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                                float scale, double *out, int portable) {
+    bf16_entropy_fn row = PICK(bf16_entropy_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(z + r * ld, row_limit(limit, period, r, width), scale, out + 3 * r);
 }
 
 /* Max of each of rows [row0, row1) of bfloat16 z (rows of stride ld, width keys): out[r]. */
@@ -217,4 +255,27 @@ void attnscale_stick_breaking_grad(const float *s, float *p, float *dp, int64_t 
     sb_grad_fn row = PICK(stick_breaking_grad_row, portable);
     for (int64_t r = row0; r < row1; r++)
         row(s + r * ld, p + r * ld, dp + r * ld, row_limit(limit, period, r, width), width);
+}
+
+/* RMSNorm forward of tokens [t0, t1) (see rownorm_kernel.h): x (rows of d floats at a xs[0] +
+ * h xs[1] + c xs[2]) -> y (strides ys), rho per row or, grouped, per token over its n_h rows;
+ * w the gain (row h at w + h w_h) or NULL. */
+void attnscale_rownorm_forward(const float *x, float *y, float *rho, const float *w, int64_t d,
+                               int64_t n_h, int64_t n_c, const int64_t *xs, const int64_t *ys,
+                               int64_t w_h, int grouped, float m, float eps, int64_t t0,
+                               int64_t t1, int portable) {
+    rownorm_fwd_fn run = PICK(rownorm_forward, portable);
+    run(x, y, rho, w, d, n_h, n_c, xs, ys, w_h, grouped, m, eps, t0, t1);
+}
+
+/* RMSNorm backward of tokens [t0, t1): dx from x, g and the forward's rho; the gain's gradient
+ * added into dw (doubles, NULL: none) through the float scratch part, folded at every multiple
+ * of fold (>= 1) tokens. */
+void attnscale_rownorm_backward(const float *x, const float *g, float *dx, const float *rho,
+                                const float *w, double *dw, float *part, int64_t d, int64_t n_h,
+                                int64_t n_c, const int64_t *xs, const int64_t *gs,
+                                const int64_t *dxs, int64_t w_h, int grouped, float m, int64_t fold,
+                                int64_t t0, int64_t t1, int portable) {
+    rownorm_bwd_fn run = PICK(rownorm_backward, portable);
+    run(x, g, dx, rho, w, dw, part, d, n_h, n_c, xs, gs, dxs, w_h, grouped, m, fold, t0, t1);
 }

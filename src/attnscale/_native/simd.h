@@ -25,6 +25,28 @@ static inline vf KERNEL(vmax)(vf a, vf b) {
 #endif
 }
 
+/* Whether any lane of a comparison mask is set: one test instruction on x86. */
+static inline int KERNEL(any)(vi mask) {
+#if defined(__x86_64__) && W == 16
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__x86_64__) && W == 8
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#elif defined(__x86_64__) && W == 4
+    return _mm_movemask_ps((__m128)mask) != 0;
+#else
+    int any = 0;
+    for (int j = 0; j < W; j++) any |= mask[j] != 0;
+    return any;
+#endif
+}
+
+/* Lane indices 0, 1, ..., W - 1. */
+static inline vi KERNEL(iota)(void) {
+    vi v;
+    for (int j = 0; j < W; j++) v[j] = j;
+    return v;
+}
+
 /* W keys from i on; keys at or beyond n read as -inf (masked). */
 static inline vf KERNEL(load)(const float *z, int64_t i, int64_t n) {
     vf v;
@@ -67,10 +89,32 @@ static inline vf KERNEL(expm1_reduced)(vf x, vf *two_k) {
 }
 
 /* exp(x) for x <= 0, x = -inf allowed, within ~2 ulp; 0 below -87, where exp(x) < 1.7e-38 and,
- * added to a sum >= 1, changes nothing. */
+ * added to a sum >= 1, changes nothing.  NaN stays NaN.  On AVX-512 the same reduction and
+ * polynomial with one rounding instruction for k and VSCALEFPS for 2^k (about a third fewer
+ * instructions than building 2^k from its bits). */
+#if defined(__x86_64__) && W == 16
+static inline vf KERNEL(exp_nonpositive)(vf x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __m512 xv = (__m512)x;
+    __mmask16 keep = _mm512_cmp_ps_mask(xv, lo, _CMP_NLT_UQ);    /* x >= -87 or NaN */
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), xv);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return (vf)_mm512_maskz_scalef_ps(keep, e, k);
+}
+#else
 static inline vf KERNEL(exp_nonpositive)(vf x) {
     const vf lo = KERNEL(splat)(-87.0f);
     vi tiny = x < lo;
     vf two_k, q = KERNEL(expm1_reduced)(KERNEL(sel)(tiny, lo, x), &two_k);
     return KERNEL(sel)(tiny, KERNEL(splat)(0.0f), (q + 1.0f) * two_k);
 }
+#endif

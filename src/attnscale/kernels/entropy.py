@@ -9,23 +9,45 @@ with p = softmax(z) and H = -Σ p_i ln p_i, ∂H/∂z_i = -p_i (ln p_i + H) = -p
 dZ = g_H ∘ ∂H/∂z, dQ = dZ K and dK = dZᵀ Q.  Blocks are cut as in the soft-cap kernel, and a
 block whose rows get no gradient (g_H = 0: adaptive-temp's β is clamped at 1 there, as for every
 high-entropy row) is skipped, so the backward costs only where the entropy steers the output.
+
+**The bfloat16 screen.**  A caller that needs the exact entropy only of some rows (adaptive-temp:
+where β(H) may exceed 1) says which, from bounds on each row's entropy.  On a CPU whose bfloat16
+matmuls are fast (AMX, AVX512_BF16: :func:`attnscale.kernels.peak.bf16_fast`, about 4x float32)
+float32 input is then scored in bfloat16 first: every logit z̃ = s q̃·k̃ is within ε_i = s e_i of
+the float32 one (e_i the proven bound of :func:`attnscale.kernels.peak.screen_error`), and along
+the segment ζ_t = z̃ + t (z - z̃) the entropy changes at |dH/dt| = |Cov_{p_t}(ζ_t, z - z̃)| <=
+σ_t ε_i, where the weights p_t are within a factor e^{2 ε_i} of z̃'s, so the standard deviation
+σ_t of ζ_t under them is at most e^{ε_i} (σ̃ + ε_i), σ̃ that of z̃ under its own softmax: |H - H̃|
+<= ε_i e^{ε_i} (σ̃ + ε_i) (plus a slack for the kernel's own float sums).  Only the rows the caller still
+needs are scored again in float32 (gathered, or the whole block where most of its rows need
+it); the others keep H̃ (within their bounds).  At B4 H8 N1024 d64 with random q and k no row
+falls in adaptive-temp's window, and none needs the exact pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from attnscale.kernels import native
-from attnscale.kernels.rowsubset import RowSubset, hidden_rows, masked
-from attnscale.kernels.softcap import _Tiles
+from attnscale.kernels import native, peak
+from attnscale.kernels.rowsubset import RowSubset, block_hidden, hidden_rows, masked
+from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.precision import all_finite
 from attnscale.workers import parallel_map, workers_for
+
+# Which rows need their exact entropy, from bounds (lo, hi) on each (see entropy_forward).
+ExactWhere = Callable[[Tensor, Tensor], Tensor]
 
 
 # Logits per block of the forward pass: one head of 1024 x 1024 (4 MiB in float32); measured
 # 10% faster than half that at B4 H8 N1024 d64 (fewer calls), and no faster at twice.
 ENTROPY_BLOCK_ELEMENTS = 1 << 20
+# The bfloat16 screen (on CPUs where bfloat16 matmuls are fast): logits per block of its pass, and
+# an absolute slack on each row's entropy bound for the float rounding of the kernel's own sums.
+SCREEN_BLOCK_ELEMENTS = 1 << 20
+SCREEN_SLACK = 1e-4
 # The backward scores only the rows that receive a gradient, gathered, when they are at most
 # this fraction of all rows (adaptive-temp at init: 8 of 32768 at B4 H8 N1024 d64); otherwise it
 # goes block by block, skipping blocks without one.
@@ -72,33 +94,153 @@ def _entropy(z: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
-                    block_elements: int = ENTROPY_BLOCK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                    block_elements: int = ENTROPY_BLOCK_ELEMENTS, *,
+                    exact_where: ExactWhere | None = None) -> tuple[Tensor, Tensor]:
     """(H, lse) of softmax(scale · q kᵀ) per query, each (B, H, Nq, 1) in q's dtype, without
-    autograd; q and k contiguous (see :func:`row_entropy`)."""
+    autograd; q and k contiguous (see :func:`row_entropy`).
+
+    ``exact_where``: given, the rows may go through the bfloat16 screen (module doc) where it
+    applies; it receives float64 bounds (lo, hi), (rows, Nq, 1), that the entropy of each row of
+    some consecutive (batch, head) pairs lies within (with one worker thread, every row at once:
+    (B·H, Nq, 1)) and returns the rows (bool, same shape) whose exact H and lse the caller needs:
+    it must decide row by row.  The other rows get H within their bounds and a finite stand-in
+    for lse.
+    """
+    if exact_where is not None and screen_applies(q, k, scale):
+        screened = _screened(q, k, mask, causal, scale, exact_where)
+        if screened is not None:
+            return screened
     ent = q.new_empty(*q.shape[:-1], 1)                                   # (B, H, Nq, 1)
     lse = q.new_empty(*q.shape[:-1], 1)                                   # kept for backward
-    tiles = _Tiles(q, k, mask, causal, block_elements)
+    tiles = Tiles(q, k, mask, causal, block_elements)
     groups = list(tiles.groups())
     native_entropy = q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
+    scratch = Scratch(tiles.block_elements(), q.dtype, 1, q.device)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where
         k_g = k[b, heads]
         for i, (q_blk, ent_blk, lse_blk) in enumerate(zip(*tiles.split(b, heads, q, ent, lse))):
-            z = tiles.hide(_scores(q_blk, k_g[:, :tiles.n_keys(i)].transpose(1, 2), scale),
-                           b, heads, i)
+            z = scratch.scores(0, q_blk, k_g[:, :tiles.n_keys(i)], scale)
             if native_entropy:  # the compiled entropy kernel: H and lse in two passes
-                rows = native.row_entropy(z)
+                rows = native.row_entropy(tiles.hide_masked(z, b, heads, i),
+                                          limit=tiles.causal_counts(i, z.shape[1]))
                 ent_blk.copy_(rows[..., :1])
                 lse_blk.copy_(rows[..., 1:])
             else:
-                h_blk, l_blk = _entropy(z)
+                h_blk, l_blk = _entropy(tiles.hide(z, b, heads, i))
                 ent_blk.copy_(h_blk)
                 lse_blk.copy_(l_blk)
 
     with torch.no_grad():
         parallel_map(group, groups, workers_for(q.device, len(groups)))
     return ent, lse
+
+
+def screen_applies(q: Tensor, k: Tensor, scale: float) -> bool:
+    """Whether :func:`entropy_forward` may screen this call in bfloat16: float32 on a CPU whose
+    bfloat16 matmuls are fast (:func:`attnscale.kernels.peak.bf16_fast`), with the compiled
+    kernels, a positive float scale and at least :data:`attnscale.kernels.peak.SCREEN_MIN_ELEMENTS`
+    logits."""
+    return (q.dtype == torch.float32 and q.device.type == "cpu" and isinstance(scale, float)
+            and scale > 0 and native.available() and peak.bf16_fast()
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] >= peak.SCREEN_MIN_ELEMENTS)
+
+
+def _screened(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
+              exact_where: ExactWhere) -> tuple[Tensor, Tensor] | None:
+    """:func:`entropy_forward` through the bfloat16 screen, or None where it cannot bound a row
+    (a NaN or inf in q or k, a logit overflowing bfloat16).  The head groups are cut into one
+    run of consecutive groups per worker, and each worker does its run's whole work (bfloat16
+    copies, norms, screen, bounds and exact rows): with several threads, a torch op outside the
+    workers is an OpenMP team that stalls whenever a core is taken, and the bounds' elementwise
+    ops run once per run rather than once per block."""
+    b, h, n_q, d = q.shape
+    ent = q.new_empty(b, h, n_q, 1)
+    lse = q.new_empty(b, h, n_q, 1)
+    est = torch.empty(b, h, n_q, 3, dtype=torch.float32)   # (H̃, max z̃, σ̃) per row
+    q_norm = torch.empty(b, h, n_q, 1, dtype=torch.float64)
+    k_norm = torch.empty(b, h, 1, 1, dtype=torch.float64)
+    tiles = Tiles(q, k, mask, causal, SCREEN_BLOCK_ELEMENTS)
+    scratch = Scratch(tiles.block_elements(), torch.bfloat16, 1)
+    exact = Scratch(tiles.block_elements(), q.dtype, 1)
+    groups = list(tiles.groups())
+    workers = workers_for(q.device, len(groups))
+    runs = [groups[w * len(groups) // workers:(w + 1) * len(groups) // workers]
+            for w in range(workers)]
+    failed = []
+
+    def run(where: list[tuple[int, slice]]) -> None:
+        for bi, heads in where:
+            k_g = k[bi, heads]
+            k_norm[bi, heads] = torch.linalg.vector_norm(k_g, dim=-1).amax(dim=-1).view(-1, 1, 1)
+            q_norm[bi, heads] = torch.linalg.vector_norm(q[bi, heads], dim=-1, keepdim=True)
+            k16 = k_g.bfloat16()
+            for i, (q_blk, est_blk) in enumerate(zip(*tiles.split(bi, heads, q, est))):
+                z = tiles.hide_masked(scratch.scores(0, q_blk.bfloat16(),
+                                                     k16[:, :tiles.n_keys(i)]), bi, heads, i)
+                est_blk.copy_(native.bf16_row_entropy(z, scale,
+                                                      limit=tiles.causal_counts(i, z.shape[1])))
+        # the run's rows: consecutive (batch, head) pairs, (heads, Nq, ·)
+        first, last = where[0], where[-1]
+        lo_row, hi_row = first[0] * h + first[1].start, last[0] * h + last[1].stop
+        rows = slice(lo_row, hi_row)
+        approx, top, sd = est.flatten(0, 1)[rows].double().split(1, dim=-1)
+        # |z̃ - fl(z)| <= eps on every key of a row (attnscale.kernels.peak.screen_error), so
+        # |H - H̃| <= eps e^eps (σ̃ + eps) (module doc); a keyless row is 0 either way
+        eps = scale * peak.screen_error(q_norm.flatten(0, 1)[rows], k_norm.flatten(0, 1)[rows], d)
+        bound = eps * torch.exp(eps) * (sd + eps) + SCREEN_SLACK * (1 + approx.abs())
+        if not bool(torch.isfinite(bound).all()):
+            failed.append(True)              # a NaN or inf in q or k, or a bfloat16 overflow
+            return
+        keyless = torch.isneginf(top)
+        bound = torch.where(keyless, 0.0, bound)
+        ent.flatten(0, 1)[rows] = approx.to(q.dtype)
+        lse.flatten(0, 1)[rows] = torch.where(keyless, 0.0, top).to(q.dtype)  # a stand-in
+        need = exact_where(approx - bound, approx + bound).squeeze(-1)   # (heads, Nq)
+        if not bool(need.any()):
+            return
+        need = need.view(-1, n_q)
+        for bi, heads in where:
+            k_g = k[bi, heads]
+            row0 = bi * h + heads.start - lo_row
+            need_g = need[row0:row0 + heads.stop - heads.start]
+            for i, (q_blk, ent_blk, lse_blk, need_blk) in enumerate(zip(
+                    *tiles.split(bi, heads, q, ent, lse), need_g.split(tiles.rows, dim=1))):
+                if bool(need_blk.any()):
+                    _exact_rows(q_blk, k_g[:, :tiles.n_keys(i)], tiles, bi, heads, i, scale,
+                                need_blk, tiles.causal_counts(i, q_blk.shape[1]), ent_blk,
+                                lse_blk, exact)
+
+    parallel_map(run, [r for r in runs if r], workers)
+    return None if failed else (ent, lse)
+
+
+def _exact_rows(q_blk: Tensor, k_g: Tensor, tiles: Tiles, bi: int, heads: slice, i: int,
+                scale: float, need: Tensor, limit: Tensor | None, ent_blk: Tensor,
+                lse_blk: Tensor, scratch: Scratch) -> None:
+    """(H, lse) in float32, as the unscreened path forms them, of the rows of block i that
+    ``need`` (h, r) selects, into ``ent_blk`` and ``lse_blk`` (h, r, 1): gathered, or the whole
+    block where most of its rows need it.  q_blk (h, r, d), k_g (h, n_k, d)."""
+    if int(need.sum()) * 2 > need.numel():
+        z = scratch.scores(0, q_blk, k_g, scale)
+        rows = native.row_entropy(tiles.hide_masked(z, bi, heads, i), limit=limit)
+        ent_blk.copy_(rows[..., :1])
+        lse_blk.copy_(rows[..., 1:])
+        return
+    for hh in range(q_blk.shape[0]):
+        idx = need[hh].nonzero().squeeze(-1)
+        if idx.numel() == 0:
+            continue
+        z = _scores(q_blk[hh, idx].unsqueeze(0), k_g[hh:hh + 1].transpose(1, 2), scale)  # (1, c, n)
+        if tiles.hidden is not None:
+            i0, head = i * tiles.rows, heads.start + hh
+            hid = block_hidden(tiles.hidden, bi, slice(head, head + 1), i0, i0 + q_blk.shape[1],
+                               k_g.shape[1])
+            z.masked_fill_(hid[:, idx] if hid.shape[1] > 1 else hid, float("-inf"))
+        rows = native.row_entropy(z, limit=None if limit is None else limit[idx])
+        ent_blk[hh, idx] = rows[0, :, :1].to(ent_blk.dtype)
+        lse_blk[hh, idx] = rows[0, :, 1:].to(lse_blk.dtype)
 
 
 def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
@@ -129,7 +271,8 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
     keep = 0.0 if into is None else 1.0                                   # dQ = s dZ K (+ into)
     # dKᵀ (B, H, d, Nk) when dK is returned on its own: the layout baddbmm writes fastest
     dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2]) if into_k is None else None
-    tiles = _Tiles(q, k, mask, causal, block_elements)
+    tiles = Tiles(q, k, mask, causal, block_elements)
+    scratch = Scratch(tiles.block_elements(), q.dtype, 1, q.device)
 
     def group(where: tuple[int, slice]) -> None:
         b, heads = where
@@ -145,7 +288,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                     dq_blk.zero_()
                 continue
             n_k = tiles.n_keys(i)
-            z = tiles.hide(_scores(q_blk, k_g[:, :n_k].transpose(1, 2), scale), b, heads, i)
+            z = tiles.hide(scratch.scores(0, q_blk, k_g[:, :n_k], scale), b, heads, i)
             z.sub_(lse_blk)                                               # ln p, -inf if masked
             hidden = torch.isneginf(z)                                    # masked keys
             p = torch.exp(z)                                              # 0 at masked keys

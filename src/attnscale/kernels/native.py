@@ -9,14 +9,18 @@ caller uses its PyTorch formulation instead:
 
 * :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
-* the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature);
+* the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature),
+  and its bfloat16 screen's entropy, top logit and spread of bfloat16 rows;
 * the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen;
 * the per-row steps of softpick and stick-breaking attention (:mod:`attnscale.kernels.softpick`,
-  :mod:`attnscale.kernels.stick_breaking`).
+  :mod:`attnscale.kernels.stick_breaking`);
+* qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_max`,
-:func:`softcap_probs`, :func:`softcap_grad` and the softpick and stick-breaking wrappers, which check dtype, device, layout and shapes and
-pass pointers and strides on; nothing else in attnscale touches ``data_ptr``.  Each takes
+Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
+:func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`, the softpick and
+stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype,
+device, layout and shapes and pass pointers and strides on; nothing else in attnscale touches
+``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot products.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import math
 import os
 
 import torch
@@ -41,7 +46,7 @@ NATIVE_ENV = "ATTNSCALE_NATIVE"
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,25 +68,36 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_stats.restype = None
-    lib.attnscale_softcap_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64,
-                                            ctypes.c_float, flag]
-    lib.attnscale_softcap_probs.restype = None
-    lib.attnscale_softcap_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, flag]
-    lib.attnscale_softcap_grad.restype = None
+    lib.attnscale_softcap_exp.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
+                                          ptr, flag]
+    lib.attnscale_softcap_exp.restype = None
+    lib.attnscale_softcap_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
+                                               ctypes.c_float, flag]
+    lib.attnscale_softcap_backward.restype = None
     lib.attnscale_row_entropy.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_entropy.restype = None
     lib.attnscale_bf16_row_max.argtypes = [ptr, i64, i64, i64, i64, ptr, flag]
     lib.attnscale_bf16_row_max.restype = None
+    lib.attnscale_bf16_row_entropy.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
+                                               ptr, flag]
+    lib.attnscale_bf16_row_entropy.restype = None
     lib.attnscale_softpick_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_softpick_grad.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
                                             flag]
     lib.attnscale_stick_breaking_probs.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, flag]
     lib.attnscale_stick_breaking_grad.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64,
                                                   flag]
+    lib.attnscale_rownorm_forward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,
+                                              flag, ctypes.c_float, ctypes.c_float, i64, i64,
+                                              flag]
+    lib.attnscale_rownorm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                               ptr, ptr, ptr, i64, flag, ctypes.c_float, i64,
+                                               i64, i64, flag]
     for name in ("softpick_probs", "softpick_grad", "stick_breaking_probs",
-                 "stick_breaking_grad"):
+                 "stick_breaking_grad", "rownorm_forward", "rownorm_backward"):
         getattr(lib, f"attnscale_{name}").restype = None
     lib.attnscale_kernels_isa.restype = ctypes.c_char_p
+    lib.attnscale_cpu_bf16.restype = ctypes.c_int
     lib.attnscale_row_stats_columns.restype = ctypes.c_int
     version.restype = ctypes.c_int
     if version() != KERNELS_VERSION or lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
@@ -99,6 +115,13 @@ def isa() -> str | None:
     unavailable."""
     lib = library()
     return None if lib is None else lib.attnscale_kernels_isa().decode()
+
+
+def cpu_bf16() -> bool:
+    """Whether the CPU has AVX512_BF16 (bfloat16 dot products); False where the kernels are
+    unavailable."""
+    lib = library()
+    return lib is not None and bool(lib.attnscale_cpu_bf16())
 
 
 def require() -> ctypes.CDLL:
@@ -193,6 +216,28 @@ def row_entropy(z: Tensor, *, limit: Tensor | None = None, portable: int = False
     return out
 
 
+def bf16_row_entropy(z: Tensor, scale: float, *, limit: Tensor | None = None,
+                     portable: int = False) -> Tensor:
+    """Entropy H (nats) of softmax(scale · z) over the last dimension of bfloat16 CPU logits
+    ``z`` (..., n), ``scale`` > 0, with the row's largest logit scale · z and an upper bound on
+    the standard deviation of the logits under its softmax (its float sums' rounding allowed
+    for): float64 (..., 3).  Masking, and H for rows
+    without a key or with NaN / +inf, as for :func:`row_entropy`; a row without a key gives
+    (0, -inf, 0), one with a NaN or +inf NaN throughout.  One thread."""
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    rows, width, ld = _rows("z", z, torch.bfloat16)
+    out = torch.empty(*z.shape[:-1], 3, dtype=torch.float64)
+    if rows and width:
+        limit_ptr, period = _limit(limit)
+        require().attnscale_bf16_row_entropy(z.data_ptr(), width, ld, limit_ptr, period, 0, rows,
+                                             float(scale), out.data_ptr(), int(portable))
+    else:
+        out.zero_()
+        out[..., 1] = -math.inf
+    return out
+
+
 def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
     """Max over the last dimension of bfloat16 CPU ``z`` (..., n), as float32 (...); -inf for a
     row of -inf or of no key.  NaN entries are skipped (callers check finiteness).  One thread."""
@@ -204,43 +249,37 @@ def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
     return out
 
 
-def softcap_probs(s: Tensor, cap: float, *, out: Tensor | None = None,
-                  limit: Tensor | None = None, portable: int = False) -> Tensor:
-    """Soft-cap attention weights p = softmax(cap · tanh(s)) of float32 logits ``s`` (..., n).
-
-    ``s = -inf`` marks a masked key; row r of the flattened rows sees only its first
-    ``limit[r % len(limit)]`` keys (causality without a mask).  Masked entries and rows without
-    a key are 0; a row holding NaN among the keys it sees is NaN there.  ``out`` (default: a new
-    tensor) may be ``s`` itself.  Returns ``out``.
-    """
+def softcap_exp(s: Tensor, cap: float, stats: Tensor, *, out: Tensor | None = None,
+                limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """The soft-cap forward's weights unnormalised: e = exp(cap · tanh(s) - m) of float32 logits
+    ``s`` (..., n), m the row's largest cap · tanh(s), with ``stats`` (..., 2) float32 receiving
+    (m, 1 / Σ e) per row: the weights are e · stats[..., 1:].  ``s = -inf`` marks a masked key
+    and row r of the flattened rows sees only its first ``limit[r % len(limit)]`` keys
+    (causality without a mask); the others get e = 0.  A row holding NaN among the keys it sees
+    is NaN there (stats (NaN, NaN)), a row without a key all 0 (stats (-inf, 0)).  ``out``
+    (default new) may be ``s``.  Returns ``out``."""
     rows, width, ld = _rows("s", s)
-    if out is None:
-        out = torch.empty_strided(s.shape, s.stride(), dtype=s.dtype)
-    _same_rows("out", out, s, ld)
+    out = _out_like(s, out, ld)
+    _row_pair("stats", stats, s, 2)
     limit_ptr, period = _limit(limit)
-    require().attnscale_softcap_probs(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr, period,
-                                      0, rows, float(cap), int(portable))
+    if rows:
+        require().attnscale_softcap_exp(s.data_ptr(), out.data_ptr(), width, ld, limit_ptr, period,
+                                        0, rows, float(cap), stats.data_ptr(), int(portable))
     return out
 
 
-def softcap_grad(s: Tensor, p: Tensor, dp: Tensor, delta: Tensor, *,
-                 portable: int = False) -> Tensor:
-    """The soft-cap backward in place on ``dp``: dp ← p ∘ (dp − δ) ∘ (1 − tanh²(s)).
-
-    ``s`` (the logits :func:`softcap_probs` was given), ``p`` (its weights) and ``dp`` (dL/dp) are
-    float32 (..., n) of one layout; ``delta`` holds one float32 per row (..., 1).  Returns ``dp``.
-    """
-    rows, width, ld = _rows("s", s)
-    _same_rows("p", p, s, ld)
-    _same_rows("dp", dp, s, ld)
-    if delta.shape != (*s.shape[:-1], 1):
-        raise ValueError(f"delta must have shape {(*s.shape[:-1], 1)}, got {tuple(delta.shape)}")
-    if delta.dtype != torch.float32 or delta.device.type != "cpu":
-        raise ValueError(f"delta must be float32 on the CPU, got {delta.dtype} on {delta.device}")
-    delta = delta.contiguous()
-    require().attnscale_softcap_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), delta.data_ptr(),
-                                     width, ld, 0, rows, int(portable))
-    return dp
+def softcap_backward(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor, cap: float, *,
+                     limit: Tensor | None = None, portable: int = False) -> tuple[Tensor, Tensor]:
+    """The soft-cap backward in one pass over a block, in place: ``s`` (the logits the forward
+    had, float32 (..., n)) becomes the weights p = exp(cap · tanh(s) - m) / Σ from the forward's
+    :func:`softcap_exp` ``stats``, and ``dp`` (dL/dp) becomes p ∘ (dp - δ) ∘ (1 - tanh² s), with
+    ``delta`` δ (..., 1) per row.  Keys masked or beyond ``limit`` get p = 0.  Returns (p, dp)."""
+    rows, width, ld, delta, limit_ptr, period = _backward_rows(s, dp, stats, delta, limit)
+    if rows:
+        require().attnscale_softcap_backward(s.data_ptr(), dp.data_ptr(), stats.data_ptr(),
+                                             delta.data_ptr(), width, ld, limit_ptr, period, 0,
+                                             rows, float(cap), int(portable))
+    return s, dp
 
 
 def _row_pair(name: str, t: Tensor, like: Tensor, width: int = 1) -> Tensor:
@@ -251,6 +290,18 @@ def _row_pair(name: str, t: Tensor, like: Tensor, width: int = 1) -> Tensor:
         raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {want}, got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device}")
     return t
+
+
+def _backward_rows(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor,
+                   limit: Tensor | None) -> tuple:
+    """The checked arguments of a row backward reading logits ``s``, writing ``dp`` in place,
+    with two floats of forward ``stats`` and one ``delta`` per row: (rows, width, row stride,
+    delta contiguous, limit pointer, limit period)."""
+    rows, width, ld = _rows("s", s)
+    _same_rows("dp", dp, s, ld)
+    _row_pair("stats", stats, s, 2)
+    delta = _row_pair("delta", delta.contiguous(), s)
+    return (rows, width, ld, delta, *_limit(limit))
 
 
 def _out_like(s: Tensor, out: Tensor | None, ld: int) -> Tensor:
@@ -281,11 +332,7 @@ def softpick_grad(s: Tensor, dp: Tensor, stats: Tensor, delta: Tensor, *,
     """Softpick's backward in place on ``dp`` (dL/dp -> dL/ds), from the logits ``s``,
     :func:`softpick_probs`' ``stats`` and ``delta`` = Σ_j dp_j p_j per row (..., 1).  Returns
     ``dp``."""
-    rows, width, ld = _rows("s", s)
-    _same_rows("dp", dp, s, ld)
-    _row_pair("stats", stats, s, 2)
-    delta = _row_pair("delta", delta.contiguous(), s)
-    limit_ptr, period = _limit(limit)
+    rows, width, ld, delta, limit_ptr, period = _backward_rows(s, dp, stats, delta, limit)
     if rows:
         require().attnscale_softpick_grad(s.data_ptr(), dp.data_ptr(), stats.data_ptr(),
                                           delta.data_ptr(), width, ld, limit_ptr, period, 0,
@@ -321,3 +368,100 @@ def stick_breaking_grad(s: Tensor, p: Tensor, dp: Tensor, *, limit: Tensor | Non
         require().attnscale_stick_breaking_grad(s.data_ptr(), p.data_ptr(), dp.data_ptr(), width,
                                                 ld, limit_ptr, period, 0, rows, int(portable))
     return dp
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm rows (qk-rmsnorm): x (A, H, C, d) addressed by strides, one token = (a, c)
+
+# Tokens whose float partial sums of the gain's gradient are added into its float64 total at
+# once (at token indices that are multiples of it): 64 float terms per sum.
+FOLD_TOKENS = 64
+
+
+class RowGeometry:
+    """How the RMSNorm kernels address x (A, H, C, d): the sizes, and per tensor the float
+    strides of its a, h and c dimensions (each row d floats of unit stride)."""
+
+    def __init__(self, x: Tensor):
+        if x.dim() != 4:
+            raise ValueError(f"x must be (A, H, C, d), got shape {tuple(x.shape)}")
+        self.n_a, self.n_h, self.n_c, self.d = x.shape
+        self.tokens = self.n_a * self.n_c
+
+    def strides(self, name: str, t: Tensor) -> ctypes.Array:
+        """t's (a, h, c) strides as a C int64 array; ValueError unless t is float32 CPU of x's
+        shape with rows of unit stride."""
+        if t.shape != (self.n_a, self.n_h, self.n_c, self.d) or t.dtype != torch.float32 \
+                or t.device.type != "cpu" or (self.d > 1 and t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 on the CPU, of shape "
+                             f"{(self.n_a, self.n_h, self.n_c, self.d)} with rows of unit "
+                             f"stride; got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        return (ctypes.c_int64 * 3)(*t.stride()[:3])
+
+    def check(self, rho: Tensor, grouped: bool, span: tuple[int, int]) -> tuple[int, int]:
+        """``span`` (t0, t1), after checking it and ``rho``: contiguous float32 (A, H, C), or
+        (A, C) when ``grouped``."""
+        want = (self.n_a, self.n_c) if grouped else (self.n_a, self.n_h, self.n_c)
+        if rho.shape != want or rho.dtype != torch.float32 or not rho.is_contiguous():
+            raise ValueError(f"rho must be a contiguous float32 {want}")
+        t0, t1 = span
+        if not 0 <= t0 <= t1 <= self.tokens:
+            raise ValueError(f"span must lie within [0, {self.tokens}], got {span}")
+        return t0, t1
+
+
+def _gain(gain: Tensor | None, geometry: RowGeometry) -> tuple[int | None, int]:
+    """Pointer and per-row stride of a gain: (d,) shared by the rows, or (H, 1, d) per head."""
+    if gain is None:
+        return None, 0
+    if gain.dtype != torch.float32 or gain.device.type != "cpu" or not gain.is_contiguous():
+        raise ValueError("gain must be a contiguous float32 CPU tensor")
+    if gain.numel() == geometry.d:
+        return gain.data_ptr(), 0
+    if gain.numel() == geometry.n_h * geometry.d:
+        return gain.data_ptr(), geometry.d
+    raise ValueError(f"gain must hold d = {geometry.d} or H d = {geometry.n_h * geometry.d} "
+                     f"values, got {gain.numel()}")
+
+
+def rownorm_forward(x: Tensor, y: Tensor, rho: Tensor, gain: Tensor | None, *, m: float,
+                    eps: float, grouped: bool, span: tuple[int, int],
+                    portable: int = False) -> None:
+    """RMSNorm of tokens ``span`` = (t0, t1) of x (A, H, C, d) into y (x's shape, any layout
+    with unit-stride rows): y = gain · x · ρ, ρ = (Σ x² / m + eps)^(-1/2) over each row, or
+    with ``grouped`` over the H rows of each token.  ``rho``: contiguous float32 (A, H, C)
+    (or (A, C) grouped) receiving ρ.  One thread; callers split the tokens."""
+    geo = RowGeometry(x)
+    xs, ys = geo.strides("x", x), geo.strides("y", y)
+    t0, t1 = geo.check(rho, grouped, span)
+    w, w_h = _gain(gain, geo)
+    require().attnscale_rownorm_forward(x.data_ptr(), y.data_ptr(), rho.data_ptr(), w, geo.d,
+                                        geo.n_h, geo.n_c, xs, ys, w_h, int(grouped), float(m),
+                                        float(eps), t0, t1, int(portable))
+
+
+def rownorm_backward(x: Tensor, g: Tensor, dx: Tensor, rho: Tensor, gain: Tensor | None,
+                     d_gain: Tensor | None, *, m: float, grouped: bool, span: tuple[int, int],
+                     portable: int = False) -> None:
+    """The backward of :func:`rownorm_forward` for tokens ``span``: dx (x's shape, any layout
+    with unit-stride rows) from the incoming gradient g and the forward's ``rho``; with
+    ``d_gain`` (contiguous float64 of the gain's shape) Σ ρ g x over the tokens' rows is added
+    into it, in float32 sums over the tokens between multiples of :data:`FOLD_TOKENS`.  One
+    thread; callers split the tokens (at such multiples, for sums that do not depend on the
+    split), each with its own ``d_gain``."""
+    geo = RowGeometry(x)
+    xs, gs, dxs = geo.strides("x", x), geo.strides("g", g), geo.strides("dx", dx)
+    t0, t1 = geo.check(rho, grouped, span)
+    w, w_h = _gain(gain, geo)
+    dw = part = None
+    if d_gain is not None:
+        if gain is None or d_gain.shape != gain.shape or d_gain.dtype != torch.float64 \
+                or not d_gain.is_contiguous():
+            raise ValueError("d_gain must be a contiguous float64 tensor of the gain's shape")
+        part = torch.zeros(d_gain.numel(), dtype=torch.float32)
+        dw = d_gain.data_ptr()
+    require().attnscale_rownorm_backward(x.data_ptr(), g.data_ptr(), dx.data_ptr(),
+                                         rho.data_ptr(), w, dw,
+                                         None if part is None else part.data_ptr(), geo.d,
+                                         geo.n_h, geo.n_c, xs, gs, dxs, w_h, int(grouped),
+                                         float(m), FOLD_TOKENS, t0, t1, int(portable))

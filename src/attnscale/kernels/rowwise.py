@@ -1,7 +1,7 @@
 """Attention whose weights are a function of each whole row of masked logits other than softmax
 (softpick, stick-breaking), times v, without the (B, H, Nq, Nk) logits, forward and backward.
 
-The blocks are the soft-cap kernel's (:class:`attnscale.kernels.softcap._Tiles`): a few heads of
+The blocks are the soft-cap kernel's (:class:`attnscale.kernels.tiles.Tiles`): a few heads of
 one batch element by a run of queries, against every key those queries can see, so each block
 holds whole rows and a row's normaliser (its maximum, its sum, a stick-breaking scan over its
 keys) is exact within the block; nothing is rescaled online.  Extra memory is a few blocks,
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import softpick, stick_breaking
-from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
+from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS
+from attnscale.kernels.tiles import Tiles
 from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -99,7 +100,7 @@ class _Scratch:
         return buf[:n].view(shape)
 
 
-def _block_logits(rule: RowRule, tiles: _Tiles, q_blk: Tensor, k_g: Tensor, off_blk: Tensor,
+def _block_logits(rule: RowRule, tiles: Tiles, q_blk: Tensor, k_g: Tensor, off_blk: Tensor,
                   scale: float, b: int, heads: slice, i: int,
                   scratch: _Scratch) -> tuple[Tensor, Tensor | None]:
     """Block i's masked logits scale · q kᵀ + offset (h, r, n_k) and its causal key counts (for
@@ -117,7 +118,7 @@ class _RowAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, offset: Tensor, mask: Tensor | None,
                 rule: RowRule, scale: float, causal: bool, block_elements: int) -> Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                  # (B, H, Nq, d_v)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
         scratch = _Scratch(q)
 
         def group(where: tuple[int, slice]) -> None:
@@ -149,7 +150,7 @@ class _RowAttention(torch.autograd.Function):
         # gemm on the CPU, as in the soft-cap kernel).
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])     # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])     # (B, H, d_v, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
         scratch = _Scratch(q)
 
         def group(where: tuple[int, slice]) -> None:

@@ -5,7 +5,7 @@ whose FlashSigmoid kernel in ``apple/ml-sigmoid-attention`` does the same on GPU
 Each weight is its own sigmoid: there is no row normaliser, so blocks of rows need no running
 maximum or sum, and the backward recomputes each block's weights from q and k instead of
 storing them: with p = σ(z), dz = dp ∘ p (1 - p) and dp = dO Vᵀ.  Blocks are cut as in the
-soft-cap kernel (:class:`attnscale.kernels.softcap._Tiles`: a few heads of one batch element by a
+soft-cap kernel (:class:`attnscale.kernels.tiles.Tiles`: a few heads of one batch element by a
 run of queries, against the keys they can see), and head groups run side by side on the CPU.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS, _Tiles
+from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS
+from attnscale.kernels.tiles import Tiles
 from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -39,7 +40,7 @@ def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: flo
     return out.to(v.dtype)
 
 
-def _weights(tiles: _Tiles, q_blk: Tensor, k_g: Tensor, off_blk: Tensor, scale: float, b: int,
+def _weights(tiles: Tiles, q_blk: Tensor, k_g: Tensor, off_blk: Tensor, scale: float, b: int,
              heads: slice, i: int) -> Tensor:
     """Block i's weights σ(scale q kᵀ + offset), masked keys 0: (h, r, n_k)."""
     n_k = tiles.n_keys(i)
@@ -52,7 +53,7 @@ class _SigmoidAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, offset: Tensor, mask: Tensor | None,
                 scale: float, causal: bool, block_elements: int) -> Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                  # (B, H, Nq, d_v)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
@@ -77,7 +78,7 @@ class _SigmoidAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])     # (B, H, d, Nk)
         dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])     # (B, H, d_v, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where

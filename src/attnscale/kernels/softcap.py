@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
-from attnscale.kernels.rowsubset import block_hidden
+from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.precision import upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -104,25 +104,26 @@ def _capped(s: Tensor, cap: float) -> Tensor:
     return e.div_(e + 2.0).mul_(-cap)
 
 
-def _logit_factor(fused: bool, scale: float, cap: float) -> float:
-    """What q is multiplied by so that q·k is the elementwise step's argument: x = scale q·k / c
-    for the compiled kernel, -2x for :func:`_capped`."""
-    return scale / cap if fused else -2.0 * scale / cap
-
-
 class _CappedAttention(torch.autograd.Function):
     """softmax(c · tanh(scale · q kᵀ / c) masked) v, blockwise, with recomputation in backward.
 
     A block is a few heads of one batch element times ``rows`` queries, against all their keys, so
     it holds whole softmax rows: the row max and sum are exact within the block and nothing is
-    rescaled online.  Extra memory is three (heads, rows, Nk) blocks, O(Nk · rows), instead of the
-    (B, H, Nq, Nk) logits.  Blocks are sized to stay in cache while each torch op still amortises
-    its dispatch, and the per-block views come from one ``split`` per head group.
+    rescaled online.  Extra memory is two or three (heads, rows, Nk) blocks per worker, O(Nk ·
+    rows), instead of the (B, H, Nq, Nk) logits, reused from block to block (a fresh block
+    page-faults).  Blocks are sized to stay in cache while each torch op still amortises its
+    dispatch, and the per-block views come from one ``split`` per head group.
 
-    With x = (scale / c) q·k, the logit is z = c tanh(x), formed with one expm1 per logit and pass
-    (:func:`_capped`, or the compiled kernel), which keeps float32's relative accuracy however
-    large c is (c tanh(x) → c x); d z / d(q·k) = scale · (1 - tanh² x).  A NaN in q, k or v reaches every
-    output it feeds, as in the materialised reference.
+    With x = (scale / c) q·k, the logit is z = c tanh(x), which keeps float32's relative accuracy
+    however large c is (c tanh(x) → c x); d z / d(q·k) = scale · (1 - tanh² x).  A NaN in q, k
+    or v reaches every output it feeds, as in the materialised reference.
+
+    On the compiled kernels (float32 on the CPU) the forward keeps each row's largest logit m and
+    1 / Σ e^{z - m} (8 bytes a query), forms O = (E V) / Σ from the unnormalised E, and the
+    backward recomputes P from them in the same pass that forms dS = P ∘ (dP - δ) ∘ (1 - tanh²),
+    with dP = dO Vᵀ computed first: one elementwise pass per block each way, the tanh from an odd
+    polynomial for |x| < 0.625 (every logit below 31 at c = 50).  Elsewhere the same steps run on
+    PyTorch ops (:func:`_capped`: c tanh from one expm1).
 
     Given ``rows`` (see :func:`capped_attention`), the forward also reduces each block's masked
     logits to row statistics: the PyTorch path's logits block exists anyway; the compiled path
@@ -137,86 +138,107 @@ class _CappedAttention(torch.autograd.Function):
         # q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), contiguous, same float dtype;
         # rows: None, or float64 (B, H, Nq, columns) for row_stats to fill, one row per query.
         fused = _fused_softcap(q)
-        q_x = q * _logit_factor(fused, scale, cap)     # q·k of q_x is x (or -2x), (B, H, Nq, d)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, Nq, d_v)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        tiles = Tiles(q, k, mask, causal, block_elements)
         groups = list(tiles.groups())
         workers = workers_for(q.device, len(groups))
         # The row kernel runs inside a worker: one thread each when several workers run.
         threads = 1 if workers > 1 else None
+        if fused:
+            stats = q.new_empty(*q.shape[:-1], 2)      # (m, 1 / Σ e) per query, (B, H, Nq, 2)
+            scratch = Scratch(tiles.block_elements(), q.dtype, 1, q.device)
+            factor = scale / cap                       # q·k times this is x
 
-        def group(where: tuple[int, slice]) -> None:
-            b, heads = where
-            k_g, v_g = k[b, heads], v[b, heads]        # (h, Nk, d), (h, Nk, d_v)
-            blocks = zip(*tiles.split(b, heads, q_x, out))
-            for i, (q_blk, out_blk) in enumerate(blocks):
-                n_k = tiles.n_keys(i)
-                s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))   # x or -2x, (h, r, n_k)
-                limit = tiles.causal_counts(i, s.shape[1])
-                if fused:  # the compiled kernel: softmax(c tanh(s)) in place, causality as counts
+            def group(where: tuple[int, slice]) -> None:
+                b, heads = where
+                k_g, v_g = k[b, heads], v[b, heads]    # (h, Nk, d), (h, Nk, d_v)
+                blocks = zip(*tiles.split(b, heads, q, out, stats))
+                for i, (q_blk, out_blk, st_blk) in enumerate(blocks):
+                    n_k = tiles.n_keys(i)
+                    s = scratch.scores(0, q_blk, k_g[:, :n_k], factor)   # x, (h, r, n_k)
                     if rows is not None:  # the logits, written out for the statistics only
-                        tiles.capped_row_stats(rows, row_stats, s, cap, b, heads, i, threads)
-                    p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap, out=s,
-                                             limit=limit)
-                else:
+                        _capped_row_stats(tiles, rows, row_stats, s, cap, b, heads, i, threads)
+                    # E = exp(c tanh(x) - m) in place, causality as counts, then O = E V / Σ
+                    e = native.softcap_exp(tiles.hide_masked(s, b, heads, i), cap, st_blk, out=s,
+                                           limit=tiles.causal_counts(i, s.shape[1]))
+                    torch.bmm(e, v_g[:, :n_k], out=out_blk).mul_(st_blk[..., 1:])
+        else:
+            stats = None
+            q_x = q * (-2.0 * scale / cap)             # q·k of q_x is -2x, (B, H, Nq, d)
+
+            def group(where: tuple[int, slice]) -> None:
+                b, heads = where
+                k_g, v_g = k[b, heads], v[b, heads]    # (h, Nk, d), (h, Nk, d_v)
+                blocks = zip(*tiles.split(b, heads, q_x, out))
+                for i, (q_blk, out_blk) in enumerate(blocks):
+                    n_k = tiles.n_keys(i)
+                    s = torch.bmm(q_blk, k_g[:, :n_k].transpose(1, 2))  # -2x, (h, r, n_k)
                     z = tiles.hide(_capped(s, cap), b, heads, i)   # masked logits, (h, r, n_k)
                     if rows is not None:
                         tiles.rows_of(rows, b, heads, i).copy_(
-                            row_stats(z, limit=limit, threads=threads))
-                    p = torch.softmax(z, dim=-1)
-                torch.bmm(p, v_g[:, :n_k], out=out_blk)
+                            row_stats(z, limit=tiles.causal_counts(i, s.shape[1]),
+                                      threads=threads))
+                    torch.bmm(torch.softmax(z, dim=-1), v_g[:, :n_k], out=out_blk)
 
         # Head groups write disjoint slices of out: several run side by side on the CPU.
         parallel_map(group, groups, workers)
-        ctx.save_for_backward(q, k, v, out, mask)
+        ctx.save_for_backward(q, k, v, out, mask, stats)
         ctx.args = (scale, cap, causal, block_elements)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out: Tensor):
-        q, k, v, out, mask = ctx.saved_tensors
+        q, k, v, out, mask, stats = ctx.saved_tensors
         scale, cap, causal, block_elements = ctx.args
-        fused = _fused_softcap(q)
-        q_x = q * _logit_factor(fused, scale, cap)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1, keepdim=True)  # δ = rowsum(dO ∘ O) = Σ_j p_j dP_j, (B,H,Nq,1)
         dq = torch.empty_like(q)
         # dK and dV are accumulated transposed: dKᵀ += Qᵀ dS reads dS untransposed, a gemm that
-        # runs ~1.4x faster on CPU than dK += dSᵀ Q.
-        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])  # (B, H, d, Nk)
-        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])  # (B, H, d_v, Nk)
-        tiles = _Tiles(q, k, mask, causal, block_elements)
+        # runs ~1.4x faster on CPU than dK += dSᵀ Q.  Without causality the first row block of
+        # a head group covers every key, and its products overwrite instead of adding (beta 0):
+        # no zero fill.
+        fresh = k.new_zeros if causal else k.new_empty
+        dk_t = fresh(*k.shape[:2], k.shape[-1], k.shape[-2])        # (B, H, d, Nk)
+        dv_t = fresh(*v.shape[:2], v.shape[-1], v.shape[-2])        # (B, H, d_v, Nk)
+        tiles = Tiles(q, k, mask, causal, block_elements)
+        scratch = Scratch(tiles.block_elements(), q.dtype, 2, q.device)
+        fused = stats is not None   # the compiled kernels, from the forward's (m, 1 / Σ) per row
+        factor = scale / cap if fused else -2.0 * scale / cap   # q·k times this is x (or -2x)
+
+        def weights_and_grads(s: Tensor, dz: Tensor, b: int, heads: slice, i: int,
+                              st_blk: Tensor | None, delta_blk: Tensor) -> tuple[Tensor, Tensor]:
+            """Block i's P and dS = P ∘ (dP - δ) ∘ (1 - tanh² x), in the memory of s and dz."""
+            if fused:  # one pass over the block
+                return native.softcap_backward(tiles.hide_masked(s, b, heads, i), dz, st_blk,
+                                               delta_blk, cap,
+                                               limit=tiles.causal_counts(i, s.shape[1]))
+            t = _capped(s, 1.0)                                            # tanh x
+            p = torch.softmax(tiles.hide(t * cap, b, heads, i), dim=-1)
+            dz.sub_(delta_blk).mul_(p)                                     # P ∘ (dP - δ)
+            return p, torch.ops.aten.tanh_backward(dz, t)                  # ∘ (1 - t²)
 
         def group(where: tuple[int, slice]) -> None:
             b, heads = where
             k_g, v_g, dk_g, dv_g = k[b, heads], v[b, heads], dk_t[b, heads], dv_t[b, heads]
-            rows = zip(*tiles.split(b, heads, q_x, q, d_out, delta, dq))
-            for i, (qx_blk, q_blk, do_blk, delta_blk, dq_blk) in enumerate(rows):
+            rows = zip(*tiles.split(b, heads, q, d_out, delta, dq, *([stats] if fused else [])))
+            for i, (q_blk, do_blk, delta_blk, dq_blk, *st_blk) in enumerate(rows):
                 n_k = tiles.n_keys(i)
-                s = torch.bmm(qx_blk, k_g[:, :n_k].transpose(1, 2))  # x or -2x, (h, r, n_k)
-                if fused:
-                    p = native.softcap_probs(tiles.hide_masked(s, b, heads, i), cap,
-                                             limit=tiles.causal_counts(i, s.shape[1]))
-                else:
-                    t = _capped(s, 1.0)                                    # tanh x
-                    p = torch.softmax(tiles.hide(t * cap, b, heads, i), dim=-1)
-                dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p)         # dVᵀ += dOᵀ P
-                dz = torch.bmm(do_blk, v_g[:, :n_k].transpose(1, 2))       # dP = dO Vᵀ
-                if fused:  # dS = P ∘ (dP - δ) ∘ (1 - tanh² s), in place, one pass
-                    ds = native.softcap_grad(s, p, dz, delta_blk)
-                else:
-                    dz.sub_(delta_blk).mul_(p)                             # dZ = P ∘ (dP - δ)
-                    ds = torch.ops.aten.tanh_backward(dz, t)               # dZ ∘ (1 - t²)
-                torch.bmm(ds, k_g[:, :n_k], out=dq_blk)                    # dQ = dS K
-                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds)        # dKᵀ += Qᵀ dS
+                s = scratch.scores(0, q_blk, k_g[:, :n_k], factor)   # x (or -2x), (h, r, n_k)
+                dz = scratch.scores(1, do_blk, v_g[:, :n_k])         # dP = dO Vᵀ
+                p, ds = weights_and_grads(s, dz, b, heads, i, st_blk[0] if fused else None,
+                                          delta_blk)
+                # d z / d(q·k) = scale · (1 - tanh²): the scale rides on the products
+                keep = 0.0 if i == 0 and not causal else 1.0
+                dv_g[..., :n_k].baddbmm_(do_blk.transpose(1, 2), p, beta=keep)  # dVᵀ += dOᵀ P
+                torch.baddbmm(dq_blk, ds, k_g[:, :n_k], beta=0.0, alpha=scale,
+                              out=dq_blk)                                    # dQ = s dS K
+                dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), ds, beta=keep,
+                                         alpha=scale)                       # dKᵀ += s Qᵀ dS
 
         # Head groups write disjoint slices of dq, dK and dV: several run side by side.
         groups = list(tiles.groups())
         parallel_map(group, groups, workers_for(q.device, len(groups)))
-        # d z / d(q·k) = scale · (1 - tanh²); the scale is applied once.
-        dq.mul_(scale)
-        dk_t.mul_(scale)
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1),
                 None, None, None, None, None, None, None)
 
@@ -226,80 +248,18 @@ def _fused_softcap(q: Tensor) -> bool:
     return q.dtype == torch.float32 and q.device.type == "cpu" and native.available()
 
 
-class _Tiles:
-    """How the capped kernel cuts (B, H, Nq) into blocks of about ``block_elements`` logits.
-
-    A block is ``heads`` heads of one batch element by ``rows`` queries, by all the keys those
-    queries can see: every key, or under causality the prefix up to the block's last query.
-    """
-
-    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
-                 block_elements: int):
-        self.n_b, self.n_h, self.n_q, _ = q.shape
-        self.n_k, self.causal = k.shape[-2], causal
-        self.rows = max(1, min(self.n_q, block_elements // max(self.n_k, 1)))
-        self.heads = max(1, min(self.n_h, block_elements // max(self.rows * self.n_k, 1)))
-        self.hidden = None
-        if mask is not None:  # invert once; view as (B|1, H|1, Nq|1, Nk|1)
-            self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-
-    def groups(self):
-        """(b, heads) of each head group, ``heads`` a slice."""
-        for b in range(self.n_b):
-            for h0 in range(0, self.n_h, self.heads):
-                yield b, slice(h0, h0 + self.heads)
-
-    def split(self, b: int, heads: slice, *tensors: Tensor) -> list[tuple[Tensor, ...]]:
-        """Each (B, H, Nq, ·) tensor's row blocks for one head group: (h, r, ·) views."""
-        return [t[b, heads].split(self.rows, dim=1) for t in tensors]
-
-    def capped_row_stats(self, rows: Tensor, row_stats: RowStats, s: Tensor, cap: float, b: int,
-                         heads: slice, i: int, threads: int | None) -> None:
-        """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
-        from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
-        only the keys its queries can see (under causality a block's diagonal square is half
-        hidden, so whole blocks would waste a third of the tanh work)."""
-        out = self.rows_of(rows, b, heads, i)
-        i0, n_r, n_k = i * self.rows, s.shape[1], s.shape[2]
-        for j0 in range(0, n_r, STATS_ROWS):
-            j1 = min(j0 + STATS_ROWS, n_r)
-            hi = min(n_k, i0 + j1) if self.causal else n_k
-            z = self.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
-            limit = self.causal_counts(i, j1)  # keys of the block's first j1 queries, or None
-            out[:, j0:j1].copy_(row_stats(z, limit=None if limit is None else limit[j0:],
-                                          threads=threads))
-
-    def rows_of(self, t: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """The (h, r, ·) view of a (B, H, Nq, ·) tensor that row block i of a head group covers."""
-        i0 = i * self.rows
-        return t[b, heads, i0:i0 + self.rows]
-
-    def n_keys(self, i: int) -> int:
-        """Keys the i-th row block can see: all, or the causal prefix min(Nk, last row + 1)."""
-        return min(self.n_k, (i + 1) * self.rows) if self.causal else self.n_k
-
-    def hide_masked(self, z: Tensor, b: int, heads: slice, i: int, j0: int = 0) -> Tensor:
-        """Set the logits of block i (from its row ``j0`` on) that the mask hides to -inf, in
-        place."""
-        if self.hidden is not None:
-            i0 = i * self.rows + j0
-            z.masked_fill_(block_hidden(self.hidden, b, heads, i0, i0 + z.shape[1], z.shape[-1]),
-                           float("-inf"))
-        return z
-
-    def causal_counts(self, i: int, rows: int) -> Tensor | None:
-        """Keys each of the ``rows`` queries of block i sees under causality (None: all)."""
-        if not self.causal:
-            return None
-        i0 = i * self.rows
-        return torch.arange(i0 + 1, i0 + rows + 1, dtype=torch.int64)
-
-    def hide(self, z: Tensor, b: int, heads: slice, i: int) -> Tensor:
-        """Set masked logits of block i to -inf in place: the mask, then keys j > i if causal."""
-        i0, n_k = i * self.rows, z.shape[-1]
-        self.hide_masked(z, b, heads, i)
-        if self.causal and i0 + 1 < n_k:  # only the block's diagonal square can hide keys
-            j = torch.arange(i0 + 1, n_k, device=z.device)                    # (c,)
-            rows = torch.arange(i0, i0 + z.shape[1], device=z.device)[:, None]  # (r, 1)
-            z[..., i0 + 1:].masked_fill_(j > rows, float("-inf"))
-        return z
+def _capped_row_stats(tiles: Tiles, rows: Tensor, row_stats: RowStats, s: Tensor, cap: float,
+                      b: int, heads: slice, i: int, threads: int | None) -> None:
+    """Fill block i's rows of ``rows`` with the row statistics of its logits c · tanh(s),
+    from ``s`` = x before the mask; ``STATS_ROWS`` queries at a time, each chunk against
+    only the keys its queries can see (under causality a block's diagonal square is half
+    hidden, so whole blocks would waste a third of the tanh work)."""
+    out = tiles.rows_of(rows, b, heads, i)
+    i0, n_r, n_k = i * tiles.rows, s.shape[1], s.shape[2]
+    for j0 in range(0, n_r, STATS_ROWS):
+        j1 = min(j0 + STATS_ROWS, n_r)
+        hi = min(n_k, i0 + j1) if tiles.causal else n_k
+        z = tiles.hide_masked(torch.tanh(s[:, j0:j1, :hi]).mul_(cap), b, heads, i, j0)
+        limit = tiles.causal_counts(i, j1)  # keys of the block's first j1 queries, or None
+        out[:, j0:j1].copy_(row_stats(z, limit=None if limit is None else limit[j0:],
+                                      threads=threads))

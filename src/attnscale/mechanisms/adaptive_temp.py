@@ -42,6 +42,62 @@ def _polyval(coefficients, x: Tensor) -> Tensor:
 
 # β's slope dβ/dH where β = poly(H) > 1: the derivative of POLY_FIT, highest power first.
 POLY_SLOPE = tuple(c * (len(POLY_FIT) - 1 - i) for i, c in enumerate(POLY_FIT[:-1]))
+# Entropies beyond which poly(H) < 1 however far out (its leading coefficient is negative): the
+# end of the search for β's window.
+WINDOW_SEARCH_END = 64.0
+# Rows whose entropy is known to lie this far (nats) outside β's window keep β = 1 without their
+# exact entropy (the float32 evaluation of poly near its roots errs by far less: its slope there
+# is about 2 and its terms below 1e3).
+WINDOW_MARGIN = 1e-3
+
+
+def _poly(x: float, coefficients=POLY_FIT) -> float:
+    out = 0.0
+    for c in coefficients:
+        out = out * x + c
+    return out
+
+
+def beta_window() -> list[tuple[float, float]]:
+    """The entropies where β(H) > 1: the intervals (lo, hi) above ENTROPY_THRESHOLD where the
+    polynomial exceeds 1, from a scan in steps of 1/64 nat refined by bisection to 1e-12 (for the
+    paper's fit, one interval, about (0.8486, 5.9445))."""
+    def above(x: float) -> bool:
+        return _poly(x) > 1.0
+
+    def cross(a: float, b: float) -> float:   # above(a) != above(b)
+        while b - a > 1e-12:
+            mid = (a + b) / 2
+            a, b = (mid, b) if above(mid) == above(a) else (a, mid)
+        return (a + b) / 2
+
+    intervals, start = [], ENTROPY_THRESHOLD if above(ENTROPY_THRESHOLD) else None
+    x, step = ENTROPY_THRESHOLD, 1 / 64
+    while x < WINDOW_SEARCH_END:
+        y = x + step
+        if above(x) != above(y):
+            edge = cross(x, y)
+            if start is None:
+                start = edge
+            else:
+                intervals.append((start, edge))
+                start = None
+        x = y
+    if start is not None:
+        intervals.append((start, WINDOW_SEARCH_END))
+    return intervals
+
+
+BETA_WINDOW = beta_window()
+
+
+def needs_exact_entropy(lo: Tensor, hi: Tensor) -> Tensor:
+    """Rows whose β may exceed 1 given lo <= H <= hi: those whose bounds reach within
+    WINDOW_MARGIN of β's window (the others have β = 1 and no gradient through H)."""
+    need = torch.zeros_like(lo, dtype=torch.bool)
+    for a, b in BETA_WINDOW:
+        need |= (hi > a - WINDOW_MARGIN) & (lo < b + WINDOW_MARGIN)
+    return need | torch.isnan(lo) | torch.isnan(hi)
 
 
 def beta(entropy: Tensor) -> Tensor:
@@ -96,7 +152,9 @@ class _AdaptiveQueries(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
                 scale: float) -> tuple[Tensor, Tensor]:
-        ent, lse = entropy_forward(q, k, mask, causal, scale)
+        # Only the rows whose β may exceed 1 need their exact entropy (the bfloat16 screen of
+        # attnscale.kernels.entropy, where it runs): every other row has β = 1 and no slope.
+        ent, lse = entropy_forward(q, k, mask, causal, scale, exact_where=needs_exact_entropy)
         poly = _polyval(POLY_FIT, ent)
         sloped = (ent > ENTROPY_THRESHOLD) & (poly > 1.0)                 # β = poly > 1 here
         b = torch.where(sloped, poly, 1.0)

@@ -6,13 +6,16 @@ m = 1 gives the L2 normalisation of QKNorm and cosine attention (with their temp
 ``scale``), m = d gives RMSNorm.  The "row" may span several dimensions: RMSNorm over every head of
 a token at once (OLMo 2's q and k norms) reduces over the heads and the head dimension together.  Autograd's composite backward of the same expression makes about
 ten passes over (B, H, N, d); this one makes three or four, which is most of what these mechanisms
-add to the fused SDPA call.
+add to the fused SDPA call.  RMSNorm (a gain, no scale) of float32 CPU rows runs on attnscale's
+compiled kernels instead (:mod:`attnscale.kernels.rmsnorm`): one pass each way, in any layout.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from attnscale.kernels import rmsnorm
 
 # Guard on the squared norm for L2 normalisation: a zero row stays zero instead of 0/0
 # (F.normalize guards the norm at 1e-12, the same threshold).
@@ -26,6 +29,13 @@ class _RowNorm(torch.autograd.Function):
         # x (..., d); scale broadcastable to (..., 1) or None; gain (d,) or None; ρ is reduced
         # over ``dims``: (-1,) per row, or (1, 3) over the heads and d of x (B, H, N, d), with a
         # gain (H, 1, d).
+        grouped = dims != (-1,)
+        ctx.native = scale is None and gain is not None and rmsnorm.usable(x, gain, grouped)
+        if ctx.native:  # RMSNorm on the compiled kernels: one pass, any layout
+            y, rho = rmsnorm.rms_forward(x, gain, m, eps, grouped)
+            ctx.save_for_backward(x, rho, None, gain)
+            ctx.m, ctx.dims = m, dims
+            return y
         rho = _sum_over(torch.linalg.vecdot(x, x).unsqueeze(-1), dims).div_(m).add_(eps).rsqrt_()
         c = rho if scale is None else rho * scale  # (..., 1)
         y = x * c
@@ -39,6 +49,10 @@ class _RowNorm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         x, rho, scale, gain = ctx.saved_tensors
+        if ctx.native:
+            dx, d_gain = rmsnorm.rms_backward(x, g, rho, gain, ctx.m, ctx.dims != (-1,),
+                                              ctx.needs_input_grad[2])
+            return dx, None, d_gain, None, None, None
         c = rho if scale is None else rho * scale
         d_scale = d_gain = None
         # The gain's gradient first, so that its x-sized temporary is freed before dx's.
