@@ -95,6 +95,20 @@ def test_extend_starts_a_store_the_study_has_gained(cli, tmp_path):
         del STUDIES["grown2-test"]
 
 
+def test_a_resume_refuses_a_drawn_file_someone_changed_before_any_trial(cli, grown, tmp_path):
+    out = tmp_path / "grown"
+    code, _, err = cli("study", "grown-test", "--out", str(out), "--workers", "1")
+    assert code == 0, err
+    (out / "grown.json").write_text("{}")               # edited by hand since it was drawn
+    MECHANISMS.append("softpick")
+    code, _, err = cli("study", "grown-test", "--resume", str(out), "--extend")
+    assert code == 2 and "grown.json" in err and "--force" in err
+    assert len(_records(out)) == 1                      # refused up front: nothing ran
+    code, _, err = cli("study", "grown-test", "--resume", str(out), "--extend", "--force")
+    assert code == 0, err
+    assert len(_records(out)) == 2 and json.loads((out / "grown.json").read_text())
+
+
 def test_extend_needs_resume(cli, grown, tmp_path):
     code, _, err = cli("study", "grown-test", "--out", str(tmp_path / "x"), "--extend")
     assert code == 2 and "--extend" in err and err.count("\n") == 1

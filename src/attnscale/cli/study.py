@@ -126,7 +126,7 @@ def _launch(args) -> int:
             raise ConfigError(f"--resume continues the study on the settings it holds; drop "
                               f"{', '.join(refused)} (or start another folder with --out).")
         outcome = launcher.resume(study, args.resume, workers=args.workers, ray=args.ray,
-                                  extend=args.extend)
+                                  extend=args.extend, force=args.force)
     else:
         axes = {o.key: v for o, v in values.items() if o.axis}
         for o, v in values.items():

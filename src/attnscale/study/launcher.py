@@ -364,10 +364,11 @@ def _check_holds(study: Study, folder: Path, param: str) -> None:
 
 def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = None,
            ray: str | None = None, show_progress: bool | None = None,
-           extend: bool = False) -> Outcome:
+           extend: bool = False, force: bool = False) -> Outcome:
     """Continue the study in ``folder`` on the settings it holds (each store's ``sweep.json``,
     and ``study.json`` for a store not started yet), then draw it.  Everything is read and
-    checked before any trial runs, so a resume that fails changes nothing.
+    checked before any trial runs, the files it will draw included (``force``: overwrite those
+    attnscale did not write), so a resume that fails changes nothing and one that runs can draw.
 
     ``extend``: also grow the study to its spec as it is now (the full study, or the quick
     variant for a folder started with ``--quick``): each grid axis of a store gains the values
@@ -381,6 +382,7 @@ def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = Non
     folder, param = Path(folder), spelled("--resume", "folder")
     _check_holds(study, folder, param)
     check_executor(workers, ray)
+    check_output_path(param, folder, kind="dir", files=fragment_files(study), force=force)
     stored = _read_settings(folder) or {"stores": {}}
     grown = settings(study, quick=bool(stored.get("quick"))) if extend else {}
     paths = store_paths(study, folder)
@@ -411,7 +413,7 @@ def resume(study: Study, folder: str | os.PathLike, *, workers: int | None = Non
             results[key] = sweep.run(s["experiment"], s["grid"], paths[key], fixed=s["fixed"],
                                      workers=workers, ray_address=ray,
                                      show_progress=show_progress)
-    return _draw(study, folder, results, force=False)
+    return _draw(study, folder, results, force=force)
 
 
 def grown_grid(spec, plan: Mapping[str, Any] | None) -> dict[str, list] | None:
