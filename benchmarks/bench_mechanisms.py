@@ -14,12 +14,15 @@ divided by the same round's SDPA time.  Gradients flow to q, k, v and the mechan
 
 Goals: <= 1.15 for every mechanism a scale on q and k (sink, logn, clip-qkv, mscale and qk-rmsnorm
 over the model included), <= 1.35 for adaptive-temp (one extra blockwise entropy pass, forward and
-backward) and gated (the gate's projection), <= 1.5 for the blockwise kernels (softcap, sigmoid,
-softpick, stick-breaking).  A mechanism may be given with options, ``qk-rmsnorm(over=model)``;
-``--causal`` times causal attention (SDPA with ``is_causal``), where stick-breaking belongs.  A
-gating mechanism is timed with its gate: σ(x W_g) of a (B, N, H·d) input, multiplied into the
-output.  On a machine shared with other work, compare with ``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's
-blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
+backward), gated (the gate's projection) and the logit biases (forgetting, selective), <= 1.5 for
+the blockwise kernels (softcap, sigmoid, softpick, stick-breaking) and <= 2.3 for differential
+attention (two attention maps).  A mechanism may be given with options,
+``qk-rmsnorm(over=model)``; ``--causal`` times causal attention (SDPA with ``is_causal``, the
+``sdpa-causal`` row), where stick-breaking belongs.  The causal mechanisms (forgetting, selective)
+are always timed causal, against ``sdpa-causal``.  A gating mechanism is timed with its gate:
+σ(x W_g) of a (B, N, H·d) input, multiplied into the output; forgetting with its forget gates
+σ(x W_f + b_f) of such an input.  On a machine shared with other work, compare with
+``--threads 1`` or ``OMP_WAIT_POLICY=PASSIVE`` too: softcap's blockwise kernel runs ~20 torch ops per block, and spin-waiting OpenMP teams stall when a core is
 taken (SDPA is one op).
 
 Peak extra memory of one forward + backward is measured in a fresh subprocess per variant, as the
@@ -49,21 +52,39 @@ from attnscale.experiments.lm.study import parse_variant
 from attnscale.mechanisms import MECHANISMS, build_mechanism
 
 SDPA = "sdpa"
+SDPA_CAUSAL = "sdpa-causal"
 MATERIALISED = "softcap-materialised"
 GOAL = {"softcap": 1.5, "sigmoid": 1.5, "softpick": 1.5, "stick-breaking": 1.5,
-        "adaptive-temp": 1.35, "gated": 1.35, MATERIALISED: None}  # everything else: 1.15
+        "adaptive-temp": 1.35, "gated": 1.35, "forgetting": 1.35, "selective": 1.35,
+        "differential": 2.3, MATERIALISED: None}  # everything else: 1.15
 DEFAULT_GOAL = 1.15
+# Causal attention by their nature: always timed causal, against causal SDPA.
+CAUSAL = ("forgetting", "selective")
+
+
+def is_causal(name: str, causal: bool) -> bool:
+    """Whether variant ``name`` is timed causal: with ``--causal``, or by its nature."""
+    if name in (SDPA, SDPA_CAUSAL):
+        return name == SDPA_CAUSAL
+    return causal or (name != MATERIALISED and parse_variant(name)[0] in CAUSAL)
+
+
+def baseline(name: str, causal: bool) -> str:
+    """The SDPA variant ``name`` is timed against."""
+    return SDPA_CAUSAL if is_causal(name, causal) else SDPA
 
 
 def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device: str = "cpu",
               causal: bool = False):
     """A zero-argument function running one forward + backward of variant ``name``
-    (``mechanism`` or ``mechanism(key=value, ...)``)."""
+    (``mechanism`` or ``mechanism(key=value, ...)``), causal with ``causal`` or by its nature
+    (:func:`is_causal`)."""
+    causal = is_causal(name, causal)
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to(device) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    if name == SDPA:
+    if name in (SDPA, SDPA_CAUSAL):
         def forward():
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal), ()
     elif name == MATERIALISED:
@@ -71,7 +92,9 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device
 
         def forward():
             return attention_reference(q, k, v, mech, causal=causal).out, ()
-    elif MECHANISMS[parse_variant(name)[0]].gate:  # the gate needs the layer input: x, W_g
+    elif (MECHANISMS[parse_variant(name)[0]].gate
+          or MECHANISMS[parse_variant(name)[0]].logit_bias == "forget"):
+        # the gate or the forget gates read the layer input: x (B, N, H·d), and W_g or W_f
         base, options = parse_variant(name)
         mech = build_mechanism(base, d, h, **options)
         proj = torch.nn.Linear(h * d, h * d, bias=False)
@@ -80,8 +103,10 @@ def make_step(name: str, shape: tuple[int, int, int, int], seed: int = 0, device
         x = torch.randn(b, n, h * d, generator=gen).to(device).requires_grad_()
 
         def forward():
-            gate = mech.gate_values(x)                             # (B, H, N, 1 or d)
-            return attention(q, k, v, mech, gate=gate, causal=causal), (x, *mech.parameters())
+            gate = mech.gate_values(x) if mech.gate else None      # (B, H, N, 1 or d)
+            log_forget = mech.forget_gates(x) if mech.logit_bias == "forget" else None  # (B,H,N)
+            out = attention(q, k, v, mech, gate=gate, causal=causal, log_forget=log_forget)
+            return out, (x, *mech.parameters())
     else:
         base, options = parse_variant(name)
         mech = build_mechanism(base, d, h, **options).to(device)
@@ -118,7 +143,7 @@ def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
                 device: str = "cpu", causal: bool = False) -> dict[str, list[float]]:
     """Seconds per forward + backward, one list per variant, measured interleaved."""
     steps = {name: make_step(name, shape, device=device, causal=causal)
-             for name in [SDPA, *names]}
+             for name in [*baselines(names, causal), *names]}
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -129,6 +154,12 @@ def time_rounds(names: list[str], shape, rounds: int, warmup: int = 1,
             step()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def baselines(names: list[str], causal: bool) -> list[str]:
+    """The SDPA rows the variants ``names`` are timed against, plain SDPA first."""
+    return [base for base in (SDPA, SDPA_CAUSAL)
+            if any(baseline(name, causal) == base for name in names)] or [SDPA]
 
 
 def peak_extra_mib(name: str, shape, device: str = "cpu", causal: bool = False) -> float:
@@ -216,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
           f"max |Δ grad| {grad_err:.1e}")
     times = time_rounds(names, shape, args.rounds, warmup=2 if args.device == "cuda" else 1,
                         device=args.device, causal=args.causal)
-    sdpa = times[SDPA]
-    print(f"\nplain SDPA: median {statistics.median(sdpa) * 1e3:.0f} ms, best "
-          f"{min(sdpa) * 1e3:.0f} ms")
+    for base in baselines(names, args.causal):
+        print(f"\n{base}: median {statistics.median(times[base]) * 1e3:.0f} ms, best "
+              f"{min(times[base]) * 1e3:.0f} ms")
     print("÷ SDPA: median over rounds of time / that round's SDPA time; best ÷ best: the fastest "
           "of each, the least disturbed by other load")
     print(f"{'mechanism':<22}{'ms':>8}{'÷ SDPA':>9}{'best ÷ best':>13}{'goal':>7}")
     for name in names:
+        sdpa = times[baseline(name, args.causal)]
         ratio = statistics.median(t / s for t, s in zip(times[name], sdpa))
         best = min(times[name]) / min(sdpa)
         goal = GOAL.get(name.split("(")[0], DEFAULT_GOAL)
@@ -233,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_memory:
         print("\npeak extra memory of one forward + backward (peak RSS growth, MiB)")
-        for name in [SDPA, *names]:
+        for name in [*baselines(names, args.causal), *names]:
             print(f"{name:<22}{peak_extra_mib(name, shape, args.device, args.causal):>8.1f}")
     return 0
 

@@ -22,8 +22,10 @@ what it declares, not by a list here):
 ``flex``
     The mechanisms whose logits carry more than a scale of q kᵀ under the plain softmax, as they
     declare it: a soft-cap (``cap``) or a logit bias of their own (``logit_bias``, forgetting and
-    selective attention), which FlexAttention's ``score_mod`` expresses and
-    :mod:`attnscale.kernels.flex` runs on CUDA.  Through :func:`attnscale.attention`, forward +
+    selective attention).  FlexAttention's ``score_mod`` expresses a cap and FoX's bias (run with
+    log forget gates of its own here), and :mod:`attnscale.kernels.flex` runs them on CUDA;
+    selective attention's F is a prefix sum over the queries, so it runs on its blockwise kernel
+    (:mod:`attnscale.kernels.biased`) there.  Through :func:`attnscale.attention`, forward +
     backward: the fused path against the materialised one (``trace=True``), same outputs and
     gradients, and the time of each ÷ SDPA (FlashAttention where PyTorch picks it, the row says
     which), interleaved rounds.  Whether a FlexAttention kernel ran is read from the profiler.
@@ -310,6 +312,9 @@ def check_flex(name: str, dtype: torch.dtype, device: torch.device, sizes: Sizes
     q, k, v, g = (torch.randn(b, h, n, d, generator=gen(seed)).to(device=device, dtype=dtype)
                   for seed in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    log_forget = None
+    if getattr(mech, "logit_bias", None) == "forget":  # FoX's bias needs gates, f ≈ 0.95
+        log_forget = F.logsigmoid(torch.randn(b, h, n, generator=gen(4)) + 3.0).to(device)
 
     def step(forward: Callable[[], torch.Tensor]) -> Callable[[], tuple]:
         def call() -> tuple:
@@ -318,8 +323,9 @@ def check_flex(name: str, dtype: torch.dtype, device: torch.device, sizes: Sizes
         return call
 
     calls = {
-        "fused": step(lambda: attention(q, k, v, mech, causal=True)),
-        "materialised": step(lambda: attention(q, k, v, mech, causal=True, trace=True).out),
+        "fused": step(lambda: attention(q, k, v, mech, causal=True, log_forget=log_forget)),
+        "materialised": step(lambda: attention(q, k, v, mech, causal=True, trace=True,
+                                               log_forget=log_forget).out),
         "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     }
     got, want = calls["fused"](), calls["materialised"]()

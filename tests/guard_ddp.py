@@ -28,15 +28,19 @@ def gloo(rank: int, port: int):
         dist.destroy_process_group()
 
 
+def worker_batch(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input in :func:`worker`: rank 1's is 3x, so it sees the larger logits."""
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(10 + rank))
+    return x * (3.0 if rank == 1 else 1.0)
+
+
 def worker(rank: int, port: int, out: str) -> None:
     with gloo(rank, port):
         torch.manual_seed(0)
         mha = MultiHeadAttention(16, 2)
-        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(10 + rank))
-        x = x * (3.0 if rank == 1 else 1.0)  # rank 1 sees the larger logits
         opt = torch.optim.SGD(mha.parameters(), lr=0.0)  # the clip is the only change
         with attnscale.guard(mha, optimizer=opt, qk_clip=0.5, every=1, alarm_logit=None) as g:
-            mha(x).sum().backward()
+            mha(worker_batch(rank)).sum().backward()
             opt.step()
             g.step(0)
         torch.save({"w_q": mha.w_q.weight.detach(), "w_k": mha.w_k.weight.detach(),

@@ -13,7 +13,9 @@ from attnscale.rng import rng
 
 def first_layer_qk(config, text_dir):
     """``(block, q, k)``: layer 0 of the LM ``config`` builds at its seed, and its RoPE'd
-    queries and keys (B, H, N, d_head) on the run's first training batch, without gradients."""
+    queries and keys (B, H, N, d_head) on the run's first training batch, without gradients
+    (without RoPE for a mechanism that encodes position itself, stick-breaking and FoX; FoX's log
+    forget gates are ``block.attn.log_forget``, set here)."""
     model = build_lm(config.model_config(), seed=config.seed)
     x, _ = sample_batch(load_corpus(text_dir).train, config.batch_size, config.seq_len,
                         rng(config.seed, "lm-batches"))
@@ -28,6 +30,8 @@ def first_layer_qk(config, text_dir):
 
         cos, sin = model.rope_cos[:n], model.rope_sin[:n]
         q, k = split(block.attn.w_q(h)), split(block.attn.w_k(h))
-        if block.attn.uses_rope:  # not for a mechanism that orders the keys (stick-breaking)
+        if block.attn.uses_rope:  # not when the mechanism encodes position (stick-breaking, FoX)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        block.attn.log_forget = (block.attn.mechanism.forget_gates(h)
+                                 if block.attn.mechanism.logit_bias == "forget" else None)
     return block, q, k

@@ -53,13 +53,18 @@ def test_shapes_and_names(name):
     q, k, v = _inputs(d_v=5)
     mech = _mechanism(name)
     assert mech(q, k, v).shape == (B, H, NQ, 5)
-    assert mech.logits(q, k).shape == (B, H, NQ, NK)
+    # the differential normaliser's logits are its two maps side by side
+    width = 2 * NK if mech.normaliser == "differential" else NK
+    assert mech.logits(q, k).shape == (B, H, NQ, width)
     assert attention(q, k, v, name).shape == (B, H, NQ, 5)  # a registry name works too
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("masking", ["none", "causal", "mask", "mask+causal"])
-def test_fast_path_equals_reference(name, masking):
+def test_fused_kernels_equal_the_materialised_trace(name, masking):
+    """``attention_reference`` is ``attention(..., trace=True)``: this checks the fused kernels
+    against the same pipeline written out, values and gradients, not either against the
+    mechanism's formula (the float64 formula table in test_mechanisms.py does that)."""
     q, k, v = _inputs()
     mech = _mechanism(name)
     mask = _mask() if "mask" in masking else None
@@ -75,25 +80,32 @@ def test_fast_path_equals_reference(name, masking):
 @pytest.mark.parametrize("name", NAMES)
 def test_rows_sum_to_one(name):
     # With v = identity over the keys the output is the weight matrix itself.  Rows sum to the
-    # normaliser's key mass: 1 under softmax, 1 - the sink's weight, Σ σ(z) under sigmoid.
+    # normaliser's key mass: 1 under softmax, 1 - the sink's weight, Σ σ(z) under sigmoid,
+    # 1 - λ under differential attention (whose weights p1 - λ p2 may be negative, and whose
+    # output is normalised after p @ v: its weights are read from the trace).
     q, k, _ = _inputs()
     eye = torch.eye(NK, dtype=torch.float64).expand(B, H, NK, NK)
     mech = _mechanism(name)
     sink = mech.sink_logits() if mech.normaliser == "sink" else None
+    lam = mech.lam() if mech.normaliser == "differential" else None
     for causal in (False, True):
-        p = mech(q, k, eye, causal=causal)
-        assert (p >= 0).all()
+        p = (attention_reference(q, k, eye, mech, causal=causal).weights
+             if mech.normalises_output else mech(q, k, eye, causal=causal))
+        assert (p >= 0).all() or mech.normaliser == "differential"
         z = attention_reference(q, k, eye, mech, causal=causal).logits
         if causal:
-            z = z.masked_fill(~torch.ones(NQ, NK, dtype=torch.bool).tril(), -math.inf)
-        assert_close(p.sum(-1), row_mass(z, mech.normaliser, sink))
+            tril = torch.ones(NQ, NK, dtype=torch.bool).tril()
+            z = z.masked_fill(~(torch.cat([tril, tril], -1) if lam is not None else tril),
+                              -math.inf)
+        assert_close(p.sum(-1), row_mass(z, mech.normaliser, sink, lam))
         if mech.normaliser == "softmax":
             assert_close(p.sum(-1), torch.ones(B, H, NQ, dtype=torch.float64))
     trace = attention_reference(q, k, eye, mech, mask=_mask())
     sums = trace.weights.sum(-1)
     assert_close(sums[0, :, 2], torch.zeros(H, dtype=torch.float64))  # the fully masked row
-    z = trace.logits.masked_fill(~_mask(), -math.inf)
-    assert_close(sums[1], row_mass(z, mech.normaliser, sink)[1])
+    hidden = ~_mask() if lam is None else torch.cat([~_mask(), ~_mask()], -1)
+    z = trace.logits.masked_fill(hidden, -math.inf)
+    assert_close(sums[1], row_mass(z, mech.normaliser, sink, lam)[1])
 
 
 @pytest.mark.parametrize("name", NAMES)

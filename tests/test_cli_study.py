@@ -307,7 +307,7 @@ def test_one_folder_one_study_even_with_force(cli, tiny, tmp_path, name):
     assert cli("study", "tiny-test", "--out", str(folder), "--workers", "1")[0] == 0
     before = _snapshot(folder)
     code, _, err = cli("study", name, "--out", str(folder), "--force", "--workers", "1")
-    assert code == 2 and f"holds the tiny-test study" in err and err.count("\n") == 1, err
+    assert code == 2 and "holds the tiny-test study" in err and err.count("\n") == 1, err
     assert _snapshot(folder) == before
     # A folder marked by another study but holding none of its files is free again.
     empty = tmp_path / "e"

@@ -1,5 +1,6 @@
-"""Every registry mechanism with its module cast to fp16, bf16 and float64: MultiHeadAttention, the
-bare mechanism and a Hugging Face Llama after ``set_mechanism``, against a float64 twin."""
+"""Every registry mechanism with its module cast to fp16, bf16 and float64: MultiHeadAttention and
+the bare mechanism, against a float64 twin (a Hugging Face Llama after ``set_mechanism``:
+test_hf_half.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from torch.testing import assert_close
 
 from attnscale.attention import MultiHeadAttention
 from attnscale.mechanisms import MECHANISMS, build_mechanism
-from attnscale.measure.monitor import monitor
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float64]
 # Output tolerance against the float64 twin: inputs and weights are rounded to the dtype, the
@@ -58,34 +58,6 @@ def test_bare_mechanism_cast(name, dtype):
     out = mech(q, k, v, mask=mask)
     _check(out, twin(q.double(), k.double(), v.double(), mask=mask), dtype)
     assert mech.logits(q, k).dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-
-
-HF_SWAPPABLE = [name for name, cls in MECHANISMS.items() if cls.defined_at_init]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", HF_SWAPPABLE)
-def test_hf_llama_cast_after_set_mechanism(name, dtype):
-    import transformers  # in the test extra: never skipped
-    from attnscale import hf
-
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=32)
-    torch.manual_seed(0)
-    model = transformers.LlamaModel(config).eval()
-    hf.set_mechanism(model, name)
-    twin = copy.deepcopy(model).to(torch.float64)
-    model = model.to(dtype)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), monitor(model) as mon:
-        out = model(ids).last_hidden_state
-    with torch.no_grad():
-        want = twin(ids).last_hidden_state
-    assert len(mon.records) == 4 and all(r["entropy_mean"] >= 0 for r in mon.records)
-    tol = TOL[dtype] * 5  # RMSNorm and the MLP round in the dtype too
-    assert out.dtype == dtype and bool(torch.isfinite(out).all())
-    assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

@@ -188,9 +188,38 @@ def test_records_are_tidy_and_match_a_float64_recomputation():
     assert spread[0]["logit_max"] == frame[frame.layer == 0]["logit_max"].max()
 
 
+def test_logit_std_ratio_is_each_steps_std_over_the_heads_first():
+    """At every recorded step after the first (where it is 1 by construction), each head's
+    ratio is its logit_std over its first recorded logit_std, and the per-layer maximum is the
+    largest head's; Adam at a high LR moves it well away from 1."""
+    g, _ = train(make_hf("llama"), batches(4), lr=0.05, every=1, alarm_logit=None)
+    first = {(r["module"], r["head"]): r["logit_std"] for r in g.records if r["step"] == 0}
+    later = [r for r in g.records if r["step"] > 0]
+    assert len(first) == 2 * 4 and len(later) == 3 * 2 * 4
+    for r in later:
+        assert r["logit_std_ratio"] == pytest.approx(
+            r["logit_std"] / first[r["module"], r["head"]], rel=1e-12)
+    assert max(abs(math.log(r["logit_std_ratio"])) for r in later) > math.log(2)
+    last = [r for r in later if r["step"] == 3 and r["layer"] == 1]
+    assert g.latest["attnscale/logit_std_ratio_max/layer1"] == max(
+        r["logit_std_ratio"] for r in last)
+
+
 def test_every_selects_the_first_step_and_the_multiples():
     g, _ = train(make_hf("llama"), batches(7), lr=1e-3, every=3, alarm_logit=None)
     assert sorted({r["step"] for r in g.records}) == [0, 3, 6]
+
+
+def test_n_keys_is_each_steps_own():
+    """A record's n_keys is the most keys a query attended in that step's calls, so a step of
+    shorter sequences after longer ones records its own (causal: the sequence length)."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2)
+    with attnscale.guard(mha, every=1, alarm_logit=None) as g:
+        for step, n in enumerate((9, 4, 6)):
+            mha(torch.randn(2, n, 16), causal=True)
+            g.step(step)
+    assert [r["n_keys"] for r in g.records] == [9, 9, 4, 4, 6, 6]
 
 
 def test_only_attended_keys_count_under_a_padding_mask():
@@ -427,6 +456,9 @@ def _free_port() -> int:
 
 
 def test_data_parallel_clip_uses_the_max_over_ranks(tmp_path):
+    """The ranks see different largest logits (rank 1's inputs 3x rank 0's, on the same
+    weights): every rank records and clips with the larger, per head, as one process holding
+    both batches does; the smaller (an all-reduce taking the min) would clip less."""
     # fork: the ranks start from this process's imports (spawn would import torch again)
     mp.start_processes(guard_ddp.worker, args=(_free_port(), str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
@@ -434,8 +466,24 @@ def test_data_parallel_clip_uses_the_max_over_ranks(tmp_path):
     assert torch.equal(r0["w_q"], r1["w_q"]) and torch.equal(r0["w_k"], r1["w_k"])
     assert r0["s_max"] == r1["s_max"]
     torch.manual_seed(0)
-    fresh = MultiHeadAttention(16, 2)
-    assert not torch.equal(fresh.w_q.weight, r0["w_q"])  # it did clip
+    mha = MultiHeadAttention(16, 2)
+    per_rank = []
+    for rank in (0, 1):
+        x = guard_ddp.worker_batch(rank)
+        q, k = mha._split(mha.w_q(x)).double(), mha._split(mha.w_k(x)).double()
+        per_rank.append(((q @ k.transpose(-1, -2)) / math.sqrt(8)).amax((0, 2, 3)).detach())
+    want, smaller = torch.maximum(*per_rank), torch.minimum(*per_rank)
+    assert bool((want > smaller * 2).all())               # the ranks' maxima differ per head
+    assert_close(torch.tensor(r0["s_max"], dtype=torch.float64), want, rtol=1e-5, atol=0)
+    # the same clip in one process, both batches in its one step
+    opt = torch.optim.SGD(mha.parameters(), lr=0.0)
+    with attnscale.guard(mha, optimizer=opt, qk_clip=0.5, every=1, alarm_logit=None) as g:
+        for rank in (0, 1):
+            mha(guard_ddp.worker_batch(rank)).sum().backward()
+        opt.step()
+        g.step(0)
+    assert_close(r0["w_q"], mha.w_q.weight.detach(), rtol=1e-6, atol=0)
+    assert_close(r0["w_k"], mha.w_k.weight.detach(), rtol=1e-6, atol=0)
 
 
 def test_data_parallel_records_and_alarms_are_the_global_batchs_on_every_rank(tmp_path):
@@ -490,7 +538,8 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
 # Bad input: one-line errors
 
 
-@pytest.mark.parametrize("options, match", [
+# Bad options of attnscale.guard and the message each gets (the callbacks give the same).
+BAD_OPTIONS = [
     ({"qk_clip": 0}, "qk_clip must be > 0"),
     ({"qk_clip": -1.0}, "qk_clip must be > 0"),
     ({"qk_clip": math.nan}, "qk_clip must be finite"),
@@ -505,9 +554,16 @@ def test_fsdp2_sharded_rows_are_clipped_as_the_unsharded_model(tmp_path):
     ({"alarm_logit": 0}, "alarm_logit must be > 0"),
     ({"log": ""}, "log must be a path"),
     ({"log": "x.txt"}, "log 'x.txt' must end in one of .jsonl"),
+    ({"block": 0}, "block must be >= 1"),
+    ({"alarm_entropy_floor": -1}, "alarm_entropy_floor must be > 0"),
+    ({"writer": object()}, "writer must have add_scalar"),
+    ({"force": "yes"}, "force must be True or False"),
     ({"resume": -1}, "resume must be >= 0"),
     ({"resume": 2.5}, "resume must be an integer"),
-])
+]
+
+
+@pytest.mark.parametrize("options, match", BAD_OPTIONS)
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(ConfigError, match=match) as err:
         attnscale.guard(MultiHeadAttention(16, 2), **options)
@@ -554,15 +610,7 @@ def test_a_model_with_no_visible_attention_says_which_implementation_to_use():
     assert g.records == []
 
 
-class _MLA(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_a_proj = torch.nn.Linear(4, 4)
-        self.kv_a_proj_with_mqa = torch.nn.Linear(4, 4)
-
-
 @pytest.mark.parametrize("model, match", [
-    (_MLA(), "multi-head latent attention"),
     (MultiHeadAttention(16, 2, "qknorm"), "do not scale with W_Q and W_K"),
     (MultiHeadAttention(16, 2, "qk-clip"), "already runs the 'qk-clip' mechanism"),
     (torch.nn.Linear(4, 4), "no attention layer whose W_Q and W_K"),

@@ -9,9 +9,12 @@ import pytest
 import torch
 import transformers
 
+import attnscale
+from attnscale import MultiHeadAttention
+from attnscale.errors import ConfigError
 from attnscale.guard import read_log
 from attnscale.hf import TemperatureCallback
-from test_guard import VOCAB, SEQ, make_hf, true_max_logits
+from test_guard import BAD_OPTIONS, VOCAB, SEQ, make_hf, true_max_logits
 
 
 def _data(n: int = 24, seed: int = 1) -> list[dict]:
@@ -53,7 +56,8 @@ def test_trainer_with_strict_clip_bounds_every_head(family, tmp_path):
     model = make_hf(family)
     kept = _last_batch(model)
     callback = TemperatureCallback(qk_clip=tau, strict=True, every=2, alarm_logit=None)
-    trainer = _trainer(model, tmp_path, [callback], report_to=["tensorboard"], logging_steps=2)
+    trainer = _trainer(model, tmp_path, [], report_to=["tensorboard"], logging_steps=2)
+    callback.add_to(trainer)
     trainer.train()
     assert float(true_max_logits(model, kept["batch"]).max()) <= tau * (1 + 1e-5)
     # the per-layer scalars join the Trainer's own log events
@@ -70,6 +74,40 @@ def test_trainer_with_strict_clip_bounds_every_head(family, tmp_path):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     assert any("attnscale/logit_max/layer0" in tag for tag in acc.Tags()["scalars"])
+
+
+def test_add_to_puts_the_callback_ahead_of_the_trainers_own(tmp_path):
+    from transformers.integrations import TensorBoardCallback
+
+    trainer = _trainer(make_hf("llama"), tmp_path, [], report_to=["tensorboard"])
+    before = list(trainer.callback_handler.callbacks)
+    assert any(isinstance(c, TensorBoardCallback) for c in before)
+    callback = TemperatureCallback()
+    assert callback.add_to(trainer) is callback
+    assert trainer.callback_handler.callbacks == [callback, *before]
+    callback.add_to(trainer)  # twice: still once, still first
+    assert trainer.callback_handler.callbacks == [callback, *before]
+    late = TemperatureCallback()
+    trainer.add_callback(late)  # the Trainer's own add_callback appends: after the reporters
+    assert trainer.callback_handler.callbacks[-1] is late
+
+
+def test_a_callback_behind_the_reporters_is_refused_when_training_begins(tmp_path):
+    """Passed in callbacks=[...] with reporters, the scalars could not reach them: refused in
+    one line naming add_to; without reporters it runs where it is."""
+    callback = TemperatureCallback(every=1, alarm_logit=None)
+    trainer = _trainer(make_hf("llama"), tmp_path, [callback], steps=2,
+                       report_to=["tensorboard"])
+    with pytest.raises(ConfigError, match=r"add_to\(trainer\)") as err:
+        trainer.train()
+    assert "\n" not in str(err.value) and "report_to=['tensorboard']" in str(err.value)
+    assert callback.guard is None
+    plain = TemperatureCallback(every=1, alarm_logit=None)
+    trainer = _trainer(make_hf("llama"), tmp_path, [plain], steps=2, logging_steps=1)
+    trainer.train()
+    assert trainer.callback_handler.callbacks[0] is not plain  # not moved
+    assert all("attnscale/logit_max/layer0" in h for h in trainer.state.log_history
+               if "loss" in h)
 
 
 def test_trainer_k2_mode_runs_and_the_guard_alone_changes_nothing(tmp_path):
@@ -96,6 +134,32 @@ def test_trainer_stops_on_alarm(tmp_path):
 def test_callback_refuses_what_the_trainer_supplies(option):
     with pytest.raises(TypeError, match=f"finds the {option} itself"):
         TemperatureCallback(**{option: None})
+
+
+def _callbacks():
+    from attnscale.lightning import TemperatureCallback as LightningCallback
+
+    return [TemperatureCallback, LightningCallback]
+
+
+@pytest.mark.parametrize("options, match",
+                         [case for case in BAD_OPTIONS if "resume" not in case[0]])
+def test_callbacks_refuse_a_bad_option_when_built_as_the_guard_does(options, match):
+    """Every option is checked when the callback is built, not when training starts, with the
+    guard's own one-line error."""
+    with pytest.raises(ConfigError, match=match) as want:
+        attnscale.guard(MultiHeadAttention(16, 2), **options)
+    for callback in _callbacks():
+        with pytest.raises(ConfigError) as got:
+            callback(**options)
+        assert str(got.value) == str(want.value), callback
+
+
+def test_callbacks_refuse_an_unknown_option_with_a_suggestion():
+    for callback in _callbacks():
+        with pytest.raises(TypeError, match=r"unexpected option 'evry'\. Did you mean: every\?"):
+            callback(evry=10)
+    assert TemperatureCallback(qk_clip=100, every=5).options == {"qk_clip": 100, "every": 5}
 
 
 def test_lightning_module_records(tmp_path):

@@ -389,6 +389,33 @@ def test_hf_trainer_resume_keeps_the_log_and_the_references(tmp_path):
     same_records(bare.guard.records, whole.guard.records[3 * 8:])
 
 
+def test_hf_rebuilt_callback_still_runs_ahead_of_the_reporters(tmp_path):
+    """restore_callback_states_from_checkpoint=True: the Trainer swaps in a callback rebuilt from
+    the checkpoint at the end of its list; added with add_to, it goes back in front."""
+    options = dict(save_strategy="steps", save_steps=2, logging_steps=1)
+    first = _trainer(make_hf("llama"), tmp_path, [], steps=2, **options)
+    TemperatureCallback(every=1, alarm_logit=None).add_to(first)
+    first.train()
+    again = TemperatureCallback(every=1, alarm_logit=None)
+    trainer = _trainer(make_hf("llama"), tmp_path, [], steps=4, report_to=["tensorboard"],
+                       restore_callback_states_from_checkpoint=True, **options)
+    again.add_to(trainer)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    rebuilt = trainer.callback_handler.callbacks[0]
+    assert isinstance(rebuilt, TemperatureCallback) and rebuilt is not again
+    assert rebuilt.guard_state and [r["step"] for r in rebuilt.guard.records][::8] == [3, 4]
+    logged = [h for h in trainer.state.log_history if "loss" in h]  # 1, 2 from the checkpoint
+    assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    assert all("attnscale/logit_max/layer0" in h for h in logged)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (tmp_path / "out").rglob("events.out.tfevents.*")  # the reporter's, run two
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/attnscale/logit_max/layer0")]
+    assert steps == [3, 4]
+
+
 def test_hf_restore_refuses_an_option_a_checkpoint_cannot_hold(tmp_path):
     options = dict(save_strategy="steps", save_steps=2)
     _trainer(make_hf("llama"), tmp_path, [TemperatureCallback(on_alarm=print)], steps=2,

@@ -109,7 +109,10 @@ def llama() -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config).to(torch.float64).eval()
 
 
-SWAPPABLE = [name for name, cls in MECHANISMS.items() if cls.defined_at_init and not cls.gate]
+# attnscale.hf refuses a mechanism that reads the layer input (gate, forget gates) or that needs
+# every earlier query's selection (a KV cache does not keep it).
+SWAPPABLE = [name for name, cls in MECHANISMS.items()
+             if cls.defined_at_init and not cls.gate and cls.logit_bias is None]
 # Options that make the length-dependent rules act at these lengths (their defaults start at
 # thousands of keys).
 BITING = {"logn": {"train_len": 4}, "llama4-temp": {"floor_scale": 4.0}}

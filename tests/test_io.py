@@ -172,6 +172,23 @@ def test_staged_dir_moves_nested_files_and_records_them(tmp_path):
     assert io.owned(out / "a.txt") and io.owned(out / "figs" / "b.png")
 
 
+def test_a_signal_as_the_staging_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C handled the moment the staging folder's mkdir returns (Python runs a pending
+    signal's handler there) still removes the staging folder and the folder it was made in."""
+    real = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.name.startswith(STAGING_PREFIX):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt), io.staged_dir(out):
+        pass
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt(), io.Terminated()])
 def test_staged_dir_leaves_nothing_on_failure(tmp_path, exc):
     out = tmp_path / "out"

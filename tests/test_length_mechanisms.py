@@ -99,7 +99,7 @@ def test_llama4_position_is_the_key_count(masking):
     if masking == "causal":  # the 0-based query index i, read as HF's position
         pos = torch.arange(NQ)
         assert_close(tau[..., 0], _hf_llama4_scales(pos, 2, 0.5).double(), rtol=1e-6, atol=0)
-    # The fused path agrees with the reference.
+    # The fused path agrees with the materialised trace.
     assert_close(m(q, k, v, mask=mask, causal=causal), trace.out, rtol=1e-12, atol=1e-12)
 
 

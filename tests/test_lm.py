@@ -24,6 +24,7 @@ from attnscale.experiments.lm.model import LMConfig, build_lm, rope_frequencies
 from attnscale.experiments.lm.train import LMRunConfig, lr_factor, train_lm
 from attnscale.mechanisms import MECHANISMS, register
 from attnscale.mechanisms.base import Mechanism
+from attnscale.pipeline import observe
 
 SRC = Path(attnscale.__file__).parent
 
@@ -242,10 +243,29 @@ def test_schedule():
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
 
 
+def test_rope_is_left_out_for_the_mechanisms_that_encode_position():
+    # stick-breaking's weights favour the nearest keys and FoX's forget gates decay with
+    # distance: each paper trains without a positional encoding, and so does the LM
+    assert {name for name, cls in MECHANISMS.items() if cls.encodes_position} == {
+        "stick-breaking", "forgetting"}
+    for name in ("scaled", "stick-breaking", "forgetting", "softpick"):
+        model = build_lm(LMConfig(d_model=16, n_heads=2, n_layers=2, max_seq_len=8,
+                                  mechanism=name))
+        assert [b.attn.uses_rope for b in model.blocks] == [
+            not MECHANISMS[name].encodes_position] * 2
+    # without RoPE a stick-breaking model's first layer sees the same q, k at every position
+    model = build_lm(LMConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=8,
+                              mechanism="stick-breaking")).eval()
+    seen = []
+    with observe(seen.append), torch.no_grad():
+        model(torch.full((1, 4), 65))
+    assert_close(seen[0].q[..., 0, :], seen[0].q[..., 3, :])
+
+
 @pytest.mark.parametrize("mechanism", ["unscaled", "softcap", "qk-layernorm", "stick-breaking"])
 def test_trace_logit_max_is_what_enters_the_softmax(text_dir, mechanism):
     """Step 0's max |attention logit| in layer 0, recomputed by hand from the same init and batch:
-    embed, LayerNorm, W_Q / W_K, RoPE (none for stick-breaking, which orders the keys itself),
+    embed, LayerNorm, W_Q / W_K, RoPE (none for stick-breaking, which encodes position itself),
     then the mechanism's logits over the causal keys."""
     from lm_reference import first_layer_qk
     config = tiny(text_dir, steps=1, monitor_every=1, mechanism=mechanism)

@@ -13,7 +13,7 @@ from attnscale.attention import attention as attnscale_attention
 from attnscale.errors import ConfigError
 from attnscale.mechanisms import MECHANISMS, Mechanism, build_mechanism, mechanism_options, register
 from attnscale.mechanisms.cosine import TAU_INIT, TAU_MAX
-from attnscale.mechanisms.qk_layernorm import LN_EPS
+from attnscale.mechanisms import qk_layernorm
 from attnscale.mechanisms.qk_rmsnorm import RMS_EPS
 from attnscale.mechanisms.qknorm import DEFAULT_MAX_LEN
 from attnscale.mechanisms.rownorm import rms_rows, unit_rows
@@ -23,13 +23,21 @@ from attnscale.mechanisms.ssmax import S_INIT
 from attnscale.pipeline import NORMALISERS, apply_rule
 
 B, H, NQ, NK, D = 2, 3, 5, 7, 8
+# torch.nn.LayerNorm's default epsilon, which qk-layernorm's norms keep (written here, not read
+# from the module, so that the formula row checks it).
+LN_EPS = 1e-5
 
 
-def _qk(seed=0, scale=1.0):
+def _qk(seed=0, scale=1.0, nk=NK):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, NQ, D, generator=gen, dtype=torch.float64) * scale
-    k = torch.randn(B, H, NK, D, generator=gen, dtype=torch.float64) * scale
+    k = torch.randn(B, H, nk, D, generator=gen, dtype=torch.float64) * scale
     return q, k
+
+
+def _n(k):
+    """The keys every query attends in the formula table (no mask): Nk."""
+    return k.shape[-2]
 
 
 def _unit(x):
@@ -72,22 +80,69 @@ FORMULAS = {
     "learned-temp": lambda q, k, m: torch.exp(m.beta) * _dot(q, k),
     "mup": lambda q, k, m: _dot(q, k) / D,
     "softcap": lambda q, k, m: 50.0 * torch.tanh(_dot(q, k) / math.sqrt(D) / 50.0),
-    "yarn": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # factor 1 by default: m = 1
+    "yarn": lambda q, k, m: (0.1 * math.log(4.0) + 1) ** 2 * _dot(q, k) / math.sqrt(D),  # factor 4
     "sigma-reparam": lambda q, k, m: _dot(q, k) / math.sqrt(D),
-    "ssmax": lambda q, k, m: m.s * math.log(NK) * _dot(q, k) / math.sqrt(D),
-    "llama4-temp": lambda q, k, m: (0.1 * math.log1p(NK // 8192) + 1) * _dot(q, k) / math.sqrt(D),
+    "ssmax": lambda q, k, m: m.s * math.log(_n(k)) * _dot(q, k) / math.sqrt(D),
+    "llama4-temp": lambda q, k, m: (0.1 * math.log1p(_n(k) // 8192) + 1) * _dot(q, k)
+    / math.sqrt(D),
     "qk-clip": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # it acts on W_Q, W_K between steps
-    "logn": lambda q, k, m: max(1.0, math.log(NK) / math.log(2048)) * _dot(q, k) / math.sqrt(D),
+    "logn": lambda q, k, m: max(1.0, math.log(_n(k)) / math.log(2048)) * _dot(q, k)
+    / math.sqrt(D),
     "sink": lambda q, k, m: _dot(q, k) / math.sqrt(D),     # the sink enters the normaliser
-    "sigmoid": lambda q, k, m: _dot(q, k) / math.sqrt(D) - math.log(NK),  # b = -ln n
+    "sigmoid": lambda q, k, m: _dot(q, k) / math.sqrt(D) - math.log(_n(k)),  # b = -ln n
     "adaptive-temp": lambda q, k, m: _beta(_entropy(_dot(q, k) / math.sqrt(D)))
     * _dot(q, k) / math.sqrt(D),
     "gated": lambda q, k, m: _dot(q, k) / math.sqrt(D),    # the gate acts on the output
     "clip-qkv": lambda q, k, m: _dot(q.clamp(-8, 8), k.clamp(-8, 8)) / math.sqrt(D),
     "softpick": lambda q, k, m: _dot(q, k) / math.sqrt(D),       # the rule is its normaliser
     "stick-breaking": lambda q, k, m: _dot(q, k) / math.sqrt(D),  # the rule is its normaliser
-    "mscale": lambda q, k, m: (0.1 * math.log(1.0) + 1) ** 2 * _dot(q, k) / math.sqrt(D),
+    "mscale": lambda q, k, m: (0.1 * math.log(4.0) + 1) ** 2 * _dot(q, k) / math.sqrt(D),
+    # without the layer input there are no forget gates (f = 1); tests/test_forgetting.py has FoX
+    "forgetting": lambda q, k, m: _dot(q, k) / math.sqrt(D),
+    "selective": lambda q, k, m: _dot(q, k) / math.sqrt(D) - _selection(q, k)[:, None],
+    # the two maps of the halves of q and k, side by side
+    "differential": lambda q, k, m: torch.cat([_dot(q[..., :D // 2], k[..., :D // 2]),
+                                               _dot(q[..., D // 2:], k[..., D // 2:])], -1)
+    / math.sqrt(D // 2),
 }
+# Where a row is checked at other inputs than the default (B, H, NQ, NK, D) draw, or with
+# options: at 7 keys llama4-temp (steps every 8192 keys) and logn (past 2048) are scaled, clip-qkv's
+# clamp at 8 touches no unit-normal entry, and yarn and mscale are scaled at factor 1.
+ROW_INPUTS = {"llama4-temp": {"nk": 2 * 8192 + 3}, "logn": {"nk": 4096},
+              "clip-qkv": {"scale": 6.0}}
+ROW_OPTIONS = {"yarn": {"factor": 4.0}, "mscale": {"factor": 4.0}}
+# Rows whose logits are scaled's by design: the rule acts on W_Q and W_K (sigma-reparam, qk-clip),
+# on the normaliser (sink, softpick, stick-breaking), on the output (gated) or through the layer
+# input's forget gates, which a formula row does not have (forgetting: tests/test_forgetting.py).
+SCALED_LOGITS = {"scaled", "sigma-reparam", "qk-clip", "sink", "gated", "softpick",
+                 "stick-breaking", "forgetting"}
+
+
+def _row(name):
+    """The built mechanism (float64) and the q, k its formula row is checked at."""
+    m = build_mechanism(name, D, H, **ROW_OPTIONS.get(name, {})).double()
+    return m, *_qk(**ROW_INPUTS.get(name, {}))
+
+
+def _move(m, seed=1):
+    """Every learned parameter of ``m`` moved away from its init."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _selection(q, k):
+    """F_ij = Σ_{j<k<i} max(0, z⁰_kj) over the first head's logits, keys j >= 1 (arXiv
+    2410.02703), as an explicit sum: (B, Nq, Nk)."""
+    z0 = _dot(q[:, 0], k[:, 0]) / math.sqrt(D)
+    n_q, n_k = z0.shape[-2:]
+    f = torch.zeros_like(z0)
+    for i in range(n_q):
+        for j in range(1, n_k):
+            for kk in range(j + 1, i):
+                f[:, i, j] += z0[:, kk, j].clamp(min=0)
+    return f
 
 
 def _entropy(z):
@@ -110,14 +165,26 @@ def test_every_registered_mechanism_has_a_formula_row():
 
 @pytest.mark.parametrize("name", list(MECHANISMS))
 def test_mechanism_matches_its_formula_in_float64(name):
-    m = build_mechanism(name, D, H).double()
-    q, k = _qk()
+    m, q, k = _row(name)
     assert_close(m.logits(q, k), FORMULAS[name](q, k, m), rtol=1e-12, atol=1e-12)
     # Move any learned parameter away from its init: the formula must still hold.
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    _move(m)
     assert_close(m.logits(q, k), FORMULAS[name](q, k, m), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(set(MECHANISMS) - SCALED_LOGITS))
+def test_each_formula_row_is_checked_where_its_rule_acts(name):
+    """At its inputs (and with its learned parameters moved), every row whose logits are not
+    scaled's by design differs from scaled's far beyond the comparison's tolerance, so a
+    mechanism that silently computed scaled's logits would fail its row."""
+    m, q, k = _row(name)
+    _move(m)
+    with torch.no_grad():
+        row, scaled = FORMULAS[name](q, k, m), FORMULAS["scaled"](q, k, m)
+        if row.shape[-1] == 2 * scaled.shape[-1]:  # two maps side by side (differential)
+            scaled = torch.cat([scaled, scaled], dim=-1)
+        gap = (row - scaled).abs().max()
+    assert float(gap) > 1e-6, f"{name}: its row equals scaled's at these inputs"
 
 
 @pytest.mark.parametrize("name", list(MECHANISMS))
@@ -144,6 +211,7 @@ def test_mechanism_declares_its_kind_and_cites_its_source(name):
 
 def test_defaults_match_their_papers():
     q, k = _qk()
+    assert qk_layernorm.LN_EPS == LN_EPS
     assert GEMMA2_CAP == 50.0 and GROK1_CAP == 30.0 and S_INIT == 0.43
     assert TAU_INIT == math.log(10) and TAU_MAX == math.log(100) and RMS_EPS == 1e-6
     assert build_mechanism("qknorm", D, H).g.item() == pytest.approx(math.log2(128**2 - 128))
@@ -249,10 +317,16 @@ def test_multi_head_attention_shapes(name):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 2, name)
     x, ctx = torch.randn(3, 5, 16), torch.randn(3, 9, 16)
+    assert mha(x, causal=True).shape == (3, 5, 16)
+    if MECHANISMS[name].logit_bias == "forget":  # FoX is causal self-attention
+        for call in (lambda: mha(x), lambda: mha(x, ctx, causal=True)):
+            with pytest.raises(ConfigError, match="causal self-attention"):
+                call()
+        return
     assert mha(x).shape == (3, 5, 16)
     assert mha(x, ctx).shape == (3, 5, 16)
-    assert mha.logits(x, ctx).shape == (3, 2, 5, 9)
-    assert mha(x, causal=True).shape == (3, 5, 16)
+    width = 18 if MECHANISMS[name].normaliser == "differential" else 9  # two maps side by side
+    assert mha.logits(x, ctx).shape == (3, 2, 5, width)
 
 
 def test_init_reparam_logits_equal_scaled_at_step_zero():

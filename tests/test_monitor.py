@@ -18,15 +18,15 @@ from torch.testing import assert_close
 import attnscale
 from attnscale.kernels import native
 from attnscale.attention import MultiHeadAttention, attention_reference, key_mask
-from attnscale.mechanisms import MECHANISMS
+from attnscale.mechanisms import MECHANISMS, build_mechanism
 from attnscale.errors import ConfigError
-from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, SCALAR_KEYS, Monitor,
-                                       colour_limits, head_stats, layer_summary, monitor,
-                                       plot_entropy)
+from attnscale.measure.monitor import (MASKED_BIAS, RECORD_KEYS, SCALAR_KEYS, Call, Monitor,
+                                       Totals, Watch, colour_limits, head_stats, layer_summary,
+                                       monitor, plot_entropy)
 from attnscale import pipeline, stats
 from attnscale.kernels import softcap
 from attnscale.stats import logit_std, softmax_stats
-from normalisers import reference_distribution_stats, sink_of
+from normalisers import lam_of, reference_distribution_stats, sink_of
 
 # By module name: ``attnscale.attention`` is also the re-exported function.
 attention_module = importlib.import_module("attnscale.attention")
@@ -37,14 +37,18 @@ ORIGINAL_ATTENTION = attention_module.attention
 def reference(z: torch.Tensor, keep: torch.Tensor, mechanism=None) -> dict[str, torch.Tensor]:
     """Per-head record statistics from materialised logits z (B, H, Nq, Nk) and a bool mask,
     under the mechanism's normaliser (softmax when None)."""
-    keep = keep.expand(z.shape)
-    z = z.double().masked_fill(~keep, -math.inf)
     normaliser = "softmax" if mechanism is None else mechanism.normaliser
+    # differential: z holds two maps side by side, each over the keys
+    wide = normaliser == "differential"
+    keep = keep.expand(*z.shape[:-1], z.shape[-1] // 2 if wide else z.shape[-1])
+    keep_z = torch.cat([keep, keep], -1) if wide else keep
+    z = z.double().masked_fill(~keep_z, -math.inf)
     ok = keep.any(-1)                                     # rows with a key, (B, H, Nq)
     if normaliser == "softmax":  # the stable formulation: near one-hot rows keep their digits
         s = {**softmax_stats(z), "mass": ok.double()}
     else:
-        s = reference_distribution_stats(z, keep, normaliser, sink_of(mechanism))
+        s = reference_distribution_stats(z, keep, normaliser, sink_of(mechanism),
+                                         lam_of(mechanism))
     n = ok.sum((0, 2)).double()
 
     def mean(x):
@@ -53,7 +57,7 @@ def reference(z: torch.Tensor, keep: torch.Tensor, mechanism=None) -> dict[str, 
     return {"queries": n, "entropy_mean": mean(s["entropy"]),
             "entropy_min": torch.where(ok, s["entropy"], math.inf).amin((0, 2)),
             "max_weight_mean": mean(s["max_weight"]), "logit_std": mean(logit_std(z)),
-            "logit_absmax": torch.where(keep, z.abs(), 0.0).amax((0, 2, 3)),
+            "logit_absmax": torch.where(keep_z, z.abs(), 0.0).amax((0, 2, 3)),
             "jacobian_fro_mean": mean(s["jacobian_fro"]), "mass_mean": mean(s["mass"]),
             "sink_mass_mean": mean(1 - s["mass"]) if normaliser == "sink" else 0.0 * n}
 
@@ -249,7 +253,8 @@ def test_monitor_on_multi_head_attention_every_mechanism(name):
         out = mha(x, mask=mask, causal=True)
     assert torch.equal(out, expected)
     q, k, v = _mha_qkv(mha, x)
-    trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True)
+    trace = attention_reference(q, k, v, mha.mechanism, mask=mask, causal=True,
+                                log_forget=mha._forget_gates(x, None, True))
     keep = key_mask(mask, True, q, k)
     with torch.no_grad():
         assert_records_match(mon.records, reference(trace.logits, keep, mha.mechanism))
@@ -410,7 +415,7 @@ def test_everything_is_removed_when_the_forward_raises():
         with monitor(model) as mon:
             model(torch.randn(1, 4, 16))
     assert hook_count(model) == 0
-    assert mon._stack == []
+    assert mon._watch._stack == []
     assert_clean()
     with monitor(model.attn) as again:  # a fresh monitor works afterwards
         model.attn(torch.randn(1, 4, 16))
@@ -509,8 +514,8 @@ def test_attention_is_the_same_object_while_a_monitor_is_active():
     with monitor(mha) as mon:
         assert attention_module.attention is ORIGINAL_ATTENTION
         assert attnscale.attention is ORIGINAL_ATTENTION
-        (observer,) = attention_module.observers()  # mon._observe (see observer._eager)
-        assert getattr(observer, "__wrapped__", observer) == mon._observe
+        (observer,) = attention_module.observers()  # its watch's (see observer._eager)
+        assert getattr(observer, "__wrapped__", observer) == mon._watch._observe_pipeline
         mha(torch.randn(1, 5, 16))
     assert attention_module.observers() == ()
     assert len(mon.records) == 2
@@ -678,7 +683,7 @@ def test_softcap_monitor_does_not_score_the_logits_again(monkeypatch):
     def recompute(*args, **kwargs):
         raise AssertionError("the monitor recomputed logits the kernel had formed")
 
-    monkeypatch.setattr(observer, "_head_stats", recompute)
+    monkeypatch.setattr(observer, "call_head_stats", recompute)
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4, "softcap", cap=2.0)
     x = torch.randn(2, 24, 32)
@@ -709,3 +714,104 @@ def test_request_rows_only_where_the_computation_forms_the_logits():
     rows = offered[2]
     assert rows.shape == (1, 2, 5, len(stats.ROW_STATS_COLUMNS)) and rows.dtype == torch.float64
     assert_close(rows, stats.row_stats(pipeline.logits(q, k, 0.5, 3.0)), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The observer contract: Watch, Call, Totals (what the monitor and the guard are built on)
+
+
+class _Pair(nn.Module):
+    """Two attention layers on one input; the second called twice in one forward pass (each
+    call a forward of its own, so one site: ``name#1`` is a module's second call inside its own
+    forward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = MultiHeadAttention(16, 2), MultiHeadAttention(16, 2)
+
+    def forward(self, x, mask=None):
+        return self.first(x, causal=True) + self.second(x, mask=mask) + self.second(x)
+
+
+def test_a_watch_hands_its_owner_the_calls_it_selects():
+    model, x = _Pair(), torch.randn(2, 7, 16)
+    calls, ended, totals = [], [], Totals()
+
+    def observe(call: Call) -> None:
+        calls.append(call)
+        call.statistics(lambda s: totals.add(call.site, s), block=3)
+
+    passes = iter([True, False, True, True])
+    watch = Watch(model, observe, selects=lambda module, args, kwargs: next(passes),
+                  counts=lambda module: module is not model.first,
+                  ended=lambda module, n: ended.append((module, n)))
+    with watch:
+        assert watch.active and watch.names[model.second] == "second"
+        for _ in range(3):
+            model(x)
+        model.first(x)  # a pass entering at a submodule whose calls do not count
+    assert not watch.active and hook_count(model) == 0
+    assert ended == [(model, 2), (model, None), (model, 2), (model.first, 0)]
+    assert [(c.site, c.layer) for c in calls] == [("second", "second")] * 4
+    assert all(c.observation is not None and c.q.shape == (2, 2, 7, 8) for c in calls)
+    taken = totals.take()
+    assert list(taken) == ["second"] and not totals
+    assert taken["second"].queries.tolist() == [2 * 2 * 2 * 7] * 2  # passes x calls x B x Nq
+
+
+def test_a_watch_ended_by_a_pass_that_raised_in_selects():
+    model = MultiHeadAttention(16, 2)
+
+    def selects(module, args, kwargs):
+        raise ValueError("refused")
+
+    ended = []
+    with Watch(model, lambda call: None, selects=selects,
+               ended=lambda module, n: ended.append(n)):
+        with pytest.raises(ValueError, match="refused"):
+            model(torch.randn(1, 3, 16))
+    assert ended == [None] and hook_count(model) == 0
+
+
+@pytest.mark.parametrize("masking", ["none", "causal", "mask", "mask+causal"])
+def test_a_call_counts_the_keys_as_the_pipeline_did(masking):
+    """A pipeline call's most_keys is the pipeline's own key count (not recomputed from the
+    mask); an SDPA-tapped call's, from SDPA's mask and causality, is the same number."""
+    q, k = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(2, 1, 6, 9, generator=torch.Generator().manual_seed(0)) > 0.6
+    mask[1, 0, 2, :] = True
+    mask = mask if "mask" in masking else None
+    causal = "causal" in masking
+    seen = []
+    with pipeline.observe(seen.append):
+        pipeline.run(q, k, k, build_mechanism("scaled", 8, 2), mask=mask, causal=causal)
+    (obs,) = seen
+    want = int(key_mask(mask, causal, q, k).sum(-1).max()) if mask is not None or causal else 9
+    piped = Call("a", "a", obs.q, obs.k, obs.scale, None, mask, causal, obs)
+    tapped = Call("a", "a", q, k, None, None, mask, causal)
+    bias = None if mask is None else torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    additive = Call("a", "a", q, k, None, None, bias, causal)
+    assert piped.most_keys() == tapped.most_keys() == additive.most_keys() == want
+    # read from the observation: a count the pipeline gave wins over q, k and the mask
+    counted = Call("a", "a", q, k, None, None, None, False,
+                   pipeline.Observation(q, k, 1.0, None, None, False, torch.tensor([[3], [5]]),
+                                        None))
+    assert counted.most_keys() == 5
+
+
+def test_a_calls_peak_logits_are_its_statistics_logit_max_when_uncapped():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    for cap in (None, 2.0):
+        call = Call("a", "a", q, k, 0.5, cap, None, True)
+        got = []
+        call.statistics(got.append, block=2)
+        z = (q.double() @ k.double().transpose(-1, -2)) * 0.5
+        z = z.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+        assert_close(call.peak_logits(), z.amax((0, 2, 3)))  # before the cap
+        assert call.peaks_in_statistics == (cap is None)
+        if cap is None:
+            assert_close(got[0].logit_max, call.peak_logits())
+        else:
+            assert bool((got[0].logit_max < call.peak_logits()).all())

@@ -7,7 +7,6 @@ Every statistical check is a band derived from the estimates' own standard error
 from __future__ import annotations
 
 import math
-import tracemalloc
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from attnscale.measure.montecarlo import (
     jacobian_crossing, sample_gamma, sample_logits_direct, sample_normal, saturation,
     saturation_direct, small_head_thresholds, variance,
 )
+from peak_memory import peak_mib
 
 BAND = 4.0
 STAT_KEYS = ("max_weight", "entropy", "jacobian_fro", "logit_std")
@@ -253,19 +253,27 @@ def test_single_key_is_one_hot():
 # Bounded memory
 
 
+_SETUP = "from attnscale.measure.montecarlo import saturation, variance"
+
+
 def test_large_n_runs_in_bounded_memory():
+    """Peak resident memory (torch's allocations included) stays a fraction of the whole
+    (trials, n) float64 logit array, which the trials never form at once."""
     n, trials = 2 ** 16, 64
-    tracemalloc.start()          # numpy buffers are traced; torch's own are not
-    try:
-        rows = saturation([64], n, trials, seed=0)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    full = n * trials * 8        # the whole (trials, n) float64 logit array: 32 MiB
-    assert peak < full / 4, f"peak {peak / 2**20:.1f} MiB"
-    for r in rows:
+    full = n * trials * 8 / 2 ** 20  # MiB: 32
+    peak = peak_mib(_SETUP, f"saturation([64], {n}, {trials}, seed=0)",
+                    warm="saturation([64], 1024, 8, seed=0)")
+    assert peak < full / 4, f"peak {peak:.1f} MiB"
+    for r in saturation([64], n, trials, seed=0):
         assert 0.0 < r["max_weight_mean"] <= 1.0
         assert math.isfinite(r["entropy_mean"]) and math.isfinite(r["jacobian_fro_mean"])
+
+
+def test_the_memory_probe_sees_torch_allocations():
+    """The check above can fail: a (trials, n) float64 torch array at the same sizes shows."""
+    peak = peak_mib("import torch", "x = torch.randn(64, 2 ** 16, dtype=torch.float64)\n"
+                                    "x = x.exp()")
+    assert peak > 32
 
 
 def test_large_n_few_trials():
@@ -472,13 +480,12 @@ def test_memory_refusal_uses_the_machines_ram(monkeypatch):
 
 
 def test_variance_memory_does_not_grow_with_pairs():
-    tracemalloc.start()
-    try:
-        variance([16], 4 * 2 ** 18, seed=0)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 ** 20, peak  # Python objects only: the samples live in chunks of torch tensors
+    """4M pairs (the samples, whole, would be 32 MiB of float64) in chunks: peak resident
+    memory a fraction of that."""
+    pairs = 4 * 2 ** 20
+    peak = peak_mib(_SETUP, f"variance([16], {pairs}, seed=0)",
+                    warm="variance([16], 1000, seed=0)")
+    assert peak < pairs * 8 / 2 ** 20 / 4, f"peak {peak:.1f} MiB"
 
 
 @pytest.mark.parametrize("call, total", [

@@ -39,13 +39,16 @@ def _masking(kind: str, n_q: int, n_k: int) -> tuple[torch.Tensor | None, bool, 
     return mask, causal, attended
 
 
-def _expected(where: str, attended: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
-    """Which outputs (B, H, Nq, D) the rule makes NaN, from the attended keys alone."""
+def _expected(where: str, attended: torch.Tensor, n_q: int, n_k: int,
+              whole_rows: bool = False) -> torch.Tensor:
+    """Which outputs (B, H, Nq, D) the rule makes NaN, from the attended keys alone;
+    ``whole_rows``: the mechanism normalises each output row (differential's RMSNorm), so a NaN
+    in one entry of v reaches every entry of the rows that attend it."""
     want = torch.zeros(B, H, n_q, D, dtype=torch.bool)
     if where == "q":
         for i in {0, n_q // 2}:
             want[AT_B, AT_H, i] = attended[i].any()
-    elif where == "k":
+    elif where == "k" or whole_rows:
         want[AT_B, AT_H] = attended[:, n_k // 2, None]
     else:
         want[AT_B, AT_H, :, AT_C] = attended[:, n_k // 2]
@@ -69,7 +72,7 @@ def _check(name: str, dtype: torch.dtype, shape: tuple[int, int], kind: str, whe
     q, k, v = _inputs(where, dtype, n_q, n_k)
     got = attention(q, k, v, name, mask=mask, causal=causal)
     ref = attention_reference(q, k, v, name, mask=mask, causal=causal).out
-    want = _expected(where, attended, n_q, n_k)
+    want = _expected(where, attended, n_q, n_k, MECHANISMS[name].normalises_output)
     case = f"{name} {dtype} {shape} {kind} NaN in {where}"
     assert torch.equal(ref.isnan(), want), f"reference: {case}"
     assert torch.equal(got.isnan(), want), f"attention: {case}"
@@ -115,6 +118,27 @@ def test_values_wider_than_the_head_follow_the_rule(name):
     want[AT_B, AT_H, :, AT_C] = attended[:, 4]
     assert torch.equal(got.isnan(), want) and torch.equal(ref.isnan(), want)
     assert_close(got[~want], ref[~want])
+
+
+@pytest.mark.parametrize("where", "qkv")
+def test_selective_attention_carries_a_nan_of_its_first_head_as_its_formula(where):
+    # The selection sums the first head's logits of the queries between a key and a query, so a
+    # NaN in that head's q or k reaches later rows of every head; the values' NaN follow the rule.
+    mask, causal, attended = _masking("mask+causal", 20, 20)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, H, 20, D, generator=gen) for _ in range(3))
+    {"q": q, "k": k, "v": v}[where][AT_B, 0, 6, AT_C] = float("nan")
+    got = attention(q, k, v, "selective", mask=mask, causal=causal)
+    ref = attention_reference(q, k, v, "selective", mask=mask, causal=causal).out
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert_close(got[~got.isnan()], ref[~ref.isnan()], rtol=1e-5, atol=1e-5)
+    assert not got[1 - AT_B].isnan().any()
+    if where == "v":
+        want = torch.zeros_like(got, dtype=torch.bool)
+        want[AT_B, 0, :, AT_C] = attended[:, 6]
+        assert torch.equal(got.isnan(), want)
+    else:  # the later rows of the other head too
+        assert got[AT_B, 1, 7:].isnan().any() and not got[AT_B, 1, :6].isnan().any()
 
 
 def test_sdpa_on_this_cpu_is_what_the_rule_documents():

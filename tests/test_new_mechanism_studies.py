@@ -34,10 +34,12 @@ def text_dir(tmp_path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name", ["scaled", "sink", "sigmoid", "softpick", "stick-breaking"])
+@pytest.mark.parametrize("name", ["scaled", "sink", "sigmoid", "softpick", "stick-breaking",
+                                  "forgetting", "selective", "differential"])
 def test_first_key_weight_is_the_mean_weight_on_key_0(name):
-    """From the observed q and k, blockwise, under the mechanism's normaliser: the traced
-    weights' column 0, averaged over the (batch, query) rows that attend key 0."""
+    """From the observed q and k, blockwise, under the mechanism's normaliser (differential's
+    net weight p1 − λ p2) and with its logit bias: the traced weights' column 0, averaged over
+    the (batch, query) rows that attend key 0."""
     torch.manual_seed(0)
     mha = MultiHeadAttention(24, 3, name, dtype=torch.float64)
     if name == "sink":
@@ -52,7 +54,9 @@ def test_first_key_weight_is_the_mean_weight_on_key_0(name):
     (obs,) = seen
     total, rows = first_key_weight(obs, block=4)
     q, k = mha._split(mha.w_q(x)), mha._split(mha.w_k(x))
-    trace = attention_reference(q, k, q, mha.mechanism, mask=mask, causal=True)
+    log_forget = mha.mechanism.forget_gates(x) if name == "forgetting" else None
+    trace = attention_reference(q, k, q, mha.mechanism, mask=mask, causal=True,
+                                log_forget=log_forget)
     keep = (mask & torch.ones(9, 9, dtype=torch.bool).tril())[..., 0].expand(2, 3, 9)
     want = torch.where(keep, trace.weights[..., 0], 0.0).sum((0, 2))
     assert_close(rows, keep.double().sum((0, 2)))

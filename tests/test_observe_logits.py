@@ -17,6 +17,7 @@ from attnscale.experiments.recall.config import RecallConfig
 from attnscale.experiments.recall.model import BatchIndex, RecallNet, StackedRecall
 from attnscale.experiments.recall.task import train_chunk
 from attnscale.experiments.recall.trainer import stack_batches, train_runs
+from attnscale.columns import MONITOR_SUMMARIES
 from attnscale.guard import guard
 from attnscale.measure.monitor import monitor
 from attnscale.mechanisms import MECHANISMS
@@ -36,8 +37,12 @@ class _SelfFormed(nn.Module):
                    for w in (mha.w_q, mha.w_k, mha.w_v))
         self.mech = mha.mechanism
         self.gate = self.mech.gate_values(x) if self.mech.gate else None
-        trace = pipeline_run(q, k, v, self.mech, mask=mask, causal=True, trace=True, gate=self.gate)
-        self.logits = trace.logits.masked_fill(~key_mask(mask, True, q, k), -math.inf)
+        trace = pipeline_run(q, k, v, self.mech, mask=mask, causal=True, trace=True, gate=self.gate,
+                             log_forget=mha._forget_gates(x, None, True))
+        keep = key_mask(mask, True, q, k)
+        if self.mech.normaliser == "differential":  # two maps side by side
+            keep = torch.cat([keep, keep], -1)
+        self.logits = trace.logits.masked_fill(~keep, -math.inf)
 
     def forward(self) -> None:
         observe_logits(self.logits, self.mech, gate=self.gate)
@@ -102,12 +107,31 @@ def test_guard_records_one_layer_per_stacked_run():
         assert r["n_keys"] == TINY.pairs
 
 
-def test_recall_trace_is_the_guard_record_of_each_recorded_step():
-    runs = train_runs([replace(TINY, mechanism=m) for m in ("scaled", "qk-clip")],
+def test_recall_trace_is_the_guard_record_of_each_recorded_step(monkeypatch):
+    """Each run's trace row at a recorded step is the guard's record of that run's layer at
+    that step, statistic by statistic (the guard the trainer builds, kept by a spy)."""
+    import attnscale.experiments.recall.trainer as trainer
+
+    guards = []
+
+    def spy(*args, **kwargs):
+        guards.append(guard(*args, **kwargs))
+        return guards[-1]
+
+    monkeypatch.setattr(trainer, "guard", spy)
+    runs = train_runs([replace(TINY, mechanism=m) for m in ("unscaled", "qk-clip")],
                       show_progress=False)
-    for run in runs:
+    (g,) = guards
+    means = {s.column: s.key for s in MONITOR_SUMMARIES if s.reduce == "mean"}
+    for m, run in enumerate(runs):
         assert [row["step"] for row in run.trace] == [0, 2, 4, 5]   # and the last step
         assert all(0.0 < row["entropy"] <= math.log(TINY.pairs) + 1e-9 for row in run.trace)
+        for row in run.trace:
+            (record,) = [r for r in g.records if r["step"] == row["step"] and r["layer"] == m]
+            assert {k: v for k, v in row.items() if k != "step"} == {
+                name: record[means[name]] for name in row if name != "step"}
+    # the runs differ at every step, so a row given to the other run would not match
+    assert all(a["entropy"] != b["entropy"] for a, b in zip(runs[0].trace, runs[1].trace))
 
 
 def test_record_next_records_a_step_off_the_grid():

@@ -49,8 +49,9 @@ def test_the_trace_is_the_same_pipeline_materialised(name):
         ref = attention_reference(q, k, v, mech, mask=mask, causal=causal)
         for field in ("logits", "weights", "out"):
             assert torch.equal(getattr(trace, field), getattr(ref, field)), field
-        if mech.per_key or (mask is None and not causal):
-            # A row-adaptive rule (not per_key) reads the mask, which logits() does not take.
+        if (mech.per_key and mech.logit_bias is None) or (mask is None and not causal):
+            # A row-adaptive rule (not per_key) and a selection read the mask, which the
+            # logits() here are not given.
             assert_close(trace.logits, mech.logits(q, k, pipeline.key_counts(mask, causal, q, k)))
 
 

@@ -283,7 +283,7 @@ def test_a_seed_part_way_through_its_lr_grid_is_left_out():
                                           and r["config"]["d_model"] == 64
                                           and r["config"]["lr"] == 1e-1)]
     rows = {(r["mechanism"], r["width"]): r for r in lm_study.sensitivity_rows(records)}
-    assert rows["scaled", 64]["mean"] is None and lm_study._range_text(rows["scaled", 64]) \
+    assert rows["scaled", 64]["mean"] is None and lm_study.sensitivity_text(rows["scaled", 64]) \
         == "partial"
     best = {(r["mechanism"], r["width"]): r for r in lm_study.highest_lr_rows(records)}
     assert lm_study._best_text(best["scaled", 64]) == "partial"

@@ -122,12 +122,26 @@ def test_the_shipped_stores_grow_by_the_new_mechanisms_alone(name):
             added[key] = {axis: grid[axis][len(spec.grid[axis]):] for axis in grid
                           if len(grid[axis]) > len(spec.grid[axis])}
     new = ["softpick", "stick-breaking"]
+    biases = ["forgetting", "selective", "differential"]  # logit biases, differential attention
     if name == "recall":
-        assert set(added["recall"]["mechanism"]) >= {*new, "mscale"}
+        assert set(added["recall"]["mechanism"]) >= {*new, "mscale", *biases}
     elif name == "lm":
         assert added["lm"] == {"variant": [*new, "mscale(factor=40.0)",
-                                           "qk-rmsnorm(over=model)"]}
+                                           "qk-rmsnorm(over=model)", *biases]}
         assert added["sinks"] == "new store" and "wide" not in added
     else:
-        assert added == {"recall-length": {"mechanism": new},
-                         "lm-length": {"mechanism": [*new, "mscale"]}}
+        assert added == {"recall-length": {"mechanism": [*new, *biases]},
+                         "lm-length": {"mechanism": [*new, "mscale", *biases]}}
+
+
+def test_the_results_page_figures_are_figures_of_the_study():
+    from dataclasses import replace
+
+    from attnscale.study import get
+
+    # the page shows what each shipped spec names, in the order of its folders
+    assert list(get("lm").page_figures) == ["lm_lr_sensitivity.png", "lm_loss_vs_lr.png"]
+    odd = replace(GROWN, name="odd-test", figures=("a.png",), page_figures={"b.png": "B"})
+    with pytest.raises(ValueError, match="page_figures names b.png"):
+        register(odd)
+    assert "odd-test" not in STUDIES

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 import sweep_batch_experiments
-import sweep_experiments
 from sweep_experiments import wait_until
 from attnscale import sweep
 from attnscale.errors import ConfigError

@@ -36,8 +36,9 @@ def _as_mechanism(mechanism: Mechanism | str, q: Tensor) -> Mechanism:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled", *,
-              mask: Tensor | None = None, causal: bool = False,
-              trace: bool = False, gate: Tensor | None = None) -> Tensor | AttentionTrace:
+              mask: Tensor | None = None, causal: bool = False, trace: bool = False,
+              gate: Tensor | None = None, bias: Tensor | None = None,
+              log_forget: Tensor | None = None) -> Tensor | AttentionTrace:
     """Attention output (B, H, Nq, d_v) for q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v).
 
     ``mechanism`` is a built :class:`~attnscale.mechanisms.Mechanism` or a registry name (built at
@@ -45,20 +46,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "sca
     ``causal`` is top-left aligned.  With ``trace=True`` the same pipeline runs materialised and
     returns an :class:`AttentionTrace` (logits, weights, out), O(B · H · Nq · Nk) memory.
     ``gate`` (broadcastable to (B, H, Nq, d_v)) multiplies the output: a gating mechanism's
-    ``gate_values`` of the layer input.
+    ``gate_values`` of the layer input.  ``bias`` (float, broadcastable to (B, H, Nq, Nk)) is added
+    to the logits after the cap, with the mask: a position bias (T5's relative bias, ALiBi); it
+    adds to a mechanism's own logit bias.  ``log_forget`` (B, H, max(Nq, Nk)): a forgetting
+    mechanism's log forget gates (its ``forget_gates`` of the layer input), causal only.
     """
     for name, flag in (("trace", trace), ("causal", causal)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name} must be True or False, got {flag!r}.")
     check_qkv(q, k, v)  # before a registry name is built for q's dtype and heads
     return run(q, k, v, _as_mechanism(mechanism, q), mask=mask, causal=causal, trace=trace,
-               gate=gate)
+               gate=gate, bias=bias, log_forget=log_forget)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mechanism: Mechanism | str = "scaled",
-                        *, mask: Tensor | None = None, causal: bool = False) -> AttentionTrace:
+                        *, mask: Tensor | None = None, causal: bool = False,
+                        log_forget: Tensor | None = None) -> AttentionTrace:
     """``attention(..., trace=True)``: logits, weights and output of every head, materialised."""
-    return attention(q, k, v, mechanism, mask=mask, causal=causal, trace=True)
+    return attention(q, k, v, mechanism, mask=mask, causal=causal, trace=True,
+                     log_forget=log_forget)
 
 
 class MultiHeadAttention(nn.Module):
@@ -142,9 +148,22 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.w_k(kv))  # (B, H, Nk, d)
         v = self._split(self.w_v(kv))  # (B, H, Nk, d)
         gate = self.mechanism.gate_values(x) if self.mechanism.gate else None  # (B, H, N, 1|d)
-        o = attention(q, k, v, self.mechanism, mask=mask, causal=causal, gate=gate)  # (B,H,N,d)
+        log_forget = self._forget_gates(x, context, causal)                      # (B, H, N)
+        o = attention(q, k, v, self.mechanism, mask=mask, causal=causal, gate=gate,
+                      log_forget=log_forget)                                      # (B, H, N, d)
         b, h, n, d = o.shape
         return self.w_o(o.transpose(1, 2).reshape(b, n, h * d))  # (B, N, d_model)
+
+    def _forget_gates(self, x: Tensor, context: Tensor | None, causal: bool) -> Tensor | None:
+        """A forgetting mechanism's log forget gates of the layer input, (B, H, N); None for
+        other mechanisms.  FoX is causal self-attention: other calls are refused."""
+        if self.mechanism.logit_bias != "forget":
+            return None
+        if context is not None or not causal:
+            raise ConfigError(f"mechanism {self.mechanism.name!r} is causal self-attention (its "
+                              "forget gates act on the tokens before a query): call it with "
+                              "causal=True and no context.")
+        return self.mechanism.forget_gates(x)
 
     def _checked(self, x: Tensor, context: Tensor | None) -> Tensor:
         """The keys' source (``context``, else ``x``), both checked by :meth:`_check_input`."""

@@ -6,20 +6,22 @@ Two tables, and everything else derives from them:
   order of its last dimension (the compiled kernel writes them in this order: enum ``OUT_*`` in
   ``_native/kernels.c``);
 * :data:`MONITOR_SUMMARIES`, how the monitor reduces each over the query rows it sees, per head
-  (a mean, a min or a max), under the key its records, tables and TensorBoard scalars use.
+  (a mean, a min or a max), under the key its records, tables and TensorBoard scalars use, and
+  whether the monitor's and the guard's records carry it.
 
 Derived: :data:`MEAN_STATS` (the statistics the Monte Carlo saturation and the recall
-evaluation average over rows), :data:`RECORD_STATS` (the monitor's record keys).
+evaluation average over rows), :data:`RECORD_STATS` (the monitor's record keys),
+:data:`GUARD_STATS` (the statistics of :func:`attnscale.guard`'s records).
 :data:`WEIGHT_COLUMNS` are per-row quantities of other normalisers and of an output gate that the
 monitor summarises beside the row statistics.
 
-Adding a statistic: give it a formula in :func:`attnscale.stats.row_stats` (its PyTorch path
-builds its columns by these names, so a name without a formula fails at the first call; a row
-kernel column also needs the C enum), add its name to :data:`ROW_STATS_COLUMNS` and, to have the
-monitor keep it, one :class:`Summary` line.  The monitor's per-head sums, its records, the
-saturation rows and the recall evaluation then carry it.  Renaming one is the same single edit
-here; a module that names a statistic itself takes it through :func:`named`, which fails at
-import on a name these tables do not have.
+Adding a statistic: give it a formula in :func:`attnscale.stats.row_stats` (its PyTorch path builds
+its columns by these names, so a name without a formula fails at the first call; a row kernel
+column also needs the C enum), add its name to :data:`ROW_STATS_COLUMNS` and, to have the monitor
+keep it, one :class:`Summary` line.  The monitor's per-head sums, its records, the guard's records
+and log, the saturation rows and the recall evaluation then carry it.  Renaming one is the same
+single edit here; a module that names a statistic itself takes it through :func:`named`, which
+fails at import on a name these tables do not have.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Summary:
     column: str              # a ROW_STATS_COLUMNS name
     reduce: str              # "mean" (kept as a sum), "min" or "max" (kept as the extreme)
     recorded: bool = True    # written to records and TensorBoard (else kept per head only)
+    guarded: bool = True     # in the guard's records and log (attnscale.guard)
     empty: float | None = None  # value before any row (default: the reduction's identity)
 
     @property
@@ -77,11 +80,13 @@ MONITOR_SUMMARIES = (
     Summary("logit_std", "logit_std", "mean"),
     Summary("logit_absmax", "logit_absmax", "max", empty=0.0),   # |z| >= 0
     Summary("jacobian_fro_mean", "jacobian_fro", "mean"),
-    # The signed peak logit, for QK-Clip's S_max: kept per head, not in the records.
+    # The signed peak logit, QK-Clip's S_max: the guard's max-logit alarm, not a monitor record.
     Summary("logit_max", "logit_max", "max", recorded=False),
-    Summary("mass_mean", "mass", "mean"),
-    Summary("sink_mass_mean", "sink_mass", "mean"),
-    Summary("gate_mean", "gate", "mean"),
+    # What a normaliser other than softmax and an output gate do to the weights: the monitor
+    # reports them; the guard, watching a training run's logits, leaves them out.
+    Summary("mass_mean", "mass", "mean", guarded=False),
+    Summary("sink_mass_mean", "sink_mass", "mean", guarded=False),
+    Summary("gate_mean", "gate", "mean", guarded=False),
 )
 
 for _s in MONITOR_SUMMARIES:
@@ -92,6 +97,8 @@ if len({s.key for s in MONITOR_SUMMARIES}) != len(MONITOR_SUMMARIES):
 
 # The monitor's record statistics (after layer, head, module and queries).
 RECORD_STATS = tuple(s.key for s in MONITOR_SUMMARIES if s.recorded)
+# The guard's record statistics (after step, layer, head, module, queries and n_keys).
+GUARD_STATS = tuple(s.key for s in MONITOR_SUMMARIES if s.guarded)
 # Row statistics that experiments average over rows (those the monitor averages), column order.
 MEAN_STATS = tuple(c for c in ROW_STATS_COLUMNS
                    if any(s.column == c and s.reduce == "mean" for s in MONITOR_SUMMARIES))

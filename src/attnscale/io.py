@@ -357,11 +357,11 @@ def staged_dir(out: str | os.PathLike, *, param: str = "--out",
     out = Path(out)
     created = not out.exists()
     with sigterm_as_exit():
-        out.mkdir(parents=True, exist_ok=True)
         staging = out / _staging_name()
-        staging.mkdir()
         done = False
-        try:
+        try:  # the folders are made inside: a signal as a mkdir returns still cleans up
+            out.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
             yield staging
             names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
                            if p.is_file())

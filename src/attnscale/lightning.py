@@ -9,11 +9,11 @@ Install with ``pip install 'attnscale[lightning]'``.
     trainer.fit(module, loader)
 
 When training starts the callback enters a guard on the LightningModule with the trainer's first
-optimizer (options as :func:`attnscale.guard`) and calls ``g.step`` with ``trainer.global_step``
-after every optimizer step (once per step under ``accumulate_grad_batches``).  The guard sees the
-forward passes of ``training_step`` wherever it calls the model (``self(x)``, ``self.model(x)``,
-or submodules one by one); validation, sanity checks and prediction run in eval mode without grad
-and are never recorded.
+optimizer (options as :func:`attnscale.guard`, checked when the callback is built) and calls
+``g.step`` with ``trainer.global_step`` after every optimizer step (once per step under
+``accumulate_grad_batches``).  The guard sees the forward passes of ``training_step`` wherever it
+calls the model (``self(x)``, ``self.model(x)``, or submodules one by one); validation, sanity
+checks and prediction run in eval mode without grad and are never recorded.
 
 **Logging.**  On a recorded step the guard's per-layer scalars (:attr:`attnscale.guard.Guard.
 latest`) go to every logger of the trainer (``logger.log_metrics``) at the step Lightning logs

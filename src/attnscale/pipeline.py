@@ -7,10 +7,14 @@ The stages always run in this order, and only :func:`run` spells them out::
     v = mechanism.prepare_values(v)                 # values (clip-qkv's clamp only)
     z = scale * (q @ k.T) + mechanism.offset(n)     # logits (offset: sigmoid attention's bias)
     z = cap * tanh(z / cap)                         # cap, only for mechanisms with one (softcap)
+    z = z + bias + mechanism_bias                   # logit bias: the caller's (position bias)
+                                                    #   and the mechanism's (forgetting, selective)
     z = z.masked_fill(~mask, -inf)                  # mask
     p = normalise(z)                                # normaliser: softmax | sink | sigmoid |
-                                                    #   softpick | stick-breaking
+                                                    #   softpick | stick-breaking |
+                                                    #   differential (p1 − λ p2)
     o = p @ v
+    o = mechanism.normalise_output(o)               # output norm (differential)
     o = o * gate                                    # output gate (gated, given the layer input)
 
 A *mechanism* is anything with the :class:`Rule` attributes: ``prepare(q, k, n_keys) -> (q', k',
@@ -31,7 +35,24 @@ The normalisers (:func:`normalise`), over the keys a query attends:
   et al. 2025): rows need not sum to 1 and weights can be exactly 0;
 * ``"stick-breaking"``: p_j = β_j Π_{k > j} (1 - β_k), β = σ(z), over the keys in order, the
   nearest (largest index) last (Tan et al. 2024): under causality the keys up to the query,
-  without it every key, the query taken to follow them all.
+  without it every key, the query taken to follow them all;
+* ``"differential"``: p = softmax(z1) − λ softmax(z2), two logit maps from the two halves of each
+  head's q and k (Ye et al. 2024), written side by side as z = [z1 | z2] (..., 2 Nk); the weights
+  can be negative and sum to 1 − λ.
+
+The logit bias is one stage, added after the cap and before the mask, with two sources that add:
+
+* the caller's ``bias`` (float, broadcastable to (B, H, Nq, Nk)): a position bias (T5's relative
+  bias, arXiv 1910.10683; ALiBi, arXiv 2108.12409) or the values of an additive mask, given to
+  :func:`run`;
+* the mechanism's own (its ``logit_bias``, computed here by :func:`mechanism_bias` from the
+  prepared q and k or the model's gates), one of
+
+  - ``"forget"``: c_i − c_j, c the cumulative sum of FoX's log forget gates ``log_forget``
+    (B, H, max(Nq, Nk)), read from the layer input by the model (Lin et al. 2025); causal
+    only.  Without ``log_forget`` (a bare module, a model that gives none) there is no bias;
+  - ``"select"``: −F_ij = −Σ_{j<k<i} max(0, z⁰_kj), the first head's accumulated selection
+    (Leviathan et al. 2024), computed from q and k.
 
 By default the output is computed without materialising the (Nq, Nk) logits of every head: a scale
 on (normalised) q and k is folded into q and runs on ``torch.nn.functional.
@@ -39,13 +60,26 @@ scaled_dot_product_attention``; a sink is one extra key on the same call, or on 
 flash kernel's per-row log-sum-exp (:mod:`attnscale.kernels.sink`); a capped mechanism runs on
 :func:`attnscale.kernels.softcap.capped_attention` and sigmoid attention on
 :func:`attnscale.kernels.sigmoid.sigmoid_attention`, blockwise kernels whose extra memory is
-O(Nk · block); adaptive-temp's row entropies come from one blockwise pass
-(:mod:`attnscale.kernels.entropy`) before SDPA.  A mechanism with ``adapt_queries(q, k, scale,
-mask, causal)`` folds its per-row factor into q itself and returns ``(q', k')`` (adaptive-temp:
+O(Nk · block), as is the one kernel of softpick and stick-breaking, which normalise whole rows
+(:mod:`attnscale.kernels.rowwise`); adaptive-temp's row entropies come from one blockwise pass
+(:mod:`attnscale.kernels.entropy`) before SDPA; FoX's bias folds into SDPA as extra q/k channels
+(:mod:`attnscale.kernels.forgetting`; FlexAttention on CUDA), selective attention runs on a
+blockwise kernel (:mod:`attnscale.kernels.biased`) and differential attention's two maps on one
+SDPA call with 2H heads (:mod:`attnscale.kernels.differential`).  A mechanism with
+``adapt_queries(q, k, scale, mask, causal)`` folds its per-row factor into q itself and returns ``(q', k')`` (adaptive-temp:
 one autograd node for the entropy, β and the product, k passing through it so that the entropy's
 key gradient joins the attention's in place), the adapt stage's fast form; the factor and the
 gradients are those of ``scale * row_temperature(...)``.  ``trace=True`` runs the same steps materialised
 and returns every intermediate as an :class:`AttentionTrace`.
+
+With the caller's ``bias``, softmax attention without a cap or a bias of its own runs on SDPA
+with the bias as its float mask; every other rule (a cap, another normaliser, a mechanism's
+bias) runs materialised (the caller's bias is O(Nq · Nk) already).  Under the differential
+normaliser the caller's bias enters both maps, as an additive mask does in DiffLlama.  Selective
+attention's selection is taken from q and k alone (the first head's scaled logits), without the
+caller's bias.  Observers receive the caller's bias and the mask as one additive float ``mask``
+(0/-inf where there is no bias), which the monitor and the guard read as such, and the bias
+itself as ``Observation.bias``; the mechanism's bias comes as ``Observation.mechanism_bias``.
 
 Masks are boolean, True meaning "attend", broadcastable to (B, H, Nq, Nk).  ``causal=True`` lets
 query i attend keys j <= i (top-left aligned, as SDPA's ``is_causal``).  A query row with no key to
@@ -87,6 +121,14 @@ The contract:
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
   ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
+  A mechanism with a logit bias of its own always offers them (the pipeline scores its biased
+  logits in one blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so
+  its statistics include that bias; ``Observation.mechanism_bias`` describes it for observers
+  of their own.  Row statistics cover every logit bias, the caller's and the mechanism's: they
+  are of the logits the normaliser sees.  (QK-Clip's S_max, the logits W_Q and W_K make, is
+  taken without either: :meth:`attnscale.measure.monitor.observer.Call.peak_logits`.)
+  So does differential attention, whose rows are of its two maps under the ``"differential"``
+  normaliser (:func:`attnscale.kernels.differential.differential_row_stats`).
   Unobserved calls pay nothing for this (one ``None`` check per kernel block).
 * Logits formed outside the pipeline.  A model that forms a mechanism's logits itself (from a
   table of scores, say, as the recall study's stacked models do) hands them to
@@ -109,6 +151,11 @@ from torch import Tensor
 
 from attnscale.errors import ConfigError
 from attnscale.kernels import nans
+from attnscale.kernels.biased import (Bias, ForgetBias, SelectBias, bias_row_stats,
+                                      biased_attention, dense_bias, pruned)
+from attnscale.kernels.differential import (differential_attention, differential_row_stats,
+                                            split_maps)
+from attnscale.kernels.forgetting import forget_attention
 from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
@@ -137,6 +184,8 @@ class Rule(Protocol):
     per_key: bool       # False: row_temperature adapts the scale per row
     has_offset: bool    # offset(n_keys) is added to the logits
     acts_on_values: bool  # prepare_values acts on v
+    logit_bias: str | None  # None, "forget" or "select" (see the module doc)
+    normalises_output: bool  # normalise_output acts on p @ v (differential)
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         ...
@@ -154,12 +203,23 @@ class Rule(Protocol):
     def sink_logits(self) -> Tensor:
         ...
 
+    def lam(self) -> Tensor:
+        ...
+
+    def normalise_output(self, o: Tensor) -> Tensor:
+        ...
+
+
+# The logit biases a mechanism can declare (its ``logit_bias``), see the module doc.
+LOGIT_BIASES = ("forget", "select")
+
 
 @dataclass(frozen=True)
 class AttentionTrace:
     """The intermediates of one materialised pipeline call (``trace=True``)."""
-    logits: Tensor   # (B, H, Nq, Nk) after the mechanism and the cap, before the mask
-    weights: Tensor  # (B, H, Nq, Nk) softmax; rows with no key to attend are all zero
+    logits: Tensor   # (B, H, Nq, Nk) after the mechanism, cap and bias, before the mask
+    #                  (B, H, Nq, 2 Nk) = [z1 | z2] under the differential normaliser
+    weights: Tensor  # (B, H, Nq, Nk) the normaliser's; rows with no key to attend are all zero
     out: Tensor      # (B, H, Nq, d_v) in the dtype of v
 
 
@@ -170,7 +230,8 @@ class Observation:
     k: Tensor | None          # (B, H, Nk, d) after mechanism.prepare (None: see ``logits``)
     scale: Scale              # the logits are cap(scale · q kᵀ); tensor broadcast to (B,H,Nq,1)
     cap: float | None         # soft-cap c, or None
-    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality
+    mask: Tensor | None       # the caller's boolean mask (True = attend), without causality;
+                              # with a bias, bias and mask as one additive float (-inf = masked)
     causal: bool              # top-left causal, on top of ``mask``
     n_keys: int | Tensor      # keys each query attends: int, or (..., Nq, 1) int64
     mechanism: Rule           # the mechanism that prepared q and k
@@ -180,6 +241,9 @@ class Observation:
     gate: Tensor | None = None    # the output gate (B, H, Nq, 1 or d_v), or None
     normaliser: str = "softmax"   # one of NORMALISERS: how the masked logits become weights
     logits: Tensor | None = None  # (B, H, Nq, Nk), masked at -inf: given by observe_logits
+    bias: Tensor | None = None    # the caller's additive logit bias (already in ``mask``), or None
+    mechanism_bias: Bias | None = None  # the mechanism's logit bias (forgetting, selective)
+    lam: Tensor | None = None     # λ of the "differential" normaliser (0-d, shared by the heads)
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -254,10 +318,13 @@ def observe_logits(logits: Tensor, mechanism: Rule, *, gate: Tensor | None = Non
         return
     z = logits.detach()
     normaliser = _declares(mechanism, "normaliser", "softmax")
-    seen = Observation(None, None, 1.0, None, None, False,
-                       (z > float("-inf")).sum(-1, keepdim=True), mechanism, gate=gate,
+    n_keys = (z > float("-inf")).sum(-1, keepdim=True)
+    if normaliser == "differential":  # two maps side by side: the keys of one
+        n_keys = (z[..., :z.shape[-1] // 2] > float("-inf")).sum(-1, keepdim=True)
+    seen = Observation(None, None, 1.0, None, None, False, n_keys, mechanism, gate=gate,
                        normaliser=normaliser, logits=z,
-                       sink=mechanism.sink_logits() if normaliser == "sink" else None)
+                       sink=mechanism.sink_logits() if normaliser == "sink" else None,
+                       lam=_lam(mechanism, normaliser))
     for observer in watchers:
         observer(seen)
 
@@ -351,6 +418,78 @@ def logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None,
     return temper(q @ k.transpose(-2, -1), scale, cap, offset)
 
 
+def rule_logits(q: Tensor, k: Tensor, scale: Scale, cap: float | None, offset: float | Tensor,
+                normaliser: str, mechanism_bias: Bias | None = None,
+                bias: Tensor | None = None) -> Tensor:
+    """Every logit of prepared q (B, H, Nq, d) and k (B, H, Nk, d) under a mechanism's rule,
+    before the mask: (B, H, Nq, Nk) with the logit bias added after the cap (the mechanism's
+    ``mechanism_bias`` and the caller's ``bias``, broadcastable to (B, H, Nq, Nk)), or under the
+    ``"differential"`` normaliser the two maps of q's and k's halves side by side, (B, H, Nq,
+    2 Nk), the caller's bias in both."""
+    if normaliser == "differential":
+        (q1, q2), (k1, k2) = split_maps(q), split_maps(k)
+        z1, z2 = logits(q1, k1, scale, cap, offset), logits(q2, k2, scale, cap, offset)
+        if bias is not None:
+            z1, z2 = z1 + bias.to(z1.dtype), z2 + bias.to(z2.dtype)
+        return torch.cat([z1, z2], dim=-1)
+    z = logits(q, k, scale, cap, offset)
+    if mechanism_bias is not None:
+        if isinstance(scale, Tensor):
+            raise ConfigError("a mechanism's logit bias with a per-head or per-row scale is not "
+                              "supported.")
+        z = z + dense_bias(mechanism_bias, q, k, scale)
+    if bias is not None:
+        z = z + bias.to(z.dtype)
+    return z
+
+
+def mechanism_bias(mechanism: Rule, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+                   log_forget: Tensor | None = None) -> Bias | None:
+    """The mechanism's logit bias for q (B, H, Nq, ·), k (B, H, Nk, ·), or None: selective
+    attention's (from the boolean ``mask`` of the keys each query attends, causality aside),
+    FoX's from ``log_forget`` (B, H, max(Nq, Nk)), the log forget gates (None: no forgetting);
+    its c = cumsum(log f) is float64, whose float32 halves keep c_i − c_j exact far down a
+    sequence (:mod:`attnscale.kernels.forgetting`)."""
+    kind = _declares(mechanism, "logit_bias", None)
+    if kind is None:
+        if log_forget is not None:
+            name = getattr(mechanism, "name", "") or type(mechanism).__name__
+            raise ConfigError(f"log_forget: mechanism {name!r} has no forget gate (only a "
+                              "mechanism whose logit_bias is 'forget', such as 'forgetting').")
+        return None
+    if kind == "select":  # with selective attention's context pruning, where it is set
+        return SelectBias(mask, mechanism.budget)
+    if kind != "forget":
+        raise ConfigError(f"logit_bias must be one of {', '.join(LOGIT_BIASES)} or None, got "
+                          f"{kind!r}.")
+    if log_forget is None:
+        return None
+    check_log_forget(log_forget, q, k, causal)
+    # c in float64 (its float32 halves keep the precision of c_i − c_j far down the sequence)
+    c = torch.cumsum(log_forget.to(torch.float64), dim=-1)                 # (B|1, H|1, N)
+    return ForgetBias(c.expand(q.shape[0], q.shape[1], -1))
+
+
+def check_log_forget(log_forget: Tensor, q: Tensor, k: Tensor, causal: bool) -> None:
+    """ConfigError unless ``log_forget`` fits q, k: a floating (B|1, H|1, max(Nq, Nk)) tensor of
+    log forget gates (<= 0, or NaN, which propagates) on q's device, under causality."""
+    n = max(q.shape[-2], k.shape[-2])
+    if not isinstance(log_forget, Tensor) or not log_forget.is_floating_point():
+        got = log_forget.dtype if isinstance(log_forget, Tensor) else type(log_forget).__name__
+        raise ConfigError(f"log_forget must be a floating-point tensor of log forget gates, got "
+                          f"{got}.")
+    if (log_forget.dim() != 3 or log_forget.shape[-1] != n
+            or log_forget.shape[0] not in (1, q.shape[0])
+            or log_forget.shape[1] not in (1, q.shape[1])):
+        raise ConfigError(f"log_forget must be (B, H, max(Nq, Nk)) = ({q.shape[0]}, {q.shape[1]}, "
+                          f"{n}), got {tuple(log_forget.shape)}.")
+    if log_forget.device != q.device:
+        raise ConfigError(f"log_forget is on {log_forget.device} but q is on {q.device}.")
+    if not causal:
+        raise ConfigError("log_forget: forgetting attention is causal (a forget gate acts on the "
+                          "keys before a query); pass causal=True.")
+
+
 def apply_rule(mechanism: Rule, q: Tensor, k: Tensor, n_keys: int | Tensor, mask: Tensor | None,
                causal: bool) -> tuple[Tensor, Tensor, Scale, float | Tensor]:
     """The mechanism's stages before the logits: ``(q', k', scale, offset)``.
@@ -385,14 +524,22 @@ _ROW_WEIGHTS = {"softpick": softpick_weights, "stick-breaking": stick_breaking_w
 _ROW_KERNELS = {"softpick": softpick_attention, "stick-breaking": stick_breaking_attention}
 
 
-def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
+def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None,
+              lam: Tensor | None = None) -> Tensor:
     """Weights from masked logits z (B, H, Nq, Nk) (``-inf`` = masked) by ``normaliser``.
 
-    ``sink``: the per-head sink logit (H,) for ``"sink"``.  A row with every key masked gets all
-    zero weights under every normaliser but ``"softmax"`` (NaN there: the caller zeroes it).
+    ``sink``: the per-head sink logit (H,) for ``"sink"``; ``lam``: λ (0-d, or per head (H,))
+    for ``"differential"``, whose z is the two maps side by side, (B, H, Nq, 2 Nk).  A row with
+    every key masked gets all zero weights under every normaliser but ``"softmax"`` and
+    ``"differential"`` (NaN there: the caller zeroes it).
     """
     if normaliser == "softmax":
         return torch.softmax(z, dim=-1)
+    if normaliser == "differential":
+        z1, z2 = split_maps(z)
+        lam = lam.to(z.dtype)
+        lam = lam.view(-1, 1, 1) if lam.dim() == 1 else lam
+        return torch.softmax(z1, dim=-1) - lam * torch.softmax(z2, dim=-1)
     if normaliser == "sigmoid":
         return torch.sigmoid(z)
     if normaliser in _ROW_WEIGHTS:
@@ -404,20 +551,31 @@ def normalise(z: Tensor, normaliser: str, sink: Tensor | None = None) -> Tensor:
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None = None,
-        causal: bool = False, trace: bool = False,
-        gate: Tensor | None = None) -> Tensor | AttentionTrace:
+        causal: bool = False, trace: bool = False, gate: Tensor | None = None,
+        bias: Tensor | None = None,
+        log_forget: Tensor | None = None) -> Tensor | AttentionTrace:
     """The pipeline: output (B, H, Nq, d_v), or with ``trace=True`` an :class:`AttentionTrace`.
 
     ``mechanism`` is built (see :func:`attnscale.attention.attention` for registry names).
     ``gate``: the output gate, broadcastable to (B, H, Nq, d_v) (a gating mechanism's
     ``gate_values`` of the layer input), multiplied into the output; None for no gate.
+    ``bias``: the caller's additive logit bias, float, broadcastable to (B, H, Nq, Nk) (module
+    doc); it adds to the mechanism's own.
+    ``log_forget``: FoX's log forget gates (B, H, max(Nq, Nk)) (its ``forget_gates`` of the
+    layer input), for a mechanism whose ``logit_bias`` is ``"forget"``; causal only.
     Autocast is off inside: half inputs already accumulate in float32 here, and autocast would
     recast the kernels' float32 internals (their blocks, the mechanisms' statistics) to half.
     """
     if torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
-            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate)
+            return run(q, k, v, mechanism, mask=mask, causal=causal, trace=trace, gate=gate,
+                       bias=bias, log_forget=log_forget)
     check_qkv(q, k, v, mechanism)
+    causal_call = causal  # as called (FoX's forget gates need it), before it joins the mask
+    if bias is not None:
+        check_bias(bias, q, k)
+        if causal:  # the bias path forms its mask (SDPA takes a float mask or is_causal)
+            mask, causal = key_mask(mask, True, q, k), False
     full_mask = None if mask is None else key_mask(mask, causal, q, k)
     if full_mask is not None:
         n_keys = full_mask.sum(-1, keepdim=True)  # (..., Nq, 1)
@@ -433,18 +591,24 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     cap, normaliser = mechanism.cap, _declares(mechanism, "normaliser", "softmax")
     check_normaliser(normaliser)
     sink = mechanism.sink_logits() if normaliser == "sink" else None
-    how = _How(scale, cap, offset, normaliser, sink)
+    own = mechanism_bias(mechanism, qs, ks, full_mask, causal_call, log_forget)
+    how = _How(scale, cap, offset, normaliser, sink, bias, own, _lam(mechanism, normaliser))
+    materialised = trace or _materialises(how)
     if torch.compiler.is_compiling():
         # Observers are Python state outside the graph: compiled and exported graphs are not
         # observed (the monitor documents this), and their contextvars would break the trace.
-        return _gated(_compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace), gate)
+        out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace)
+        return _gated(_finished(out, mechanism), gate)
     watchers = _OBSERVERS.get()
     rows = seen = None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
-        seen = Observation(qs, ks, scale, cap, mask, causal, n_keys, mechanism,
-                           offers_rows=trace or kernel_rows, offset=offset, sink=sink, gate=gate,
-                           normaliser=normaliser)
+        seen = Observation(qs, ks, scale, cap, mask if bias is None else additive_mask(bias, mask),
+                           causal, n_keys, mechanism,
+                           offers_rows=(materialised or kernel_rows or own is not None
+                                        or normaliser == "differential"), offset=offset,
+                           sink=sink, gate=gate, normaliser=normaliser, bias=bias,
+                           mechanism_bias=own, lam=how.lam)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
@@ -454,13 +618,17 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
         out = _compute(q, k, v, qs, ks, how, full_mask, n_keys, causal, trace, rows)
     finally:
         _RUNNING.reset(token)
+    if rows is not None and own is not None and not materialised:  # biased logits, scored once
+        bias_row_stats(qs, ks, how.scale, own, full_mask, causal, rows, row_stats)
+    if rows is not None and normaliser == "differential" and not materialised:  # both maps
+        differential_row_stats(qs, ks, how.scale, how.lam, full_mask, causal, rows, row_stats)
     if rows is not None:
         if full_mask is not None:  # queries with no key attended everything: count 0 and
             # every statistic 0, as row_stats gives a row without keys
             rows.masked_fill_((n_keys == 0).to(rows.device), 0.0)
         for sink_fn in seen._sinks:
             sink_fn(rows)
-    return _gated(out, gate)
+    return _gated(_finished(out, mechanism), gate)
 
 
 @dataclass(frozen=True)
@@ -471,6 +639,55 @@ class _How:
     offset: float | Tensor
     normaliser: str
     sink: Tensor | None
+    bias: Tensor | None = None            # the caller's additive logit bias
+    mechanism_bias: Bias | None = None    # the mechanism's (forgetting, selective)
+    lam: Tensor | None = None             # λ of the differential normaliser
+
+
+def _lam(mechanism: Rule, normaliser: str) -> Tensor | None:
+    """λ of the differential normaliser (0-d), None under the others."""
+    return mechanism.lam() if normaliser == "differential" else None
+
+
+def _finished(out: Tensor | AttentionTrace, mechanism: Rule) -> Tensor | AttentionTrace:
+    """The mechanism's output normalisation (differential's per-head RMSNorm), if it has one;
+    computed in float32 for half types."""
+    if not _declares(mechanism, "normalises_output", False):
+        return out
+    if isinstance(out, AttentionTrace):
+        return AttentionTrace(out.logits, out.weights, _finished(out.out, mechanism))
+    return mechanism.normalise_output(upcast(out)).to(out.dtype)
+
+
+def check_bias(bias: Tensor, q: Tensor, k: Tensor) -> None:
+    """ConfigError unless ``bias`` is a floating tensor on q's device broadcastable to
+    (B, H, Nq, Nk)."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
+        raise ConfigError(f"bias must be a floating tensor (an additive logit bias), got {got}.")
+    if bias.device != q.device:
+        raise ConfigError(f"bias is on {bias.device} but q is on {q.device}.")
+    full = (*q.shape[:2], q.shape[-2], k.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(bias.shape, full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ConfigError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                          f"(B, H, Nq, Nk) = {full}.")
+
+
+def additive_mask(bias: Tensor, mask: Tensor | None) -> Tensor:
+    """``bias`` where ``mask`` (boolean, True = attend, or None) attends, -inf elsewhere."""
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
+def _materialises(how: _How) -> bool:
+    """Whether the fused path runs materialised: a caller's bias on anything but uncapped
+    softmax attention without a bias of its own (SDPA takes it as its float mask); the
+    combinations are rare and the bias is O(Nq · Nk) already."""
+    return how.bias is not None and (how.cap is not None or how.normaliser != "softmax"
+                                     or how.mechanism_bias is not None)
 
 
 def _gated(out: Tensor | AttentionTrace, gate: Tensor | None) -> Tensor | AttentionTrace:
@@ -487,10 +704,12 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
              trace: bool, rows: Tensor | None = None) -> Tensor | AttentionTrace:
     """The steps after ``prepare``: materialised (``trace``) or on the fused kernels; ``rows``
     (the observers' row statistics, see the module doc) is filled on the way when given."""
-    if trace:
+    if trace or _materialises(how):
+        # A caller's bias beside a cap, another normaliser or a mechanism's own bias.
         if full_mask is None and causal:
             full_mask = key_mask(None, True, q, k)
-        return _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        out = _materialised(qs, ks, v, how, full_mask, n_keys, rows)
+        return out if trace else out.out
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
@@ -510,22 +729,36 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
     def recompute(q: Tensor, k: Tensor, v: Tensor, scale: Scale, offset: float | Tensor,
                   sink: Tensor | None, mask: Tensor | None) -> Tensor:
         return _fused(q, k, v, replace(how, scale=scale, offset=offset, sink=sink), mask, causal)
+    # The CPU flash op serves softmax, the sink and differential attention's two maps; the
+    # selective kernel places the NaN of q and k itself (its selection carries them on).
     return nans.ruled(out, q, k, v, how.scale, how.offset, how.sink, mask, causal, recompute,
-                      flash=how.cap is None and how.normaliser in ("softmax", "sink"))
+                      flash=how.cap is None and how.normaliser in ("softmax", "sink",
+                                                                   "differential"),
+                      exact_qk=isinstance(how.mechanism_bias, SelectBias))
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
                   n_keys: int | Tensor, rows: Tensor | None = None) -> AttentionTrace:
     """The steps after ``prepare`` written out, O(B · H · Nq · Nk) memory."""
-    z = logits(q, k, how.scale, how.cap, how.offset)               # logits and cap, (B,H,Nq,Nk)
+    z = rule_logits(q, k, how.scale, how.cap, how.offset, how.normaliser,
+                    how.mechanism_bias, how.bias)                  # logits, cap, bias (B,H,Nq,Nk)
     masked = z
     if mask is not None:
         empty = n_keys == 0                                        # rows with nothing to attend
-        masked = z.masked_fill(~(mask | empty), float("-inf"))     # mask
+        keep = mask | empty
+        if how.normaliser == "differential":  # both maps of a row see the same keys
+            keep = torch.cat([keep.expand(*z.shape[:-1], -1)] * 2, dim=-1)
+        masked = z.masked_fill(~keep, float("-inf"))               # mask
+    own = how.mechanism_bias
+    if isinstance(own, SelectBias) and own.budget is not None:     # context pruning
+        f = -dense_bias(own, q, k, how.scale)                      # F, (B, 1, Nq, Nk)
+        masked = masked.masked_fill(pruned(f, torch.isneginf(masked[:, :1]), own.budget),
+                                    float("-inf"))
     if rows is not None:
         with torch.no_grad():
-            rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink))
-    p = normalise(masked, how.normaliser, how.sink)                # normaliser
+            rows.copy_(row_stats(masked.detach(), normaliser=how.normaliser, sink=how.sink,
+                                 lam=None if how.lam is None else how.lam.detach()))
+    p = normalise(masked, how.normaliser, how.sink, how.lam)       # normaliser
     if mask is not None:
         p = p.masked_fill(empty, 0.0)
     out = p @ upcast(v)                                            # (B, H, Nq, d_v)
@@ -544,6 +777,19 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
     scale = how.scale
     if isinstance(scale, Tensor):  # per-head or per-row: folded into q, the kernels get a float
         q, scale = q * scale, 1.0
+    own = how.mechanism_bias
+    if (own is not None or how.normaliser == "differential") and (
+            how.cap is not None or isinstance(how.offset, Tensor) or how.offset != 0.0):
+        raise ConfigError("a mechanism's logit bias or the differential normaliser with a cap or "
+                          "an offset is not supported.")
+    # A caller's bias reaches this point only on uncapped softmax without a mechanism's bias
+    # (_materialises): SDPA's float mask below.
+    if how.normaliser == "differential":
+        return differential_attention(q, k, v, scale, how.lam, mask, causal)
+    if isinstance(own, ForgetBias):
+        return forget_attention(q, k, v, scale, own, mask, causal)
+    if own is not None:
+        return biased_attention(q, k, v, scale, own, mask, causal)
     if how.normaliser == "sigmoid":
         return sigmoid_attention(q, k, v, scale, how.offset, how.cap, mask, causal)
     if how.normaliser in _ROW_KERNELS:
@@ -554,6 +800,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, caus
             raise ConfigError("a capped mechanism with a sink normaliser is not supported.")
         return sink_attention(q, k, v, scale, how.sink, how.offset, mask, causal)
     if how.cap is None:
+        if how.bias is not None:  # SDPA adds a float mask to the scaled logits
+            mask = additive_mask(how.bias.to(v.dtype), mask)
         # SDPA's CPU and CUDA kernels accumulate fp16/bf16 in float32 themselves.
         return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                               is_causal=causal, scale=scale)

@@ -22,3 +22,9 @@ def new_figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
     """A figure with ``ncols`` side-by-side axes."""
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return fig, list(axes[0])
+
+
+def new_grid(nrows: int, ncols: int, width: float, height: float):
+    """A ``width`` x ``height`` inch figure with ``nrows`` x ``ncols`` axes: ``axes[row][col]``."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
+    return fig, [list(row) for row in axes]

@@ -44,11 +44,18 @@ Other normalisers (:func:`attnscale.pipeline.normalise`).  :func:`row_stats` tak
   last, Tan et al. 2024): max weight ``max_j p_j``; entropy of the normalised row p / Σp,
   ``softmax(log p)``; ``||J||_F`` of the map z -> p, whose entries are ∂p_j/∂z_j = p_j (1 - β_j)
   and ∂p_j/∂z_k = -p_j β_k for k > j (0 for k < j), so ``||J||_F² = Σ_j p_j² ((1 - β_j)² +
-  Σ_{k > j} β_k²)`` (:func:`stick_breaking_stats`).
+  Σ_{k > j} β_k²)`` (:func:`stick_breaking_stats`);
+* ``"differential"`` (w = p1 − λ p2, p1 = softmax(z1), p2 = softmax(z2), differential attention;
+  z is the two maps side by side, (..., 2n), and ``lam`` is λ): max weight ``max_i w_i`` (the
+  largest net weight); entropy of the normalised magnitudes |w| / Σ|w| (nats, in [0, ln n]; the
+  softmax entropy of p1 when λ = 0); ``||J||_F = sqrt(||J(p1)||² + λ² ||J(p2)||²)``, the Jacobian
+  of w with respect to both maps' logits; ``count`` is the row's keys (n, not 2n), and
+  ``logit_std``, ``logit_absmax`` and ``logit_max`` cover the logits of both maps
+  (:func:`differential_stats`).
 
 :func:`row_mass` is the weight the keys carry, Σ_i p_i: 1 under softmax, 1 minus the sink's mass
 under a sink, anything in [0, n] under sigmoid, in [0, 1) under softpick, 1 - Π_k (1 - β_k) under
-stick-breaking.
+stick-breaking, 1 − λ under the differential normaliser.
 """
 
 from __future__ import annotations
@@ -68,13 +75,14 @@ from attnscale.precision import check_floating, upcast
 
 Tensor = torch.Tensor
 
-__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "coherence", "columns", "entropy",
-           "fit_line", "jacobian_fro", "logit_std", "max_weight", "mean_of_means", "mean_se",
-           "mean_se_from_sums", "qk_row_stats", "row_mass", "row_stats", "sigmoid_stats",
-           "softmax_stats", "softpick_stats", "stick_breaking_stats", "std_ci", "std_se", "t975"]
+__all__ = ["NORMALISERS", "ROW_STATS_COLUMNS", "Moments", "coherence", "columns",
+           "differential_stats", "entropy", "fit_line", "jacobian_fro", "logit_std", "max_weight",
+           "mean_of_means", "mean_se", "mean_se_from_sums", "qk_row_stats", "row_mass",
+           "row_stats", "sigmoid_stats", "softmax_stats", "softpick_stats", "stick_breaking_stats",
+           "std_ci", "std_se", "t975"]
 
 # The normalisers a mechanism can name, and the statistics are defined for (the pipeline reads it).
-NORMALISERS = ("softmax", "sink", "sigmoid", "softpick", "stick-breaking")
+NORMALISERS = ("softmax", "sink", "sigmoid", "softpick", "stick-breaking", "differential")
 
 
 def _logits(z: Tensor) -> Tensor:
@@ -283,15 +291,19 @@ def stick_breaking_stats(z: Tensor) -> dict[str, Tensor]:
 _RECTIFIED_STATS = {"softpick": softpick_stats, "stick-breaking": stick_breaking_stats}
 
 
-def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+def row_mass(z: Tensor, normaliser: str = "softmax", sink: Tensor | None = None,
+             lam: Tensor | None = None) -> Tensor:
     """Σ_i p_i over the keys of each row, float64 (...): 1 under softmax (0 for a row without
     keys), 1 - p_sink under a sink, Σ σ(z_i) under sigmoid, the rectified sums under softpick
-    and stick-breaking; NaN for rows holding NaN."""
+    and stick-breaking, 1 − λ under the differential normaliser (``lam``, z the two maps side
+    by side); NaN for rows holding NaN."""
     z = _logits(z)
     if normaliser == "sigmoid":
         return sigmoid_stats(z)["mass"].double()
     if normaliser in _RECTIFIED_STATS:
         return _RECTIFIED_STATS[normaliser](z)["mass"].double()
+    if normaliser == "differential":
+        return differential_stats(z, lam)["mass"].double()
     zmax = z.amax(dim=-1)
     if normaliser == "sink":
         lse = torch.logsumexp(z, dim=-1)                          # -inf for a row without keys
@@ -308,6 +320,41 @@ def check_normaliser(normaliser: str) -> None:
                           f"{normaliser!r}.")
 
 
+def _per_head(z: Tensor, x: Tensor, what: str) -> Tensor:
+    """A per-head parameter beside logits z (B, H, Nq, n) or (H, ..., n): 0-d, (H,) (heads at
+    dim -3), or anything broadcastable to (..., 1); as a column of z's dtype."""
+    if x is None:
+        raise ConfigError(f"the {what!r} normaliser needs its per-head parameter.")
+    x = x.to(z.dtype)
+    if x.dim() == 1 and z.dim() >= 3:
+        x = x.view(-1, 1, 1)
+    return x.expand(*z.shape[:-1], 1) if x.dim() else x.expand(*z.shape[:-1]).unsqueeze(-1)
+
+
+def differential_stats(z: Tensor, lam: Tensor | None) -> dict[str, Tensor]:
+    """Max weight, entropy of |w| / Σ|w|, ``||J||_F`` and the mass Σ w of w = softmax(z1) −
+    λ softmax(z2), z = [z1 | z2] (..., 2n) with masked keys at -inf in both maps, λ = ``lam``
+    (0-d, per head, or broadcastable to (..., 1)); each of shape (...).  A row without keys gives
+    0, a row holding NaN gives NaN.  Differentiable."""
+    z = _logits(z)
+    if z.shape[-1] % 2:
+        raise ConfigError(f"differential logits are two maps side by side: the last dimension "
+                          f"must be even, got {z.shape[-1]}.")
+    lam = _per_head(z, lam, "differential")[..., 0]                     # (...)
+    z1, z2 = z[..., :z.shape[-1] // 2], z[..., z.shape[-1] // 2:]
+    s1, s2 = softmax_stats(z1), softmax_stats(z2)
+    w = torch.softmax(z1, dim=-1) - lam.unsqueeze(-1) * torch.softmax(z2, dim=-1)
+    a = w.abs()
+    total = a.sum(dim=-1, keepdim=True)
+    share = a / torch.where(total > 0, total, torch.ones_like(total))
+    ent = -(share * torch.log(torch.where(share > 0, share, torch.ones_like(share)))).sum(-1)
+    jac = torch.sqrt(s1["jacobian_fro"] ** 2 + (lam * s2["jacobian_fro"]) ** 2)
+    zmax = torch.maximum(z1.amax(dim=-1), z2.amax(dim=-1))             # NaN propagates
+    return {"max_weight": _special_rows(zmax, w.amax(dim=-1)), "entropy": _special_rows(zmax, ent),
+            "jacobian_fro": _special_rows(zmax, jac),
+            "mass": _special_rows(zmax, 1.0 - lam)}
+
+
 def _sink_column(z: Tensor, sink: Tensor | None) -> Tensor:
     """The sink logits as a column (..., 1) beside logits z (B, H, Nq, Nk) or (H, ..., n): ``sink``
     is (H,), or anything broadcastable to (..., 1)."""
@@ -320,7 +367,8 @@ def _sink_column(z: Tensor, sink: Tensor | None) -> Tensor:
 
 
 def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = None,
-              normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+              normaliser: str = "softmax", sink: Tensor | None = None,
+              lam: Tensor | None = None) -> Tensor:
     """Every statistic of every row of ``softmax(z)``: the one entry point for per-row statistics.
 
     Args:
@@ -329,9 +377,11 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             first ``limit[r % P]`` keys (clamped to [0, n]), the others count as masked -- causal
             attention without writing a mask, with P the query rows per (batch, head).
         threads: worker threads of the compiled kernel (default ``torch.get_num_threads()``).
-        normaliser: one of :data:`NORMALISERS`; the columns' definitions for the others than
-            softmax are in the module doc.
+        normaliser: one of :data:`NORMALISERS` (``"differential"``: z the two maps side by
+            side, (..., 2n)); the columns' definitions for the others than softmax are in the
+            module doc.
         sink: the per-head sink logits (H,) (or broadcastable to (..., 1)) for ``"sink"``.
+        lam: λ (0-d or per head (H,)) for ``"differential"``.
     Returns:
         float64 tensor (..., 7) whose columns are :data:`ROW_STATS_COLUMNS`: ``count`` (the
         row's unmasked keys), ``max_weight``, ``entropy``, ``jacobian_fro``, ``logit_std``,
@@ -350,6 +400,8 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, threads: int | None = N
             raise ConfigError(f"limit must be a non-empty int64 tensor, got {limit!r}.")
     if threads is not None:
         threads = check_int("threads", threads, minimum=1)
+    if normaliser == "differential":
+        return _differential_row_stats(z, limit, threads, lam)
     if normaliser != "softmax":
         return _normalised_row_stats(z, limit, threads, normaliser, sink)
     needs_grad = z.requires_grad and torch.is_grad_enabled()
@@ -404,6 +456,23 @@ def _normalised_row_stats(z: Tensor, limit: Tensor | None, threads: int | None, 
 
 # The row statistics of the weights p (the others, count and the logit statistics, are of z).
 _WEIGHT_STATS = ("max_weight", "entropy", "jacobian_fro")
+
+
+def _differential_row_stats(z: Tensor, limit: Tensor | None, threads: int | None,
+                            lam: Tensor | None) -> Tensor:
+    """:func:`row_stats` for the differential normaliser (see the module doc): z (..., 2n)."""
+    n = z.shape[-1] // 2
+    if limit is not None:  # the limit counts the keys of one map: hide them in both
+        rows = z.numel() // z.shape[-1]
+        lim = limit.to(z.device)[torch.arange(rows, device=z.device) % limit.numel()]
+        hidden = torch.arange(n, device=z.device) >= lim.view(*z.shape[:-1], 1)
+        z = z.masked_fill(torch.cat([hidden, hidden], dim=-1), -math.inf)
+    both = columns(row_stats(z, threads=threads))          # the logits of both maps, 2n a row
+    values = dict(both, count=columns(row_stats(z[..., :n], threads=threads))["count"])
+    full = differential_stats(z, lam)
+    values.update({c: full[c].double() for c in _WEIGHT_STATS})
+    out = torch.stack([values[name] for name in ROW_STATS_COLUMNS], dim=-1)
+    return torch.where(values["count"].unsqueeze(-1) == 0, torch.zeros_like(out), out)
 
 
 def coherence(q: Tensor, k: Tensor, *, mask: Tensor | None = None,

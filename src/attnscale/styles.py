@@ -67,6 +67,11 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "softpick": ("#dc143c", ":", "v"),
     "stick-breaking": ("#2e8b57", ":", "D"),
     "mscale": ("#5f9ea0", "--", "h"),
+    # Logit biases (forgetting, selective) dash-dotted like the other rules on top of scaled
+    # attention; differential attention, another normaliser, dotted.
+    "forgetting": ("#228b22", "-.", "v"),
+    "selective": ("#cd5c5c", "-.", "<"),
+    "differential": ("#00ced1", ":", "P"),
 }
 
 

@@ -19,6 +19,7 @@ EXAMPLES = """
 def _plot(args) -> int:
     from attnscale.guard import read_log
     from attnscale.guard.plot import plot_guard
+    from attnscale.plotting import save
 
     runs = {}
     for log in args.logs:
@@ -31,14 +32,7 @@ def _plot(args) -> int:
         for warning in said:  # a torn last line, left out: said once, on one line
             print(f"note: {warning.message}", file=sys.stderr)
     fig = plot_guard(runs)
-
-    def save(tmp: Path) -> None:
-        import matplotlib.pyplot as plt
-
-        fig.savefig(tmp, dpi=120)
-        plt.close(fig)
-
-    atomic_write(args.out, save, param="--out", force=args.force)
+    atomic_write(args.out, lambda tmp: save(fig, tmp), param="--out", force=args.force)
     print(f"wrote {args.out}")
     return 0
 

@@ -34,8 +34,13 @@ Public API
 ``family_of(layer)`` / ``family_name(layer)``
     The table row (:class:`Family`) of an attention layer / its family name; ``family_of`` raises
     a one-line :class:`~attnscale.errors.ConfigError` for a family not in the table.
-``FAMILIES``
-    The table itself (read-only mapping ``model_type -> Family``).
+``bypassing_layers(model)``
+    ``(qualified name, class)`` of the attention layers of ``model`` that the table knows form
+    their softmax themselves (GIT's text attention...): a swap or clip of the rest would be
+    partial, so both are refused.
+``FAMILIES``, ``OWN_ATTENTION``
+    The table itself (read-only mapping ``model_type -> Family``), and the classes of attention
+    that bypasses the interface (``class name -> family``).
 ``Heads``, ``ClipTarget``, ``Layout`` and its kinds (``Separate``, ``Fused``, ``Interleaved``,
 ``Latent``)
     The projection layouts (:mod:`attnscale.families.layouts`): head counts, the q/k/v
@@ -51,17 +56,20 @@ Example::
 from __future__ import annotations
 
 from attnscale.families.facts import (
-    INTERFACE_NAME, LayerFacts, TemperatureTuning, facts, family_name, family_of,
-    is_attention_layer,
+    INTERFACE_NAME, LayerFacts, TemperatureTuning, bypassing_layers, facts, family_name,
+    family_of, is_attention_layer,
 )
 from attnscale.families.layouts import (
     ClipTarget, Fused, Heads, Interleaved, Latent, Layout, Separate,
 )
 from attnscale.families.table import (
-    FAMILIES, MASK_KINDS, POSITION_BIASES, QK_NORM_KINDS, QK_NORM_OVER, Family, QKNorm,
+    FAMILIES, MASK_KINDS, OWN_ATTENTION, POSITION_BIASES, QK_NORM_KINDS, QK_NORM_OVER, Family,
+    QKNorm,
 )
 
-__all__ = ["FAMILIES", "INTERFACE_NAME", "MASK_KINDS", "POSITION_BIASES", "QK_NORM_KINDS",
+__all__ = ["FAMILIES", "INTERFACE_NAME", "MASK_KINDS", "OWN_ATTENTION", "POSITION_BIASES",
+           "QK_NORM_KINDS",
            "QK_NORM_OVER", "ClipTarget", "Family", "Fused", "Heads", "Interleaved", "Latent",
-           "LayerFacts", "Layout", "QKNorm", "Separate", "TemperatureTuning", "facts",
+           "LayerFacts", "Layout", "QKNorm", "Separate", "TemperatureTuning", "bypassing_layers",
+           "facts",
            "family_name", "family_of", "is_attention_layer"]

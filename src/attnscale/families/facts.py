@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from attnscale.errors import ConfigError
 from attnscale.families.layouts import Heads
-from attnscale.families.table import FAMILIES, Family, QKNorm
+from attnscale.families.table import FAMILIES, OWN_ATTENTION, Family, QKNorm
 
 # The name a layer's forward must look up to dispatch through transformers' AttentionInterface
 # (modeling_utils.ALL_ATTENTION_FUNCTIONS): what makes a module an attention layer here.
@@ -24,6 +24,13 @@ def is_attention_layer(module: nn.Module) -> bool:
     forward = inspect.unwrap(type(module).forward)  # past HF's deprecation decorators
     code = getattr(forward, "__code__", None)
     return code is not None and INTERFACE_NAME in code.co_names
+
+
+def bypassing_layers(model: nn.Module) -> list[tuple[str, str]]:
+    """``(qualified name, class name)`` of every module of ``model`` whose class the table lists
+    as attention that forms its softmax itself (``Family.own_attention``)."""
+    return [(name, type(m).__name__) for name, m in model.named_modules()
+            if type(m).__name__ in OWN_ATTENTION]
 
 
 def family_name(layer: nn.Module) -> str:
@@ -49,8 +56,8 @@ def family_of(layer: nn.Module) -> Family:
 @dataclass(frozen=True)
 class TemperatureTuning:
     """Llama 4's attention-temperature tuning (Llama 4 release; HF modeling_llama4.py), on its
-    layers without RoPE: q ← q · (1 + attn_scale · ln(1 + ⌊(i + 1) / floor_scale⌋)) at position i,
-    applied before the attention function."""
+    layers without RoPE: q ← q · (1 + attn_scale · ln(1 + ⌊(i + 1) / floor_scale⌋)) at
+    position i, applied before the attention function."""
     floor_scale: float
     attn_scale: float
 
@@ -110,7 +117,7 @@ def _layer_facts(layer: nn.Module) -> LayerFacts:
     row, family = family_of(layer), family_name(layer)
     config = getattr(layer, "config", None)
     heads = None if row.layout is None else row.layout.heads(layer, family)
-    scaling = getattr(layer, "scaling", None)
+    scaling = getattr(layer, row.scaling_attr, None) if row.scaling_attr else 1.0
     scaling = float(scaling) if isinstance(scaling, (int, float)) else None
     mscale = None
     if row.layout is not None and row.layout.name == "latent" and scaling is not None:

@@ -52,8 +52,8 @@ class ClipTarget:
     ``rows[i]`` is the head (query head on the query side, key head on the key side) that
     feature ``i`` along ``dim`` of ``tensor`` belongs to, or -1 for a feature left alone (the
     value rows of a fused projection, the shared rotary key).  ``power``: ``"side"`` for the
-    side's share of the factor (η^α on the query side, η^(1-α) on the key side), ``"full"`` for η
-    itself (multi-head latent attention's q_pe, whose key is not rescaled).  A gain written
+    side's share of the factor (η^α on the query side, η^(1-α) on the key side), ``"full"`` for
+    η itself (multi-head latent attention's q_pe, whose key is not rescaled).  A gain written
     ``1 + w`` (Gemma's RMSNorm) has ``offset = 1`` and is scaled as ``w <- c (1 + w) - 1``.
     """
     tensor: Tensor
@@ -84,11 +84,11 @@ def _child(module: nn.Module, attr: str, family: str) -> nn.Module:
     return child
 
 
-def _int_attr(module: nn.Module, attr: str, family: str) -> int:
+def _int_attr(module: nn.Module, attr: str, family: str, minimum: int = 1) -> int:
     value = getattr(module, attr, None)
     if value is None:
         value = getattr(getattr(module, "config", None), attr, None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{type(module).__name__} ({family}) has no integer {attr!r}, which "
                           "attnscale's family table names for its heads.")
     return value
@@ -96,7 +96,10 @@ def _int_attr(module: nn.Module, attr: str, family: str) -> int:
 
 def _out_features(proj: nn.Module) -> int:
     """Output features of a Linear, or of a transposed GPT-2 Conv1D (weight (in, out))."""
-    weight = proj.weight
+    weight = getattr(proj, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ConfigError(f"projection {type(proj).__name__} has no single 2-D weight, so "
+                          "attnscale cannot read its heads' rows.")
     return weight.shape[1] if _transposed(proj) else weight.shape[0]
 
 
@@ -141,25 +144,31 @@ class Separate(Layout):
     q: str = "q_proj"
     k: str = "k_proj"
     v: str = "v_proj"
+    gated: bool = False  # q's rows per head are [q (d); output gate (d)] (Qwen3-Next)
 
     def heads(self, module: nn.Module, family: str) -> Heads:
         d = _int_attr(module, self.head_dim, family)
         q, k, v = (_out_features(_child(module, a, family)) for a in (self.q, self.k, self.v))
-        if q % d or k % d or (k // d and v % (k // d)):
+        per_q = 2 * d if self.gated else d
+        if q % per_q or k % d or (k // d and v % (k // d)):
             raise ConfigError(f"{type(module).__name__} ({family}): projections of {q}, {k}, {v} "
                               f"features do not split into heads of {self.head_dim} = {d}.")
-        return Heads(q // d, k // d, d, v // (k // d))
+        return Heads(q // per_q, k // d, d, v // (k // d))
 
     def projections(self, module: nn.Module, family: str) -> dict[str, nn.Module]:
+        if self.gated:
+            raise ConfigError(f"{type(module).__name__} ({family}): its {self.q} also holds the "
+                              "output gate, which a clamp of q would change too.")
         return {side: _child(module, a, family)
                 for side, a in (("q", self.q), ("k", self.k), ("v", self.v))}
 
     def clip_targets(self, module, family):
         heads = self.heads(module, family)
-        sides = []
-        for attr, n in ((self.q, heads.n_heads), (self.k, heads.n_kv_heads)):
+        d, sides = heads.d_head, []
+        for attr, n, period in ((self.q, heads.n_heads, 2 * d if self.gated else d),
+                                (self.k, heads.n_kv_heads, d)):
             proj = _child(module, attr, family)
-            rows = _head_rows(n, heads.d_head, length=_out_features(proj))
+            rows = _head_rows(n, d, period=period, length=_out_features(proj))
             sides.append(_projection_targets(proj, rows))
         return sides[0], sides[1]
 
@@ -249,7 +258,8 @@ class Latent(Layout):
         return proj
 
     def _sizes(self, module: nn.Module, family: str) -> tuple[int, int, int]:
-        return tuple(_int_attr(module, a, family)
+        # a latent attention without RoPE has qk_rope_head_dim = 0 (GLM-5-Next)
+        return tuple(_int_attr(module, a, family, minimum=0 if a == "qk_rope_head_dim" else 1)
                      for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
 
     def heads(self, module: nn.Module, family: str) -> Heads:

@@ -64,6 +64,7 @@ class Family:
     layout: Layout | None                # where W_Q, W_K, W_V live; None: attnscale cannot tell
     qk_norm: QKNorm | None = None        # the family's q/k norm, if any
     scaling: str = "d^-1/2"              # the rule behind the scale the layer passes (facts doc)
+    scaling_attr: str | None = "scaling"  # layer attribute of the scale it passes (None: 1)
     softcap: str | None = None           # config attribute of the logit soft-cap it passes
     sinks: str | None = None             # layer attribute of its learned per-head sink logits
     window: str | None = "sliding_window"  # layer attribute of its sliding window (None: none)
@@ -71,6 +72,7 @@ class Family:
     mask: str = "boolean"                # one of MASK_KINDS
     temperature_tuning: bool = False     # Llama 4's query scaling on its NoPE layers
     calls: int = 1                       # attention calls per forward (DiffLlama: 2)
+    own_attention: tuple[str, ...] = ()  # classes of its attention that bypass the interface
     refusal: str | None = None           # why set_mechanism and the clip cannot serve it
     clip_refusal: str | None = None      # why only QK-Clip cannot
     by_class: Mapping[str, Family] = field(default_factory=dict)  # other classes' rows
@@ -101,12 +103,12 @@ _TABLE: dict[str, Family] = {
     # Separate q_proj / k_proj / v_proj, heads of head_dim rows: the Llama layout.
     **_rows(LLAMA,
             "aimv2_text_model", "aimv2_vision_model", "altclip_vision_model", "arcee",
-            "aria_text", "audioflamingo3_encoder", "bart", "bigbird_pegasus", "biogpt", "bitnet",
+            "aria_text", "audioflamingo3_encoder", "bart", "biogpt", "bitnet",
             "blenderbot", "blenderbot-small", "blt_global_transformer", "blt_local_decoder",
             "blt_local_encoder", "blt_patcher", "chinese_clip_vision_model", "clip_text_model",
             "clip_vision_model", "clipseg_text_model", "clipseg_vision_model", "cohere",
             "cohere2", "cohere2_moe", "cwm", "dia_decoder", "dia_encoder", "ernie4_5",
-            "ernie4_5_moe", "evolla", "exaone", "gemma", "git_vision_model", "glm4_moe",
+            "ernie4_5_moe", "exaone", "gemma", "git_vision_model", "glm4_moe",
             "glm4v_moe_text", "glm4v_text", "glm_ocr_text", "glmasr_encoder", "gptj", "granite",
             "granitemoe", "granitemoeshared", "gte", "helium", "hrm_text", "hyperclovax",
             "idefics", "idefics2_perceiver", "idefics2_vision", "idefics3_vision",
@@ -117,14 +119,14 @@ _TABLE: dict[str, Family] = {
             "metaclip_2_vision_model", "mimo_v2_flash", "minicpm_ocr_vision",
             "minicpmv4_6_vision", "minicpmv4_7_vision", "minimax", "minimax_m3_vl_vision",
             "ministral3", "mistral", "mixtral", "moshi", "moss_transcribe_diarize_audio",
-            "muse_glimmer_text", "muse_glimmer_vision", "muse_spark_text", "nemotron_h",
+            "muse_glimmer_vision", "nemotron_h",
             "nllb-moe", "nomic_bert", "olmo", "omniasr_audio", "opt", "ovis2_vision",
             "owlv2_text_model", "owlv2_vision_model", "owlvit_text_model",
             "owlvit_vision_model", "paddleocr_vl_text", "paddleocr_vl_vision", "pegasus",
             "pegasus_x", "phi", "phimoe", "pixtral", "plbart", "qianfan_ocr_vision", "qwen2",
             "qwen2_5_omni_audio_encoder", "qwen2_5_omni_text", "qwen2_5_vl_text",
             "qwen2_audio_encoder", "qwen2_moe", "qwen2_vl_text", "qwen3_asr_encoder",
-            "qwen3_omni_moe_audio_encoder", "seamless_m4t", "seamless_m4t_v2", "seed_oss",
+            "qwen3_omni_moe_audio_encoder", "seed_oss",
             "siglip2_text_model", "siglip2_vision_model", "siglip_text_model",
             "siglip_vision_model", "smolvlm_vision", "solar_open", "stablelm", "starcoder2",
             "step3p5_vision", "tipsv2_text_model", "tipsv2_vision_model", "ultrabert",
@@ -138,8 +140,11 @@ _TABLE: dict[str, Family] = {
             "inkling_text", "kolibri1", "laguna", "lara_mini", "mellum", "molmo2_text",
             "qwen3", "qwen3_moe", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen3_vl_text",
             "sarvam_moe"),
-    **_rows(LLAMA.with_(qk_norm=GEMMA_NORM),  # Qwen3-Next's and Qwen3.5's RMSNorm is Gemma's
-            "minimax_m3_vl_text", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "step3p5"),
+    **_rows(LLAMA.with_(qk_norm=GEMMA_NORM), "minimax_m3_vl_text", "step3p5"),
+    # Qwen3-Next and Qwen3.5: gated attention (q_proj holds each head's q and output gate) and
+    # Gemma's (1 + w) RMSNorm on q and k.
+    **_rows(Family(Separate(gated=True), qk_norm=GEMMA_NORM),
+            "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"),
     # ... with one q/k RMSNorm over all heads' channels before the split (OLMo 2).
     **_rows(LLAMA.with_(qk_norm=OVER_MODEL), "minimax_m2", "olmo2", "olmo3", "olmoe"),
     "lfm2": LLAMA.with_(qk_norm=QKNorm("head", q="q_layernorm", k="k_layernorm")),
@@ -160,11 +165,81 @@ _TABLE: dict[str, Family] = {
     "llama4_text": LLAMA.with_(qk_norm=QKNorm("head", "l2", None, "qk_norm", "qk_norm"),
                                temperature_tuning=True),
     "diffllama": LLAMA.with_(calls=2),
+    **_rows(LLAMA,
+            "canary_decoder", "cosmos3_edge_text", "cosmos3_edge_vision",
+            "csm_depth_decoder_model", "emu3_text_model", "eurobert", "glm", "glm4",
+            "granite_docling_text", "higgs_audio_v2", "hy_v4_vl_vision", "marian",
+            "ministral", "mllama_text_model", "mllama_vision_model", "modernbert-decoder",
+            "phi4_multimodal_audio", "phi4_multimodal_vision", "smollm3"),
+    "granite4_vision_text": LLAMA.with_(scaling="attention_multiplier (granite)"),
+    **_rows(LLAMA.with_(qk_norm=OVER_MODEL), "flex_olmo", "olmo_hybrid"),
+    **_rows(LLAMA.with_(qk_norm=PER_HEAD), "lfm3", "lfm3_vl_vision"),
+    **_rows(LLAMA.with_(qk_norm=QKNorm("head", q="query_layernorm", k="key_layernorm")),
+            "hunyuan_v1_dense", "hunyuan_v1_moe"),
+    # Muse: one RMSNorm without a gain on q and k, q then times qk_scale_factor.
+    **_rows(LLAMA.with_(qk_norm=QKNorm("head", "rmsnorm", None, "qk_norm", "qk_norm")),
+            "muse_glimmer_text", "muse_spark_text"),
+    # The privacy filter scales q and k by d^-1/4 each before the call, which passes 1.
+    "openai_privacy_filter": LLAMA.with_(sinks="sinks", scaling="d^-1/4 on q and on k",
+                                         scaling_attr=None),
+    "modernbert": Family(Fused("head_dim", "Wqkv", "num_attention_heads")),
+    **_rows(Family(Fused("head_dim", "qkv_proj", "num_attention_heads", "num_key_value_heads")),
+            "phi3", "phi4_multimodal"),
+    "glm5_next_vision": VISION_QKV.with_(qk_norm=PER_HEAD),
+    "bridgetower_text_model": BERT,
+    # SeamlessM4T: BART-style text layers, and a conformer speech encoder whose layers name
+    # their projections linear_q, linear_k, linear_v and their head size head_size.
+    **_rows(LLAMA.with_(by_class={"SeamlessM4TConformerSelfAttention": Family(
+                Separate("head_size", "linear_q", "linear_k", "linear_v")),
+                                  "SeamlessM4Tv2ConformerSelfAttention": Family(
+                Separate("head_size", "linear_q", "linear_k", "linear_v"))}),
+            "seamless_m4t", "seamless_m4t_v2"),
+    # Refused: attnscale cannot place their W_Q, W_K rows per head.
+    "jetmoe": Family(None, refusal="JetMoE's queries come from a mixture of attention experts "
+                                   "(JetMoeMoA), not one projection with rows per head."),
+    "zaya": Family(None, refusal="ZAYA's q and k come from a convolutional projection "
+                                 "(ZayaCCAProjection) that mixes positions, not rows per head."),
+    "florence_vision": Family(None, refusal="Florence-2's vision attention keeps no head size, "
+                                            "and its channel attention attends over channels."),
+    # DeepSeek-V4: one shared key-value head (K = V) after a gained RMSNorm, q normalised per
+    # head without a gain, learned sinks; it concatenates 0/-inf blocks onto eager's float mask.
+    "deepseek_v4": Family(Separate("head_dim", "q_b_proj", "kv_proj", "kv_proj"),
+                          sinks="sinks", mask="additive",
+                          clip_refusal="DeepSeek-V4 normalises q without a gain and reads its "
+                                       "key as its value (K = V), so no rescaling of its "
+                                       "weights bounds its logits and leaves its values be."),
+    # Models whose other attention forms its softmax itself, adding the mask as eager's float
+    # one: that mask stays eager's, and a swap or clip of the interface layers alone is refused.
+    "bigbird_pegasus": LLAMA.with_(
+        mask="additive", own_attention=("BigBirdPegasusSelfAttention",),
+        refusal="BigBirdPegasus's encoder attention (BigBirdPegasusSelfAttention) forms its "
+                "softmax itself, not through the AttentionInterface, so it would keep its "
+                "native temperature."),
+    "evolla": LLAMA.with_(
+        own_attention=("EvollaSequenceCompressorAttention",),
+        refusal="Evolla's sequence compressor (EvollaSequenceCompressorAttention) forms its "
+                "softmax itself, not through the AttentionInterface, so it would keep its "
+                "native temperature."),
+    "deepseek_vl_hybrid": Family(None, own_attention=("SamVisionAttention",),
+                                 refusal="its SAM vision encoder (SamVisionAttention) forms its "
+                                         "softmax itself, not through the AttentionInterface."),
+    **_rows(Family(None, own_attention=("GraniteSpeechConformerAttention",
+                                        "GraniteSpeechPlusConformerAttention"),
+                   refusal="its speech encoder's conformer attention forms its softmax itself, "
+                           "not through the AttentionInterface."),
+            "granite_speech", "granite_speech_plus"),
+    "got_ocr2": Family(None, own_attention=("GotOcr2VisionAttention",),
+                       refusal="its vision encoder (GotOcr2VisionAttention) forms its softmax "
+                               "itself, not through the AttentionInterface."),
+    "git": Family(None, mask="additive", own_attention=("GitSelfAttention",),
+                  refusal="GIT's text attention (GitSelfAttention) forms its softmax itself, not "
+                          "through the AttentionInterface, so it would keep its native "
+                          "temperature."),
     # Separate query / key / value, heads of attention_head_size rows: the BERT layout.
     **_rows(BERT,
             "albert", "align_text_model", "altclip_text_model", "bert", "bert-generation",
             "blip_2_qformer", "camembert", "chinese_clip_text_model", "clap_text_model",
-            "data2vec-text", "dpr", "electra", "ernie", "instructblip_qformer",
+            "data2vec-text", "dpr", "electra", "ernie", "esm", "instructblip_qformer",
             "instructblipvideo_qformer", "layoutlm", "layoutlmv3", "markuplm", "mobilebert",
             "roberta", "roberta-prelayernorm", "roc_bert", "splinter", "xlm-roberta",
             "xlm-roberta-xl", "xmod"),
@@ -173,7 +248,14 @@ _TABLE: dict[str, Family] = {
     "kosmos_2_5_vision_model": Family(Separate("head_dim", "query", "key", "value")),
     "qwen2_5_omni_vision_encoder": Family(Separate("head_dim", "q", "k", "v")),
     # T5: q, k, v without the 1/sqrt(d), a learned relative position bias.
-    **_rows(T5, "longt5", "mt5", "switch_transformers", "t5", "udop", "umt5"),
+    **_rows(T5, "mt5", "switch_transformers", "t5", "udop", "umt5"),
+    # LongT5's encoder attends locally (or with transient global tokens) in attention of its
+    # own; its decoder goes through the interface.
+    "longt5": T5.with_(
+        own_attention=("LongT5LocalAttention", "LongT5TransientGlobalAttention"),
+        refusal="LongT5's encoder attention (LongT5LocalAttention, LongT5TransientGlobalAttention) "
+                "forms its softmax itself, not through the AttentionInterface, so it would keep "
+                "its native temperature."),
     # One fused projection: [q; k; v] row blocks.
     **_rows(VISION_QKV,
             "blip_2_vision_model", "glm4v_moe_vision", "glm4v_vision",
@@ -190,9 +272,17 @@ _TABLE: dict[str, Family] = {
     "persimmon": Family(Interleaved("head_dim"),
                         qk_norm=QKNorm("head", "layernorm", q="q_layernorm", k="k_layernorm")),
     # Multi-head latent attention.
-    **_rows(MLA, "axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32",
-            "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "minicpm3", "mistral4",
+    "axk2": Family(None, refusal="AXK2's queries come from one fused query-and-gate projection "
+                                 "of two latents (q_gate_proj), which attnscale's latent layout "
+                                 "does not place."),
+    **_rows(MLA, "axk1", "bailing_hybrid", "kimi_linear", "deepseek_v2", "deepseek_v3",
+            "deepseek_v32", "dots3_note_text", "glm4_moe_lite", "glm5_next_text",
+            "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "longcat_flash", "minicpm3", "mistral4",
             "mistral_large4_text", "sarvam_mla", "youtu"),
 }
 
 FAMILIES: Mapping[str, Family] = MappingProxyType(_TABLE)
+# Attention classes that form their softmax themselves, by class name -> their family: a model
+# holding one cannot have its temperature swapped or clipped whole.
+OWN_ATTENTION: Mapping[str, str] = MappingProxyType(
+    {cls: family for family, row in _TABLE.items() for cls in row.own_attention})

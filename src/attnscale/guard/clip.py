@@ -15,22 +15,32 @@ group's largest head, below for the others): **every** query head ends at or bel
 none of whose heads exceeds τ is untouched.  Multi-head attention is the case of
 groups of one, K2's own rule.
 
-**Where the factor goes** (one :class:`ClipSite` per attention layer):
+**Where the factor goes** (one :class:`ClipSite` per attention layer, each a list of
+:class:`~attnscale.families.ClipTarget` rows per side):
 
-* q and k are linear in W_Q and W_K (attnscale's MultiHeadAttention and LM; HF Llama, Mistral,
-  Qwen2, Gemma 2): the rows of W_Q and W_K of each head, **and their biases** (Qwen2), are scaled;
-  RoPE is linear, so the logits scale exactly.  Gemma 2's soft-cap acts after the scale: S_max is
-  taken *before* the cap (the logit the cap bounds), so the clip still sees its growth.
-* q and k pass through a norm after the projection (Qwen3, Gemma 3: an RMSNorm over each head's
-  d channels whose gain all heads share; OLMo 2: one over all H · d channels).  The norm undoes any
-  rescaling of W_Q, W_K, so the gain is scaled instead: per head where it is per head (OLMo 2);
-  where one gain serves every head, by the layer's smallest η (every head still ends <= τ, the
-  others lose more than they need).  A gain written as 1 + w (Gemma) is handled as such.
-* Refused, each with a one-line :class:`~attnscale.errors.ConfigError`: multi-head latent
-  attention (DeepSeek-V3; q and k come from shared latent projections), an attnscale mechanism that
-  normalises q and k itself (qknorm, cosine...; its gain owns the temperature), a model that
-  already carries the ``qk-clip`` mechanism (it would clip twice) and parametrised weights
-  (sigma-reparam).
+* attnscale's own attention (MultiHeadAttention, the LM): the rows of W_Q and W_K of each head.
+* A Hugging Face layer: where its family's projection layout (:mod:`attnscale.families`, the one
+  family table) puts each head's q and k rows -- separate projections (Llama; BERT's
+  ``query``/``key``; T5's ``q``/``k``, whose logits carry no 1/√d and whose relative position
+  bias is the model's and is not rescaled), their biases too (Qwen2, BERT: q = W x + b, so b
+  scales with its rows), or a fused projection (GPT-2's Conv1D ``c_attn``, Phi-3's ``qkv_proj``,
+  GPT-NeoX's per-head interleaved ``query_key_value``; its v rows are left alone).  RoPE and
+  Llama 4's temperature tuning are linear in q and k, so the logits scale exactly.  A soft-cap
+  acts after the scale: S_max is taken *before* the cap (the logit the cap bounds).
+* Multi-head latent attention (DeepSeek-V2/V3, Megatron Core's MLA rule): per head, the q_nope
+  rows of ``q_b_proj`` (or ``q_proj``) by η^α, the q_pe rows by η, the k_nope rows of
+  ``kv_b_proj`` by η^(1-α); the rotary key shared by every head (``kv_a_proj_with_mqa``) is left
+  alone, and every logit q_nope·k_nope + q_pe·k_pe is multiplied by η.
+* q and k normalised after the projection (the family's ``qk_norm``): the norm undoes any
+  rescaling of W_Q, W_K, so its gain (and a LayerNorm's bias) is scaled instead: per head where
+  the norm is over the full width (OLMo 2: one gain per head and channel); where one gain over
+  d serves every head (Qwen3, Gemma 3), by the layer's smallest η (every head still ends <= τ,
+  the others lose more than they need).  A gain written as 1 + w (Gemma) is handled as such.
+* Refused, each with a one-line :class:`~attnscale.errors.ConfigError`: a family not in the
+  table or whose row refuses the clip, a q/k norm without a gain (Llama 4's L2 norm, nanochat),
+  an attnscale mechanism that normalises q and k itself (qknorm, cosine...; its gain owns the
+  temperature), a model that already carries the ``qk-clip`` mechanism (it would clip twice) and
+  parametrised weights (sigma-reparam).
 
 **Data parallelism.**  When ``torch.distributed`` is initialised, S_max of every layer is
 all-reduced with MAX (one collective per step) before the factors are formed, so every replica
@@ -42,13 +52,15 @@ clip.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from attnscale.errors import ConfigError
+from attnscale.families import (
+    ClipTarget, bypassing_layers, facts, family_of, is_attention_layer,
+)
 from attnscale.mechanisms import Mechanism
 from attnscale.mechanisms.qk_clip import QKClip
 
@@ -59,26 +71,22 @@ def scales_with_weights(mechanism: Mechanism) -> bool:
     return mechanism.bilinear and not mechanism.normalises_qk
 
 
-# Attribute names of multi-head latent attention (DeepSeek-V2/V3 in transformers).
-_MLA_ATTRS = ("kv_a_proj_with_mqa", "q_a_proj", "kv_b_proj")
-
-
 @dataclass
 class ClipSite:
-    """One attention layer's query- and key-side tensors to rescale, head by head.
+    """One attention layer's query- and key-side rows to rescale, head by head.
 
-    Each entry of ``q``/``k`` is ``(tensor, dim, heads, offset)``: ``dim`` of ``tensor`` holds
-    ``heads`` blocks of ``d_head`` features (query heads for ``q``, key heads for ``k``); a gain
-    written ``1 + w`` has ``offset = 1`` (scaled as ``w <- c (1 + w) - 1``).  ``shared``: the
-    tensors serve every head at once (a per-head-dim norm gain), so one factor for the layer.
+    ``q`` and ``k`` are :class:`~attnscale.families.ClipTarget` lists: each maps the features of
+    one tensor to their head (query heads on the ``q`` side, key heads on the ``k`` side).
+    ``shared``: the targets serve every head at once (a per-head-dim norm gain), so one factor
+    for the layer.
     """
 
     name: str
     n_heads: int
     n_kv_heads: int
     d_head: int
-    q: list[tuple[Tensor, int, int, float]] = field(default_factory=list)
-    k: list[tuple[Tensor, int, int, float]] = field(default_factory=list)
+    q: list[ClipTarget] = field(default_factory=list)
+    k: list[ClipTarget] = field(default_factory=list)
     shared: bool = False
     where: str = "W_Q, W_K"  # what is rescaled, for the docs and records
 
@@ -94,24 +102,26 @@ class ClipSite:
 
     @torch.no_grad()
     def apply(self, eta_q: Tensor, eta_k: Tensor, alpha: float) -> None:
-        """Multiply the query side by η_q^α and the key side by η_k^(1-α), per head; heads at 1
-        are multiplied by exactly 1.0 (bit for bit unchanged).  A sharded (DTensor) parameter has
-        the factors of the global rows its local shard holds applied to that shard."""
+        """Multiply the query side by η_q^α and the key side by η_k^(1-α), per head (a target
+        with ``power="full"`` by η itself); rows of heads at 1 and rows of no head are
+        multiplied by exactly 1.0 (bit for bit unchanged).  A sharded (DTensor) parameter has the
+        factors of the global rows its local shard holds applied to that shard."""
         for targets, eta, power in ((self.q, eta_q, alpha), (self.k, eta_k, 1.0 - alpha)):
-            for w, dim, heads, offset in targets:
-                c = eta ** power
-                if self.shared:
-                    c = c[:1]
-                per_row = c.repeat_interleave(w.shape[dim] // len(c))  # (features along dim,)
-                local = w
+            for target in targets:
+                c = eta ** (power if target.power == "side" else 1.0)   # per head
+                rows = target.rows.to(c.device)
+                per_row = torch.ones(len(rows), dtype=c.dtype, device=c.device)
+                mine = rows >= 0
+                per_row[mine] = c[rows[mine]]
+                w, local = target.tensor, target.tensor
                 if _is_dtensor(w):
-                    local, (start, size) = w.to_local(), _local_span(w, dim)
+                    local, (start, size) = w.to_local(), _local_span(w, target.dim)
                     per_row = per_row[start:start + size]
                 shape = [1] * local.dim()
-                shape[dim] = len(per_row)
+                shape[target.dim] = len(per_row)
                 f = per_row.to(device=local.device, dtype=local.dtype).view(shape)
-                if offset:
-                    local.add_(offset).mul_(f).sub_(offset)
+                if target.offset:
+                    local.add_(target.offset).mul_(f).sub_(target.offset)
                 else:
                     local.mul_(f)
 
@@ -129,17 +139,6 @@ def _local_span(w: Tensor, dim: int) -> tuple[int, int]:
     return offset[dim], shape[dim]
 
 
-def _gain_offset(norm: nn.Module) -> float:
-    """0 when ``norm`` multiplies by its weight, 1 when by ``1 + weight`` (Gemma's RMSNorm): read
-    from what the norm does with a zero weight (a copy; the model is not touched)."""
-    probe = copy.deepcopy(norm).float()
-    with torch.no_grad():
-        probe.weight.zero_()
-        x = torch.ones(1, probe.weight.numel())
-        out = probe(x)
-    return 1.0 if bool(out.abs().amax() > 0.5) else 0.0
-
-
 def _mechanism_site(name: str, module: nn.Module) -> ClipSite:
     """attnscale's own attention (MultiHeadAttention, the LM's attention): w_q, w_k, mechanism."""
     mech = module.mechanism
@@ -149,62 +148,68 @@ def _mechanism_site(name: str, module: nn.Module) -> ClipSite:
                           "model.")
     if not scales_with_weights(mech):
         raise ConfigError(f"qk_clip: {name} runs mechanism {mech.name!r}, whose logits do not "
-                          "scale with W_Q and W_K (it normalises q and k, or reparametrises the "
-                          "weights); its own parameters own the temperature.")
+                          "scale with W_Q and W_K (it normalises q and k, reparametrises the "
+                          "weights, adds a logit bias or splits q and k into two maps); its own "
+                          "rule owns the temperature.")
     for linear in (module.w_q, module.w_k):
         if hasattr(linear, "parametrizations"):
             raise ConfigError(f"qk_clip: {name} has parametrised W_Q/W_K; it cannot rescale "
                               "them in place.")
     h, d = module.n_heads, module.d_head
     site = ClipSite(name, h, h, d)
+    rows = torch.arange(h).repeat_interleave(d)  # head of each row of W_Q, W_K
     for side, linear in ((site.q, module.w_q), (site.k, module.w_k)):
-        side.append((linear.weight, 0, h, 0.0))
+        side.append(ClipTarget(linear.weight, 0, rows))
         if linear.bias is not None:
-            side.append((linear.bias, 0, h, 0.0))
+            side.append(ClipTarget(linear.bias, 0, rows))
     return site
 
 
 def _hf_site(name: str, module: nn.Module) -> ClipSite:
-    """A Hugging Face attention layer: q_proj, k_proj (+ biases), optional q_norm / k_norm."""
-    config = getattr(module, "config", None)
-    family = getattr(config, "model_type", type(module).__name__)
+    """A Hugging Face attention layer: the rows its family's layout (or q/k norm) puts per head."""
+    try:
+        f = facts(module)
+    except ConfigError as err:
+        raise ConfigError(f"qk_clip: {name}: {err}") from None
     mech = getattr(module, "attnscale_mechanism", None)
     if isinstance(mech, Mechanism) and not scales_with_weights(mech):
         raise ConfigError(f"qk_clip: {name} runs attnscale mechanism {mech.name!r}, which "
                           "normalises q and k: rescaling W_Q and W_K changes no logit.")
-    h = int(getattr(config, "num_attention_heads", 0) or 0)
-    hk = int(getattr(config, "num_key_value_heads", None) or h)
-    d = int(module.head_dim)
-    q_proj, k_proj = module.q_proj, module.k_proj
-    if not (h and hk and h % hk == 0 and q_proj.weight.shape[0] == h * d
-            and k_proj.weight.shape[0] == hk * d):
-        raise ConfigError(f"qk_clip: cannot read {h} query / {hk} key heads of {d} channels off "
-                          f"{name} ({family}); the clip cannot handle this layout.")
+    why = f.refusal or f.clip_refusal
+    if why is not None:
+        raise ConfigError(f"qk_clip: {name} ({f.family}): {why}")
+    if any(hasattr(m, "parametrizations") for m in module.modules()):
+        raise ConfigError(f"qk_clip: {name} has parametrised weights; it cannot rescale them "
+                          "in place.")
+    h, hk, d = f.n_heads, f.n_kv_heads, f.d_head
     site = ClipSite(name, h, hk, d)
-    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
-    if (q_norm is None) != (k_norm is None):
-        raise ConfigError(f"qk_clip: {name} ({family}) normalises only one of q and k; the clip "
-                          "cannot split its factor there.")
-    if q_norm is None:
-        for side, linear, heads in ((site.q, q_proj, h), (site.k, k_proj, hk)):
-            side.append((linear.weight, 0, heads, 0.0))
-            if linear.bias is not None:  # Qwen2: q = W x + b, so b scales with the rows
-                side.append((linear.bias, 0, heads, 0.0))
+    if f.qk_norm is None:
+        site.q, site.k = family_of(module).layout.clip_targets(module, f.family)
         return site
     # A norm after the projection: W_Q and W_K are normalised away, the gains set the scale.
-    for norm, heads, side in ((q_norm, h, site.q), (k_norm, hk, site.k)):
-        weight = getattr(norm, "weight", None)
-        if not isinstance(weight, Tensor) or weight.dim() != 1:
-            raise ConfigError(f"qk_clip: {name} ({family}) normalises q and k with "
-                              f"{type(norm).__name__}, which has no gain to clip; rescaling W_Q "
-                              "and W_K would change no logit.")
-        if weight.numel() == d:
-            site.shared = True   # Qwen3, Gemma 3: one gain per channel, shared by all heads
-        elif weight.numel() != heads * d:
-            raise ConfigError(f"qk_clip: {name} ({family}): a q/k norm gain of "
-                              f"{weight.numel()} channels fits neither {d} nor {heads} x {d}.")
-        side.append((weight, 0, 1 if weight.numel() == d else heads, _gain_offset(norm)))
-    site.where = "q_norm, k_norm gains"
+    norm = f.qk_norm
+    if norm.gain is None:
+        raise ConfigError(f"qk_clip: {name} ({f.family}) normalises q and k without a gain "
+                          f"({norm.kind}), so rescaling W_Q and W_K changes no logit and there "
+                          "is no gain to clip.")
+    offset = 1.0 if norm.gain == "1+w" else 0.0
+    site.shared = norm.over == "head"
+    for attr, heads, side in ((norm.q, h, site.q), (norm.k, hk, site.k)):
+        layer_norm = getattr(module, attr)
+        for tensor in (layer_norm.weight, getattr(layer_norm, "bias", None)):
+            if tensor is None:
+                continue
+            width = d if site.shared else heads * d
+            if tensor.dim() != 1 or tensor.numel() != width:
+                raise ConfigError(f"qk_clip: {name} ({f.family}): a {attr} of "
+                                  f"{tensor.numel()} channels is not the {width} its family's "
+                                  f"norm over the {norm.over} has.")
+            rows = torch.zeros(d, dtype=torch.int64) if site.shared else \
+                torch.arange(heads).repeat_interleave(d)
+            # a LayerNorm's bias scales with its gain; "1 + w" applies to the gain alone
+            side.append(ClipTarget(tensor, 0, rows, "side",
+                                   offset if tensor is layer_norm.weight else 0.0))
+    site.where = f"{norm.q}, {norm.k} gains"
     return site
 
 
@@ -214,24 +219,25 @@ def clip_sites(model: nn.Module) -> list[ClipSite]:
     Raises:
         ConfigError: a layer the clip cannot handle (see the module doc), or no attention layer.
     """
+    own = bypassing_layers(model)
+    if own:
+        raise ConfigError(f"qk_clip: {own[0][0]} ({own[0][1]}) forms its softmax itself, not "
+                          "through transformers' AttentionInterface, so the clip cannot see "
+                          "its logits.")
     sites = []
     for name, module in model.named_modules():
         name = name or type(model).__name__
-        if any(hasattr(module, a) for a in _MLA_ATTRS):
-            raise ConfigError(f"qk_clip: {name} is multi-head latent attention (DeepSeek-V3), "
-                              "whose q and k come from shared latent projections; not supported.")
         if isinstance(module, Mechanism):
             continue
         if isinstance(getattr(module, "mechanism", None), Mechanism) and hasattr(module, "w_q"):
             sites.append(_mechanism_site(name, module))
-        elif (isinstance(getattr(module, "q_proj", None), nn.Linear)
-              and isinstance(getattr(module, "k_proj", None), nn.Linear)
-              and getattr(module, "head_dim", None)):
+        elif is_attention_layer(module):
             sites.append(_hf_site(name, module))
     if not sites:
         raise ConfigError(f"qk_clip: {type(model).__name__} has no attention layer whose W_Q "
                           "and W_K the clip can find (attnscale's MultiHeadAttention or LM, or a "
-                          "Hugging Face model with q_proj and k_proj).")
+                          "Hugging Face model whose attention goes through transformers' "
+                          "AttentionInterface).")
     return sites
 
 

@@ -13,33 +13,36 @@
             if g.should_stop:     # on_alarm="stop"
                 break
 
-**What it observes.**  The guard is built on :mod:`attnscale.measure.monitor`'s observer (its
-pipeline observer and SDPA tap, its block kernels and statistics), attributed to the attention
-module that made each call.  The model's outputs are bit for bit those without the guard.  Only
-the forward passes of a *training step* count, however the trainer calls the model: a forward
-pass that enters the model (at its root, or at a submodule as Lightning's ``training_step``
-calling ``self.model`` does) in training mode with grad enabled, and in it the calls of attention
-modules in training mode.  Evaluation and prediction passes (``eval()`` or ``torch.no_grad()``),
-sanity checks and generation never count, nor does gradient checkpointing's recomputation during
-backward (:func:`attnscale.measure.monitor.observer.recomputing`); a reentrant checkpoint's first
-forward, which runs without grad inside a training forward, does.  A recorded step is the first
-one and every step whose label (the ``step`` passed to :meth:`Guard.step`) is a multiple of
-``every``.  A ``torch.compile``-d model or submodule is observed as the same model run eagerly:
-the guard's hooks are graph breaks, run as plain Python.
+**What it observes.**  The guard is built on the monitor's observer contract
+(:mod:`attnscale.measure.monitor.observer`): a :class:`~attnscale.measure.monitor.observer.Watch`
+(the pipeline observer and the SDPA tap) hands it each call, attributed to the attention module
+that made it, and the call's statistics, key count and S_max come from its
+:class:`~attnscale.measure.monitor.observer.Call`.  The model's outputs are bit for bit those
+without the guard.  Only the forward passes of a *training step* count, however the trainer calls
+the model: a forward pass that enters the model (at its root, or at a submodule as Lightning's
+``training_step`` calling ``self.model`` does) in training mode with grad enabled, and in it the
+calls of attention modules in training mode.  Evaluation and prediction passes (``eval()`` or
+``torch.no_grad()``), sanity checks and generation never count, nor does gradient checkpointing's
+recomputation during backward (:func:`attnscale.measure.monitor.observer.recomputing`); a reentrant
+checkpoint's first forward, which runs without grad inside a training forward, does.  A recorded
+step is the first one and every step whose label (the ``step`` passed to :meth:`Guard.step`) is a
+multiple of ``every``.  A ``torch.compile``-d model or submodule is observed as the same model run
+eagerly: the guard's hooks are graph breaks, run as plain Python.
 
 **Records** (:data:`GUARD_KEYS`), one per (step, layer, head), over every query row of that step's
-training forward passes and only the keys each query attends (``n_keys``: the most keys in one
-of the layer's calls, the n of the entropy's range [0, ln n]): ``logit_max`` (largest pre-softmax
-logit, signed), ``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats),
-``max_weight_mean``, ``jacobian_fro_mean`` (the mean Frobenius norm of the softmax Jacobian, the
-essay's gradient-flow quantity), ``logit_std`` and ``logit_std_ratio`` (its ratio to the head's
-value at the first recorded step: how far the temperature has drifted from where it started),
-and with the clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by
-at that step, 1 = untouched).  :meth:`Guard.record_next` records the next step whatever its
-label.  They go to ``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``,
-:mod:`attnscale.guard.log`), to a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to
-:attr:`Guard.latest` (what the HF and Lightning callbacks hand to their loggers).  Per layer the
-spread over heads is :func:`layer_rows`.  Logits a model formed itself reach the guard through
+training forward passes and only the keys each query attends (``n_keys``: the most keys in one of
+the layer's calls, the n of the entropy's range [0, ln n]), with the statistics of
+:data:`attnscale.columns.GUARD_STATS`: ``logit_max`` (largest pre-softmax logit, signed),
+``logit_absmax``, ``entropy_min`` and ``entropy_mean`` (nats), ``max_weight_mean``,
+``jacobian_fro_mean`` (the mean Frobenius norm of the softmax Jacobian, the essay's gradient-flow
+quantity), ``logit_std``; then ``logit_std_ratio`` (``logit_std``'s ratio to the head's value at
+the first recorded step: how far the temperature has drifted from where it started), and with the
+clip ``s_max`` and ``clip_gamma`` (the factor the head's logits were multiplied by at that step, 1
+= untouched).  :meth:`Guard.record_next` records the next step whatever its label.  They go to
+``Guard.records`` / :meth:`Guard.to_frame`, to a JSONL file (``log=``, :mod:`attnscale.guard.log`),
+to a TensorBoard ``SummaryWriter`` (``writer=``) and, per layer, to :attr:`Guard.latest` (what the
+HF and Lightning callbacks hand to their loggers).  Per layer the spread over heads is
+:func:`layer_rows`.  Logits a model formed itself reach the guard through
 :func:`attnscale.pipeline.observe_logits`.
 
 **Data parallelism** (``torch.distributed`` initialised): on a recorded step the statistics are
@@ -93,6 +96,7 @@ watch beside it.  Two modes:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -104,26 +108,30 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnscale.columns import MONITOR_SUMMARIES
-from attnscale.errors import ConfigError, check_float, check_int
+from attnscale.columns import GUARD_STATS, MONITOR_SUMMARIES, named
+from attnscale.errors import ConfigError, check_float, check_int, did_you_mean
 from attnscale.guard.clip import clip_sites
 from attnscale.guard.log import (
     ALARMS, GUARD_KEYS, LogScan, read_log, repair_log, resume_mark, scan_log,
 )
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
-from attnscale.kernels.peak import head_peaks
-from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, _head_stats
-from attnscale.measure.monitor.observer import Monitor, module_names, recomputing
-from attnscale.mechanisms.base import inv_sqrt
+from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats
+from attnscale.measure.monitor.observer import Call, Totals, Watch, module_names, recomputing
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
-from attnscale.pipeline import MASKED_BIAS
 
 # Default max-logit alarm: K2's QK-Clip threshold, the logit scale past which K2 saw instability.
 DEFAULT_ALARM_LOGIT = K2_TAU
 # Default entropy-collapse alarm: a head's mean entropy under a tenth of its first value.
 DEFAULT_ALARM_ENTROPY_FRACTION = 0.1
 ON_ALARM = ("warn", "raise", "stop")
+# The statistics of attnscale.columns this module reads by name (the alarms, Guard.latest,
+# layer_rows): a ValueError at import if one is renamed there.
+named("logit_max", "entropy_mean", "logit_std")
+# The per-head scalars a TensorBoard writer receives on each recorded step (the records, the log
+# and Guard.records carry every statistic of GUARD_KEYS).
+WRITER_KEYS = (*named("logit_max", "entropy_min", "entropy_mean", "max_weight_mean"),
+               "logit_std_ratio")
 # The per-layer scalars of Guard.latest, each with the way two steps' values combine into the
 # worse of them (worst()): the largest logit and spread, the lowest entropy, the largest drift.
 LATEST_KEYS = {"logit_max": max, "logit_max_spread": max, "entropy_mean_min": min,
@@ -146,78 +154,41 @@ def _optional_positive(param: str, value: object) -> float | None:
     return None if value is None else check_float(param, value, positive=True)
 
 
-class _Observer(Monitor):
-    """The monitor's observer, selecting the forward passes the guard wants and also folding each
-    call's largest logit into the guard's S_max where the clip needs it."""
-
-    def __init__(self, guard: Guard, model: nn.Module, block: int):
-        super().__init__(model, block=block)
-        self.guard = guard
-
-    def _entered(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
-        return self.guard._entered(module, args, kwargs)
-
-    def _counts(self, module: nn.Module) -> bool:
-        return self.guard._counts(module)
-
-    def _warn_unobserved(self) -> None:
-        # The guard is useless on a model it cannot see: an error, not a warning.
-        raise ConfigError(f"attnscale.guard {self._unobserved()}")
-
-    def _add(self, q: Tensor, k: Tensor, seen=None, **how) -> None:
-        site = self._site()
-        if site is None:
-            return
-        self._seen += 1
-        g = self.guard
-        module = site.split("#")[0]  # a second call of one module in a forward: same layer
-        capped = how.get("cap") is not None
-        record = g._recording and not g._remeasuring
-        track = g._tracking()
-        if seen is not None and seen.logits is not None:  # formed by the model itself
-            self._add_logits(site, module, seen, record, track)
-            return
-        if track and (capped or not record):
-            # S_max alone: before the cap (the logit the clip scales), one blocked q kᵀ.
-            scale = how.get("scale")
-            g._fold(module, head_peaks(q, k, inv_sqrt(q.shape[-1]) if scale is None else scale,
-                                       mask=how.get("mask"), causal=how.get("causal", False)))
-        if not record:
-            return
-        g._keys[site] = max(g._keys.get(site, 0),
-                            _most_keys(q, k, how.get("mask"), how.get("causal", False)))
-
-        def take(stats: HeadStats) -> None:
-            self._merge(site, stats)
-            if track and not capped:  # the statistics' logits are the clip's: scored once
-                g._fold(module, stats.logit_max)
-
-        if seen is not None and seen.request_rows(lambda rows: take(HeadStats.from_rows(rows))):
-            return
-        take(_head_stats(q, k, block=self.block, **how))
-
-    def _add_logits(self, site: str, module: str, seen, record: bool, track: bool) -> None:
-        """A call whose logits the model formed and handed over (``observe_logits``): S_max and
-        the statistics straight from them."""
-        g, z = self.guard, seen.logits
-        if track and z.numel():
-            g._fold(module, z.amax(dim=(0, 2, 3)))
-        if record:
-            g._keys[site] = max(g._keys.get(site, 0), int(seen.n_keys.max()) if z.numel() else 0)
-            self._merge_logits(site, seen)
-
-
-def _most_keys(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> int:
-    """The most keys one query of this call attends (the n of the entropy's range [0, ln n]):
-    Nk, less the keys a boolean mask (True = attend) or an additive one (entries at or below
-    :data:`attnscale.pipeline.MASKED_BIAS`) hides, and top-left causality."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    if mask is None:
-        return min(n_q, n_k) if causal else n_k
-    keep = mask if mask.dtype == torch.bool else mask > MASKED_BIAS
-    if causal:
-        keep = keep & torch.ones(n_q, n_k, dtype=torch.bool, device=keep.device).tril()
-    return int(keep.sum(-1).max()) if keep.numel() else 0
+def _check_options(*, every: int, log, writer, qk_clip, alpha, strict, alarm_logit,
+                   alarm_entropy_floor, alarm_entropy_fraction, on_alarm, block,
+                   force) -> dict:
+    """The options of :func:`guard` but the model, the optimizer and ``resume``, validated (a
+    one-line ConfigError naming the option) and canonical: numbers as floats, ``log`` as a Path
+    of the right form (whether an existing file may be written is decided with ``resume``)."""
+    out = {"every": check_int("every", every, minimum=1),
+           "block": check_int("block", block, minimum=1),
+           "qk_clip": _optional_positive("qk_clip", qk_clip),
+           "alpha": check_float("alpha", alpha),
+           "alarm_logit": _optional_positive("alarm_logit", alarm_logit),
+           "alarm_entropy_floor": _optional_positive("alarm_entropy_floor", alarm_entropy_floor),
+           "alarm_entropy_fraction": _optional_positive("alarm_entropy_fraction",
+                                                        alarm_entropy_fraction)}
+    if not 0.0 <= out["alpha"] <= 1.0:
+        raise ConfigError(f"alpha must be in [0, 1], got {alpha!r}.")
+    for name, flag in (("strict", strict), ("force", force)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}.")
+    if strict and out["qk_clip"] is None:
+        raise ConfigError("strict=True is a mode of the clip; give qk_clip=tau as well.")
+    out["strict"] = strict
+    if out["alarm_entropy_fraction"] is not None and out["alarm_entropy_fraction"] >= 1:
+        raise ConfigError(f"alarm_entropy_fraction must be in (0, 1), got "
+                          f"{alarm_entropy_fraction!r}.")
+    if not callable(on_alarm) and on_alarm not in ON_ALARM:
+        raise ConfigError(f"on_alarm must be one of {', '.join(ON_ALARM)} or a callable, "
+                          f"got {on_alarm!r}.")
+    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+        raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
+                          "SummaryWriter).")
+    # The form only (a file name, .jsonl, a writable folder): force=True here.
+    out["log"] = None if log is None else check_output_path("log", log, suffixes=(".jsonl",),
+                                                            force=True)
+    return out
 
 
 class Guard:
@@ -237,32 +208,18 @@ class Guard:
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}.")
         self.model, self.optimizer = model, optimizer
-        self.every = check_int("every", every, minimum=1)
-        self.block = check_int("block", block, minimum=1)
-        self.qk_clip = _optional_positive("qk_clip", qk_clip)
-        self.alpha = check_float("alpha", alpha)
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"alpha must be in [0, 1], got {alpha!r}.")
-        if not isinstance(strict, bool):
-            raise ConfigError(f"strict must be True or False, got {strict!r}.")
-        if strict and self.qk_clip is None:
-            raise ConfigError("strict=True is a mode of the clip; give qk_clip=tau as well.")
-        self.strict = strict
-        self.alarm_logit = _optional_positive("alarm_logit", alarm_logit)
-        self.alarm_entropy_floor = _optional_positive("alarm_entropy_floor", alarm_entropy_floor)
-        self.alarm_entropy_fraction = _optional_positive("alarm_entropy_fraction",
-                                                         alarm_entropy_fraction)
-        if self.alarm_entropy_fraction is not None and self.alarm_entropy_fraction >= 1:
-            raise ConfigError(f"alarm_entropy_fraction must be in (0, 1), got "
-                              f"{alarm_entropy_fraction!r}.")
-        if not callable(on_alarm) and on_alarm not in ON_ALARM:
-            raise ConfigError(f"on_alarm must be one of {', '.join(ON_ALARM)} or a callable, "
-                              f"got {on_alarm!r}.")
-        self.on_alarm = on_alarm
-        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
-            raise ConfigError("writer must have add_scalar(tag, value, step) (a TensorBoard "
-                              "SummaryWriter).")
-        self.writer = writer
+        options = _check_options(
+            every=every, log=log, writer=writer, qk_clip=qk_clip, alpha=alpha, strict=strict,
+            alarm_logit=alarm_logit, alarm_entropy_floor=alarm_entropy_floor,
+            alarm_entropy_fraction=alarm_entropy_fraction, on_alarm=on_alarm, block=block,
+            force=force)
+        self.every, self.block = options["every"], options["block"]
+        self.qk_clip, self.alpha, self.strict = (options["qk_clip"], options["alpha"],
+                                                 options["strict"])
+        self.alarm_logit = options["alarm_logit"]
+        self.alarm_entropy_floor = options["alarm_entropy_floor"]
+        self.alarm_entropy_fraction = options["alarm_entropy_fraction"]
+        self.on_alarm, self.writer = on_alarm, writer
         self.resume = None if resume is None else check_int("resume", resume, minimum=0)
         self.force = force
         if log is not None and self.resume is not None and not force and _is_guard_log(log):
@@ -293,25 +250,28 @@ class Guard:
         self._s_max: dict[str, Tensor] = {}          # per module, since the last clip
         self._last_clip: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (S_max, η per head)
         self._layers: dict[str, int] = {}            # module -> layer index (first seen)
-        self._keys: dict[str, int] = {}              # module -> most keys in one of its calls
+        self._totals = Totals()                      # site -> this step's statistics
+        self._keys: dict[str, int] = {}              # site -> this step's most keys in one call
         self._first: dict[tuple[str, int], dict] = {}  # (module, head) -> first recorded values
         self._active: set[tuple[str, str, int]] = set()  # (alarm, module, head) holding now
         self._restored = False                       # references back from a log or a state
         self._last_step: int | None = self.resume
         self._batches: list[tuple] = []  # this step's training forwards (strict mode)
-        self._observer: _Observer | None = None
+        # The monitor's watch, selecting the training forward passes (see _entered, _counts).
+        self._watch = Watch(model, self._observe, selects=self._entered, counts=self._counts,
+                            ended=self._ended)
         self._handles: list = []
         self._file = None
         self._writes = True  # rank 0 (or no torch.distributed) writes the log and the writer
 
     # -- attaching ---------------------------------------------------------------------------
     def __enter__(self) -> Guard:
-        if self._observer is not None:
+        if self.active:
             raise RuntimeError("this guard is already active")
         self._claim_sites()
         try:
             self._writes = _rank() == 0
-            self._observer = _Observer(self, self.model, self.block).__enter__()
+            self._watch.__enter__()
             if self.qk_clip is not None and self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
             if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
@@ -331,7 +291,7 @@ class Guard:
     @property
     def active(self) -> bool:
         """Whether the guard is attached (inside its ``with`` block)."""
-        return self._observer is not None
+        return self._watch.active
 
     def _claim_sites(self) -> None:
         """Register this guard as the clip of its attention layers; a layer another active guard
@@ -378,9 +338,7 @@ class Guard:
         for module in self._site_modules.values():
             if _CLIPPING.get(module) is self:
                 del _CLIPPING[module]
-        if self._observer is not None:
-            self._observer._detach()
-            self._observer = None
+        self._watch.detach()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -456,9 +414,34 @@ class Guard:
         grad inside a training forward.)"""
         return self._remeasuring or (module.training and not recomputing())
 
-    def _fold(self, module: str, peaks: Tensor) -> None:
-        if module not in self.sites:
+    def _ended(self, module: nn.Module, calls: int | None) -> None:
+        """A forward pass has left the model: one that entered at its root, was selected and
+        reached no observed call is an error (the guard is useless on a model it cannot see)."""
+        if module is self.model and calls == 0:
+            raise ConfigError(f"attnscale.guard {self._watch.unobserved()}")
+
+    def _observe(self, call: Call) -> None:
+        """One attention call of a training forward: its S_max where the clip needs it, and on
+        a recorded step its statistics and key count.  Uncapped logits scored for the
+        statistics give S_max too (their logit_max), so they are scored once."""
+        record = self._recording and not self._remeasuring
+        track = self._tracking() and call.layer in self.sites
+        if track and not (record and call.peaks_in_statistics):
+            peaks = call.peak_logits()
+            if peaks is not None:
+                self._fold(call.layer, peaks)
+        if not record:
             return
+        self._keys[call.site] = max(self._keys.get(call.site, 0), call.most_keys())
+
+        def take(stats: HeadStats) -> None:
+            self._totals.add(call.site, stats)
+            if track and call.peaks_in_statistics:
+                self._fold(call.layer, stats.logit_max)
+
+        call.statistics(take, block=self.block)
+
+    def _fold(self, module: str, peaks: Tensor) -> None:
         peaks = peaks.detach().to(device="cpu", dtype=torch.float64)
         old = self._s_max.get(module)
         self._s_max[module] = peaks if old is None else torch.maximum(old, peaks)
@@ -467,7 +450,7 @@ class Guard:
         """Strict mode: keep a training forward pass to run again after the step."""
         for value in _tensors(args, kwargs):
             if value.grad_fn is not None:
-                name = self._observer._names.get(module, type(module).__name__)
+                name = self._watch.names.get(module, type(module).__name__)
                 raise ConfigError(
                     f"qk_clip strict=True runs each training forward pass again after the step, "
                     f"but {name} was called on an activation of this step (a tensor with a "
@@ -542,7 +525,7 @@ class Guard:
         """Call after each optimizer step with its label ``step``; returns this step's records
         (empty on a step not recorded).  Without an optimizer, the clip runs here."""
         step = check_int("step", step, minimum=0)
-        if self._observer is None:
+        if not self.active:
             raise RuntimeError("guard.step() outside the guard's with block")
         if self.qk_clip is not None and self.optimizer is None:
             self._after_step()
@@ -558,8 +541,8 @@ class Guard:
         self._recording = True
 
     def _emit(self, step: int) -> list[dict]:
-        observer = self._observer
-        totals, keys = observer._totals, self._keys
+        totals, keys = self._totals.take(), self._keys
+        self._keys = {}
         if _world() > 1:
             totals, keys = _all_reduce_stats(totals, keys, step)
         if totals and self.resume is not None and not self._restored and not self._first:
@@ -576,9 +559,7 @@ class Guard:
             for head in range(len(means["queries"])):
                 row = {"step": step, "layer": layer, "head": head, "module": site,
                        "queries": int(means["queries"][head]), "n_keys": keys[site],
-                       **{key: means[key][head] for key in
-                          ("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
-                           "max_weight_mean", "jacobian_fro_mean", "logit_std")}}
+                       **{key: means[key][head] for key in GUARD_STATS}}
                 first = self._first.setdefault((site, head), {
                     "logit_std": row["logit_std"], "entropy_mean": row["entropy_mean"]})
                 std0 = first["logit_std"]
@@ -592,7 +573,6 @@ class Guard:
                 self._active -= {(n, site, head) for n in ALARMS if n not in fired}
                 self._active |= {(n, site, head) for n in fired}
                 rows.append(row)
-        observer.reset()
         self._last_clip.clear()
         self.records += rows
         self.latest = _latest(rows)
@@ -647,8 +627,7 @@ class Guard:
             self._file.flush()
         if self.writer is not None:
             for r in rows:
-                for key in ("logit_max", "entropy_min", "entropy_mean", "max_weight_mean",
-                            "logit_std_ratio"):
+                for key in WRITER_KEYS:
                     self.writer.add_scalar(f"attnscale/{key}/layer{r['layer']}/head{r['head']}",
                                            r[key], step)
             for tag, value in self.latest.items():
@@ -756,9 +735,10 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
 
 class GuardCallback:
     """What every training-loop callback over :func:`guard` shares: the options (those of
-    :func:`guard`; the loop supplies the model, the optimizer and the step it resumes from, so
-    passing any of them is a TypeError), entering the guard when training starts and leaving it
-    when training ends."""
+    :func:`guard`, checked when the callback is built with the guard's own errors; the loop
+    supplies the model, the optimizer and the step it resumes from, so passing any of them, or an
+    option :func:`guard` lacks, is a TypeError), entering the guard when training starts and
+    leaving it when training ends."""
 
     # How errors and the refusal of a second clipping guard name this callback.
     name = "attnscale.GuardCallback"
@@ -768,6 +748,17 @@ class GuardCallback:
             if option in options:
                 raise TypeError(f"{type(self).__name__} finds the {option} itself; do not pass "
                                 f"{option}=.")
+        known = [p for p in inspect.signature(guard).parameters
+                 if p not in ("model", "optimizer", "resume")]
+        for option in options:
+            if option not in known:
+                raise TypeError(f"{type(self).__name__} got an unexpected option {option!r}."
+                                f"{did_you_mean(option, known)} Its options are those of "
+                                f"attnscale.guard: {', '.join(known)}.")
+        # Checked now, as the guard checks them, rather than when training starts.
+        defaults = {p.name: p.default for p in inspect.signature(guard).parameters.values()
+                    if p.name in known}
+        _check_options(**{**defaults, **options})
         self.options = options
         self.guard: Guard | None = None
 

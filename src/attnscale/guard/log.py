@@ -26,22 +26,24 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnscale.columns import GUARD_STATS, named
 from attnscale.errors import ConfigError
 
+# Integer fields (>= 0) and the statistics (numbers; null, which the log writes for NaN, reads as
+# NaN): those of attnscale.columns, and each head's logit_std over its first recorded value.
+# s_max and clip_gamma are null on a step the clip did not run.
+_COUNTS = ("step", "layer", "head", "queries", "n_keys")
+_STATS = (*GUARD_STATS, "logit_std_ratio")
+_CLIP = ("s_max", "clip_gamma")
 # The keys of every record, in order (the columns of to_frame() and of the JSONL log).
-GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", "logit_max",
-              "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean",
-              "jacobian_fro_mean", "logit_std", "logit_std_ratio", "s_max", "clip_gamma", "alarm")
-# Keys a log written before they were recorded may lack: read as NaN.
-LATER_KEYS = ("jacobian_fro_mean",)
+GUARD_KEYS = ("step", "layer", "head", "module", "queries", "n_keys", *_STATS, *_CLIP, "alarm")
+# The statistics of the first guard logs; a log written before a statistic was recorded lacks
+# it, and reads it as NaN.
+FIRST_STATS = named("logit_max", "logit_absmax", "entropy_min", "entropy_mean",
+                    "max_weight_mean", "logit_std")
+LATER_KEYS = tuple(key for key in GUARD_STATS if key not in FIRST_STATS)
 # Alarm names, in the order they are checked.
 ALARMS = ("max_logit", "entropy_floor", "entropy_collapse")
-# Integer fields (>= 0) and the statistics (numbers; null, which the log writes for NaN, reads as
-# NaN).  s_max and clip_gamma are null on a step the clip did not run.
-_COUNTS = ("step", "layer", "head", "queries", "n_keys")
-_STATS = ("logit_max", "logit_absmax", "entropy_min", "entropy_mean", "max_weight_mean",
-          "jacobian_fro_mean", "logit_std", "logit_std_ratio")
-_CLIP = ("s_max", "clip_gamma")
 # The "event" of a resume mark.
 RESUME_EVENT = "resume"
 

@@ -28,17 +28,14 @@ def _by(records: list[dict], *keys: str) -> dict:
 
 
 def plot_guard(runs: dict[str, list[dict]]):
-    """A matplotlib Figure of ``runs`` (label -> guard records), described in the module doc."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A matplotlib Figure of ``runs`` (label -> guard records), described in the module doc;
+    save it with :func:`attnscale.plotting.save`."""
+    from attnscale.plotting import new_grid
 
     if not runs or not all(runs.values()):
         raise ConfigError("plot_guard needs at least one run with records.")
     layers = sorted({r["layer"] for records in runs.values() for r in records})
-    fig, axes = plt.subplots(len(layers), 2, figsize=(10, 2.6 * len(layers) + 0.6),
-                             squeeze=False)
+    fig, axes = new_grid(len(layers), 2, 10, 2.6 * len(layers) + 0.6)
     n_keys = max(r["n_keys"] for records in runs.values() for r in records)
     top = math.log(max(n_keys, 2))
     for (label, records), colour in zip(runs.items(), _COLOURS * 8):

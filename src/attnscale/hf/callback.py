@@ -3,14 +3,15 @@
 ::
 
     from attnscale.hf import TemperatureCallback
-    trainer = Trainer(model, args, train_dataset=ds,
-                      callbacks=[TemperatureCallback(qk_clip=100, every=10)])
+    trainer = Trainer(model, args, train_dataset=ds)
+    TemperatureCallback(qk_clip=100, every=10).add_to(trainer)
     trainer.train()
     trainer.state.log_history     # ... {"loss": ..., "attnscale/logit_max/layer0": ..., "step": 10}
 
 The callback finds the model and the optimizer in the callback arguments when training begins,
-enters a guard with the given options (those of :func:`attnscale.guard`) and calls ``g.step`` with
-``state.global_step`` after every optimizer step (once per step under gradient accumulation).
+enters a guard with the given options (those of :func:`attnscale.guard`, checked when the callback
+is built, with the guard's errors) and calls ``g.step`` with ``state.global_step`` after every
+optimizer step (once per step under gradient accumulation).
 
 **Logging.**  The Trainer's own log events are left exactly as they are (the callback never asks
 for one: the Trainer's ``loss`` keeps its ``logging_steps`` windows).  The guard's per-layer
@@ -19,9 +20,17 @@ scalars (:attr:`attnscale.guard.Guard.latest`) join each log event as it comes, 
 the worst value over the steps recorded since the previous log event (:func:`attnscale.guard.
 core.worst`: the largest logit, the lowest entropy), so a step recorded between two log events
 is not lost.  Every recorded step, per head, goes to ``callback.guard.records``, to the JSONL
-``log`` and to the guard's ``writer`` at its own step.  For the scalars to reach the reporters,
-the callback runs first among the Trainer's callbacks (the Trainer hands one ``logs`` dict to its
-callbacks in order), so it moves itself to the front of the Trainer's list when training begins.
+``log`` and to the guard's ``writer`` at its own step.
+
+**Why it goes first.**  The Trainer hands one ``logs`` dict to its callbacks in the order of its
+callback list, and its reporters are callbacks too, placed before any passed to
+``Trainer(callbacks=...)``; the scalars reach a reporter only if this callback adds them to
+``logs`` before that reporter reads it.  :meth:`TemperatureCallback.add_to` adds the callback
+through the Trainer's own callback handler (``add_callback``, ``remove_callback``) ahead of the
+callbacks already there, and puts it back in front when training begins (a callback the Trainer
+rebuilt from a checkpoint included).  Passed in ``callbacks=[...]`` instead, it works as long as
+``report_to`` is empty (``state.log_history`` gets the scalars either way); with reporters it is
+refused with a one-line error when training begins, rather than leaving them without the scalars.
 ``on_alarm="stop"`` ends training through ``control.should_training_stop``.
 
 **Resuming** (``trainer.train(resume_from_checkpoint=...)``): the callback is an
@@ -41,8 +50,8 @@ The Trainer tells its callbacks when training ends, but not when it raises: afte
 
 from __future__ import annotations
 
-import gc
 import os
+import weakref
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -61,6 +70,9 @@ class TemperatureCallback(GuardCallback, TrainerCallback, ExportableState):
     # references saved there, and the options the checkpoint could not hold.
     guard_state: dict | None = None
     options_not_saved: list[str] | None = None
+    # The Trainers' callback handlers add_to() added a callback of this class to: where a callback
+    # (or the one the Trainer rebuilt from it) finds the list it must run first in.
+    _handlers: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -99,22 +111,41 @@ class TemperatureCallback(GuardCallback, TrainerCallback, ExportableState):
                 f"checkpoint without its {', '.join(self.options_not_saved)} option(s), which a "
                 f"checkpoint cannot hold; leave it False (the callback restores its own state "
                 f"from the checkpoint either way).")
+        handler = next((h for h in self._handlers if self in h.callbacks), None)
+        if handler is not None:
+            self._run_first(handler)
+        elif args.report_to:
+            raise ConfigError(
+                f"{self.name} must run before the Trainer's reporters (report_to="
+                f"{list(args.report_to)}) to hand them its scalars, and Trainer(callbacks=[...]) "
+                f"puts it after them; add it with TemperatureCallback(...).add_to(trainer) "
+                f"instead.")
         self._leave()  # a run that raised earlier left its guard on
         self._pending = {}
         resume = state.global_step if state.global_step > 0 else None
         self._enter(model, optimizer, resume=resume,
                     state=self._saved_state(state) if resume is not None else None)
-        self._run_first()
 
-    def _run_first(self) -> None:
-        """Move this callback to the front of the Trainer's callback list (see the module doc).
-        The list is found as the one holding this callback and the Trainer's flow callback."""
-        for holder in gc.get_referrers(self):
-            if isinstance(holder, list) and any(type(c).__name__ == "DefaultFlowCallback"
-                                                for c in holder):
-                holder.remove(self)
-                holder.insert(0, self)
-                return
+    def add_to(self, trainer) -> TemperatureCallback:
+        """Add this callback to ``trainer`` (a ``transformers.Trainer``) ahead of the callbacks
+        it has, its reporters among them (see the module doc); returns the callback."""
+        handler = trainer.callback_handler
+        if self not in handler.callbacks:
+            handler.add_callback(self)
+        type(self)._handlers.add(handler)
+        self._run_first(handler)
+        return self
+
+    def _run_first(self, handler) -> None:
+        """This callback first in ``handler``'s list, the others after it in their order, moved
+        with the handler's own remove_callback and add_callback.  (Called in the middle of the
+        handler's loop over its list at on_train_begin, it leaves that loop's next callback
+        where it was.)"""
+        if handler.callbacks[0] is self:
+            return
+        for other in [c for c in handler.callbacks if c is not self]:
+            handler.remove_callback(other)
+            handler.add_callback(other)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.guard is None or not self.guard.active:

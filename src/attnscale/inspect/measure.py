@@ -132,7 +132,7 @@ class Call:
     scale: float | None     # the softmax scale; None where it varies per row (its mean in mean_scale)
     mean_scale: float       # the mean scale over the call's rows
     cap: float | None       # soft-cap, or None
-    normaliser: str         # softmax, sink or sigmoid
+    normaliser: str         # one of attnscale.stats.NORMALISERS
     sinks: bool             # whether the call had per-head sink logits
     offset: bool            # whether a logit offset was added (sigmoid's bias)
 

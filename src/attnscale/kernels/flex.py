@@ -10,6 +10,11 @@ cap or mask does not recompile.
 
 On CUDA (and not under ``torch.jit.trace``), :func:`usable` is True and the compiled kernel runs;
 elsewhere :func:`capped_attention` runs FlexAttention eagerly (materialised, for tests).
+
+Forgetting Attention (FoX, arXiv 2503.02130) runs here too on CUDA (:func:`forget_attention`):
+its score_mod adds c_i − c_j, the cumulative log forget gates of query and key, from two float32
+halves of c so that the bias keeps its precision far down a sequence; c's gradient flows through
+the captured halves.
 """
 
 from __future__ import annotations
@@ -79,17 +84,59 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     """
     if not available():
         raise RuntimeError("FlexAttention needs torch >= 2.5")
-    v_acc = upcast(v).to(q.dtype)
     cap_t = torch.tensor(cap, dtype=q.dtype, device=q.device)
+    return _run(q, k, v, scale, mask, causal, lambda m: softcap_score_mod(cap_t, m))
+
+
+def forget_score_mod(hi: Tensor, lo: Tensor | None, mask: Tensor | None = None):
+    """The score_mod score + c_i − c_j of Forgetting Attention (FoX), c = hi + lo (B, H, N) in
+    two float32 halves, so that the difference keeps float32's precision however far c has
+    fallen (hi_i − hi_j is exact for nearby c); -inf where the boolean ``mask`` hides a key."""
+    def bias(b, h, q_idx, kv_idx):
+        d = hi[b, h, q_idx] - hi[b, h, kv_idx]
+        return d if lo is None else d + (lo[b, h, q_idx] - lo[b, h, kv_idx])
+
+    if mask is None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias(b, h, q_idx, kv_idx)
+        return score_mod
+
+    def masked_score_mod(score, b, h, q_idx, kv_idx):
+        keep = mask[b, h, q_idx, kv_idx]
+        return torch.where(keep, score + bias(b, h, q_idx, kv_idx), -float("inf"))
+    return masked_score_mod
+
+
+def forget_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor,
+                     mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(scale · q kᵀ + c_i − c_j masked) v on FlexAttention (FoX, arXiv 2503.02130).
+
+    q, k (B, H, N·, d) float32 or float64; c (B, H, N) the cumulative log forget gates (N >= Nq,
+    Nk), whose gradient flows through the score_mod's captured halves; ``mask`` broadcastable to
+    (B, H, Nq, Nk); ``causal`` top-left, as a block mask.  Compiled on CUDA, eager elsewhere.
+    """
+    if not available():
+        raise RuntimeError("FlexAttention needs torch >= 2.5")
+    work = q.dtype
+    if c.dtype == work:
+        hi, lo = c, None
+    else:
+        hi = c.detach().to(work)
+        lo = (c - hi.to(c.dtype)).to(work)
+    return _run(q, k, v, scale, mask, causal, lambda m: forget_score_mod(hi, lo, m))
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, causal: bool,
+         make_score_mod) -> Tensor:
+    """FlexAttention of q, k, v with ``make_score_mod(mask)``'s score_mod, the boolean mask
+    expanded to (B, H, Nq, Nk) as a view, causality as a block mask; compiled on CUDA."""
+    v_acc = upcast(v).to(q.dtype)
     if mask is not None:  # index it as (B, H, Nq, Nk): broadcast dimensions read index 0
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     compiling = torch.compiler.is_compiling()
-    # Inside an outer torch.compile the block mask is built in its graph, not cached (it would
-    # hold the tracer's fake tensors).
     make_mask = causal_block_mask.__wrapped__ if compiling else causal_block_mask
     block_mask = make_mask(q.shape[-2], k.shape[-2], str(q.device)) if causal else None
     run = _compiled() if q.device.type == "cuda" and not compiling else flex_attention
-    out = run(q, k, v_acc, score_mod=softcap_score_mod(cap_t, mask), block_mask=block_mask,
-              scale=scale)
+    out = run(q, k, v_acc, score_mod=make_score_mod(mask), block_mask=block_mask, scale=scale)
     return out.to(v.dtype)

@@ -9,6 +9,13 @@ outputs that depend on it:
 * a NaN in v_j[c] makes NaN entry c of every row that attends key j;
 * a key a query does not attend never reaches it, and a row with no key to attend is zero.
 
+Two mechanisms widen what a row depends on, and the rule follows their formulas: selective
+attention's selection F_ij sums the first head's logits of the queries between key j and query i
+(:mod:`attnscale.kernels.biased`), so a NaN in the first head's q_k or k_j also reaches the later
+rows of every head that attend key j; differential attention's output normalisation (a per-head
+RMSNorm over d_v, ``normalises_output``) mixes a row's entries, so a NaN in v_j[c] makes the whole
+row NaN.
+
 That is SDPA's documented formula, softmax(q kᵀ · scale + bias) v, with a hidden key left out
 rather than added as -inf: in SDPA's math backend NaN + -inf and 0 · NaN are NaN, so a hidden
 key's NaN reaches every query of its head, and a row with no key is NaN.  SDPA's fused kernels
@@ -109,7 +116,7 @@ Recompute = Callable[..., Tensor]
 
 def ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | Tensor,
           offset: float | Tensor, sink: Tensor | None, mask: Tensor | None, causal: bool,
-          recompute: Recompute, *, flash: bool = True) -> Tensor:
+          recompute: Recompute, *, flash: bool = True, exact_qk: bool = False) -> Tensor:
     """``out`` of a fused kernel with its NaN where the rule puts them (see the module doc).
 
     q, k (B, H, N·, d) as the kernel got them (after the mechanism); ``scale`` a float or a
@@ -119,11 +126,22 @@ def ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | Tensor,
     flash op.  On the CPU a screen first: a kernel misplaces a NaN only by letting a hidden key's
     NaN through (``out`` then holds it) or, the flash op, by dropping a row of NaN logits shorter
     than :func:`flash_scalar_keys` (q, k or the scale then hold it).  Only then the pattern, and
-    ``recompute`` over the inputs without NaN.
+    ``recompute`` over the inputs without NaN.  ``exact_qk``: the kernel hides masked keys by
+    writing -inf over their logits and forms every row's weights itself (a blockwise kernel), so
+    the NaN of q and k are where the formula puts them (selective attention's, which reach other
+    heads through its selection, included) and only the values' 0 · NaN in P V is placed here.
     """
     if out.device.type != "cpu" or recording(out):
         return out
     hides = mask is not None or causal
+    if exact_qk:
+        if not (hides and has_nan(out) and has_nan(v)):
+            return out
+        reached = reach(v.isnan(), mask, causal, q.shape[-2])                # (B, H, Nq, d_v)
+        if mask is not None:  # rows without a key attend everything in the kernels (then zeroed)
+            mask = mask | ~mask.any(dim=-1, keepdim=True)
+        out = recompute(q, k, without_nan(v), scale, offset, sink, mask)
+        return out.masked_fill(reached, float("nan"))
     short = flash and k.shape[-2] < flash_scalar_keys()
     if not ((hides and has_nan(out))
             or (short and any(has_nan(t) for t in (q, k, scale) if isinstance(t, Tensor)))):

@@ -270,8 +270,9 @@ def _accumulate(acc: dict[str, list[float]], z: torch.Tensor,
     squares (float64); under ``mech``'s normaliser (softmax without one)."""
     normaliser = "softmax" if mech is None else mech.normaliser
     sink = mech.sink_logits().detach() if normaliser == "sink" else None
-    rows = row_stats(z, threads=1, normaliser=normaliser, sink=sink)              # (T, 7)
-    values = torch.cat([rows[:, _SUMMED], row_mass(z, normaliser, sink)[:, None]], dim=1)
+    lam = mech.lam().detach() if normaliser == "differential" else None
+    rows = row_stats(z, threads=1, normaliser=normaliser, sink=sink, lam=lam)     # (T, 7)
+    values = torch.cat([rows[:, _SUMMED], row_mass(z, normaliser, sink, lam)[:, None]], dim=1)
     sums = torch.stack([values.sum(0), values.square().sum(0)]).tolist()         # (2, stats)
     for key, total, total_sq in zip(SATURATION_STATS, *sums):
         s = acc.setdefault(key, [0.0, 0.0])
@@ -325,7 +326,7 @@ def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) ->
     for n in ns:
         # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
         shortcut[n] = {m for m in mechanisms
-                       if _shortcut_scale(build_mechanism(m, 1, 1), n) is not None}
+                       if _shortcut_scale(build_mechanism(m, 2, 1), n) is not None}
         for d_k in d_ks:
             need = max(SHORTCUT_BATCH_ELEMENTS, n) * BYTES_PER_LOGIT \
                 + d_k * BYTES_PER_KEY_COORDINATE

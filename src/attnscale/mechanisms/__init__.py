@@ -27,6 +27,7 @@ from attnscale.mechanisms import mup, softcap, yarn, sigma_reparam, ssmax  # noq
 from attnscale.mechanisms import llama4_temp, qk_clip, logn, sink, sigmoid  # noqa: E402,F401
 from attnscale.mechanisms import adaptive_temp, gated, clip_qkv  # noqa: E402,F401
 from attnscale.mechanisms import softpick, stick_breaking, mscale  # noqa: E402,F401
+from attnscale.mechanisms import forgetting, selective, differential  # noqa: E402,F401
 
 # Then every other module of this folder (a new mechanism's file), sorted by name.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

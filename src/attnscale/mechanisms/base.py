@@ -3,15 +3,27 @@
 A mechanism owns the attention temperature.  It contributes its rule to the one attention
 pipeline, :func:`attnscale.pipeline.run`, which applies the stages in its fixed order: ``prepare``
 normalises (or clamps) q and k and picks the temperature, ``prepare_values`` may act on v, the
-logits are ``scale · q' k'ᵀ + offset``, then ``cap · tanh(· / cap)`` when ``cap`` is set, the
-mask, the ``normaliser`` (softmax, softmax with a sink, or an elementwise sigmoid), ``@ v``, and
-an output ``gate`` where the mechanism has one.
+logits are ``scale · q' k'ᵀ + offset``, then ``cap · tanh(· / cap)`` when ``cap`` is set, a
+``logit_bias`` where the mechanism has one, the mask, the ``normaliser`` (softmax, softmax with a
+sink, an elementwise sigmoid, softpick, stick-breaking, or the difference of two softmax maps),
+``@ v``, an output normalisation and an output ``gate`` where the mechanism has them.
 
 A mechanism says what it is by attributes the pipeline and the experiments read; none of them is
 found out by running it:
 
 * ``normaliser``: ``"softmax"``, ``"sink"`` (softmax with one extra logit per head that carries no
-  value, :meth:`Mechanism.sink_logits`) or ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1);
+  value, :meth:`Mechanism.sink_logits`), ``"sigmoid"`` (p_i = σ(z_i), rows need not sum to 1),
+  ``"softpick"`` (the rectified softmax), ``"stick-breaking"`` (each key takes a share of what
+  the nearer keys left) or ``"differential"`` (p1 − λ p2 of two softmax maps from the halves of
+  q and k, :meth:`lam`); :func:`attnscale.pipeline.normalise` defines them;
+* ``logit_bias``: a data-dependent bias on the logits, ``"forget"`` (FoX's decay, from the log
+  forget gates :meth:`Mechanism.forget_gates` of the layer input, which only
+  :class:`~attnscale.attention.MultiHeadAttention` and the LM can give) or ``"select"``
+  (selective attention's, from q and k); None for most;
+* ``normalises_output``: :meth:`Mechanism.normalise_output` acts on the output before the gate
+  (differential attention's per-head RMSNorm);
+* ``encodes_position``: the weights carry the order of the keys themselves (stick-breaking's
+  recency, FoX's decay), so the LM gives the mechanism no RoPE;
 * ``gate``: the output is multiplied by a gate computed from the layer input
   (:meth:`Mechanism.gate_values`), which needs the layer's input, so only
   :class:`~attnscale.attention.MultiHeadAttention` and the LM can run it;
@@ -21,8 +33,8 @@ found out by running it:
 * ``per_key``: each logit depends only on its own (q, k) pair and the key count (False for
   ``adaptive-temp``, whose temperature depends on the whole row);
 * ``normalises_qk``: the logits are unchanged when q and k are scaled (qknorm, cosine, ...);
-* ``scale_only`` is derived: the logits are ``scale · q' k'ᵀ`` with no offset or cap and a plain
-  softmax, which is exactly what ``scaled_dot_product_attention`` computes.
+* ``scale_only`` is derived: the logits are ``scale · q' k'ᵀ`` with no offset, cap or bias and a
+  plain softmax, which is exactly what ``scaled_dot_product_attention`` computes.
 """
 
 from __future__ import annotations
@@ -72,8 +84,8 @@ class Mechanism(nn.Module):
     # The temperature is a rule on q and k known at init without data; False when it lives in
     # the weights of W_Q and W_K (init-reparam, sigma-reparam), so bare q, k cannot show it.
     defined_at_init: ClassVar[bool] = True
-    # How the masked logits become weights: "softmax", "sink" (softmax with a per-head sink logit
-    # that carries no value) or "sigmoid" (p_i = σ(z_i), elementwise).
+    # How the masked logits become weights: one of attnscale.stats.NORMALISERS ("softmax",
+    # "sink", "sigmoid", "softpick", "stick-breaking", "differential"; the module doc).
     normaliser: ClassVar[str] = "softmax"
     # The output is gated by σ(x W_g) computed from the layer input (gate_values).
     gate: ClassVar[bool] = False
@@ -90,6 +102,13 @@ class Mechanism(nn.Module):
     # that single out coordinates, such as LayerNorm's mean subtraction.
     rotation_invariant: ClassVar[bool] = True
     cap: float | None = None                # soft-cap c in c * tanh(z / c), applied after the scale
+    # A data-dependent logit bias: "forget" (FoX, from the layer input) or "select" (selective).
+    logit_bias: ClassVar[str | None] = None
+    # normalise_output acts on the attention output (differential's per-head RMSNorm).
+    normalises_output: ClassVar[bool] = False
+    # The weights carry the keys' order themselves (stick-breaking's recency, FoX's decay):
+    # models built on the mechanism use no RoPE.
+    encodes_position: ClassVar[bool] = False
 
     def __init__(self, d_head: int, n_heads: int):
         super().__init__()
@@ -100,7 +119,8 @@ class Mechanism(nn.Module):
     def scale_only(self) -> bool:
         """Whether the logits are ``scale · q' k'ᵀ`` (no offset, no cap) under a plain softmax:
         what the fused ``scaled_dot_product_attention`` kernel computes."""
-        return self.cap is None and self.normaliser == "softmax" and not self.has_offset
+        return (self.cap is None and self.normaliser == "softmax" and not self.has_offset
+                and self.logit_bias is None)
 
     # An additive logit offset (sigmoid attention's bias b); False for most mechanisms.
     has_offset: ClassVar[bool] = False
@@ -137,14 +157,35 @@ class Mechanism(nn.Module):
         """σ(x W_g) for a gating mechanism: x (B, N, d_model) -> (B, H, N, 1 or d_head)."""
         raise NotImplementedError(f"{self.name or type(self).__name__} has no output gate")
 
+    def forget_gates(self, x: Tensor) -> Tensor:
+        """log f for a ``logit_bias == "forget"`` mechanism: x (B, N, d_model) -> (B, H, N)."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} has no forget gate")
+
+    def lam(self) -> Tensor:
+        """λ of the ``"differential"`` normaliser, a 0-d tensor."""
+        raise NotImplementedError(f"{self.name or type(self).__name__} has no λ")
+
+    def normalise_output(self, o: Tensor) -> Tensor:
+        """The output (B, H, Nq, d_v) after the mechanism's normalisation
+        (``normalises_output``)."""
+        return o
+
+    def at_depth(self, layer: int) -> None:
+        """Told once, at build, by a model that stacks layers: this layer's depth l >= 1 (the
+        first layer is 1).  Most mechanisms ignore it; differential's λ_init depends on it."""
+
     def logits(self, q: Tensor, k: Tensor, n_keys: int | Tensor | None = None, *,
-               mask: Tensor | None = None) -> Tensor:
-        """Logits after the mechanism (offset and cap included), before the mask: (B, H, Nq, Nk).
+               mask: Tensor | None = None, log_forget: Tensor | None = None) -> Tensor:
+        """Logits after the mechanism (offset, cap and bias included), before the mask:
+        (B, H, Nq, Nk); under the ``"differential"`` normaliser the two maps side by side,
+        (B, H, Nq, 2 Nk).
 
         fp16/bf16 inputs give float32 logits.  ``n_keys`` defaults to the keys of ``mask`` (a
         boolean mask, True = attend, broadcastable to (B, H, Nq, Nk)), or to every key (Nk).  The
         mask itself is only read by a rule that is not ``per_key`` (adaptive-temp's row entropy
-        covers the attended keys); the logits of masked keys are returned like the others.
+        covers the attended keys) and by selective attention's selection; the logits of masked
+        keys are returned like the others.  ``log_forget``: a forgetting mechanism's log forget
+        gates (B, H, max(Nq, Nk)), whose bias is causal (positions top-left aligned).
         """
         pipeline.check_qkv(q, k, k, self)  # shapes, dtypes and this mechanism's heads (k as v)
         q, k = upcast(q), upcast(k)
@@ -152,7 +193,8 @@ class Mechanism(nn.Module):
             n_keys = k.shape[-2] if mask is None else pipeline.key_counts(mask, False, q, k)
         full = None if mask is None else pipeline.key_mask(mask, False, q, k)
         q, k, scale, offset = pipeline.apply_rule(self, q, k, n_keys, full, False)
-        return pipeline.logits(q, k, scale, self.cap, offset)  # (B, H, Nq, Nk)
+        own = pipeline.mechanism_bias(self, q, k, full, log_forget is not None, log_forget)
+        return pipeline.rule_logits(q, k, scale, self.cap, offset, self.normaliser, own)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:

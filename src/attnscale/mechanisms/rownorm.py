@@ -71,8 +71,8 @@ def unit_rows(x: Tensor, scale: Tensor | None = None) -> Tensor:
     return _RowNorm.apply(x, scale, None, 1.0, UNIT_EPS)
 
 
-def rms_rows(x: Tensor, gain: Tensor, eps: float) -> Tensor:
-    """RMSNorm per row, gain ∘ x / sqrt(mean(x²) + eps)."""
+def rms_rows(x: Tensor, gain: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm per row, gain ∘ x / sqrt(mean(x²) + eps) (no gain: None)."""
     return _RowNorm.apply(x, None, gain, float(x.shape[-1]), eps)
 
 

@@ -9,8 +9,8 @@ the product over the attended keys after j (under causality j <= k <= i for quer
 causality every key, the query taken to come after them all).  Computed in log space, as the paper
 does.  Rows sum to 1 - Π_k (1 - β_k) <= 1 (the stick left over goes to nothing), and the weights
 favour the nearest keys by construction, so the mechanism carries the order of the keys itself:
-the paper uses it without a positional encoding (``orders_keys``: attnscale's LM leaves out RoPE
-for it).  The paper's claim: length generalisation (a model trained at 2^11 tokens works at 2^14).
+the paper uses it without a positional encoding (``encodes_position``: attnscale's LM leaves out
+RoPE for it).  The paper's claim: length generalisation (a model trained at 2^11 tokens works at 2^14).
 
 Runs on a blockwise kernel with recomputation in the backward, no (B, H, Nq, Nk) tensor
 (:mod:`attnscale.kernels.stick_breaking`).  A row with every key masked has zero output.
@@ -33,7 +33,7 @@ class StickBreaking(Mechanism):
     normaliser = "stick-breaking"
     # The weights depend on the order of the keys (recency), the only position they need: a
     # model built around the mechanism leaves out its positional encoding (the paper's setup).
-    orders_keys: ClassVar[bool] = True
+    encodes_position: ClassVar[bool] = True
 
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         return q, k, inv_sqrt(self.d_head)

@@ -11,23 +11,18 @@ and ``attnscale study NAME`` is its command line.
 * :mod:`~attnscale.study.claims`, :mod:`~attnscale.study.seeds`: claims over seeds, one wording,
   and one seed aggregation;
 * :mod:`~attnscale.study.recall`, :mod:`~attnscale.study.lm`, :mod:`~attnscale.study.length`:
-  the studies attnscale ships, one file each (importing one registers it).
+  the studies attnscale ships, one file each (importing one registers it);
+* :mod:`~attnscale.study.page`: the results page over their folders (``attnscale results``).
 
-A new study is one more file in this folder: every module here is imported, so its
-``register(Study(...))`` makes it ``attnscale study NAME``.
+A new study is one more file in this folder, imported below: importing it runs its
+``register(Study(...))``, which makes it ``attnscale study NAME``.  The imports are the
+registration (and their order that of ``attnscale study --list``); a study of one's own registers
+the same way from any module one imports.
 """
-
-import importlib
-import pkgutil
 
 from attnscale import sweep  # noqa: F401  (registers the experiments the studies run)
 from attnscale.study.registry import STUDIES, get, register
 from attnscale.study.spec import Analysis, Option, Study, Trials
 from attnscale.study import recall, lm, length  # noqa: F401,E402  (registers the studies)
-
-# Then every other module of this folder (a new study's file), sorted by name.
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    importlib.import_module(f"{__name__}.{_module}")
-del _module
 
 __all__ = ["STUDIES", "Analysis", "Option", "Study", "Trials", "get", "register"]

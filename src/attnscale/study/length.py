@@ -71,6 +71,18 @@ def lm_rows(records: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def pruning_rows(records: Sequence[dict]) -> list[dict]:
+    """Selective attention under context pruning: one row per memory factor f (each query keeps
+    seq_len / f keys), the validation loss at the trained context over seeds."""
+    runs = [r for r in records if r["result"].get("pruning")]
+    factors = list(dict.fromkeys(p["memory_factor"] for r in runs for p in r["result"]["pruning"]))
+    return [{"memory_factor": f, "context": runs[0]["config"]["seq_len"],
+             "budget": next(p["budget"] for p in runs[0]["result"]["pruning"]
+                            if p["memory_factor"] == f),
+             "loss": spread([p["loss"] for r in runs for p in r["result"]["pruning"]
+                             if p["memory_factor"] == f])} for f in factors]
+
+
 def yarn_rows(records: Sequence[dict]) -> list[dict]:
     """One row per extension factor s: the fitted √(1/t) per seed, its spread, and YaRN's
     0.1 ln s + 1."""
@@ -156,6 +168,34 @@ def _pair_claim(quantity: str, expected_side: str, ours: dict, ref: dict, ref_na
         f"{note}; {ours['n']} seed(s), interval = seed-to-seed [min, max]")
 
 
+def _pruning_claim(lm: Sequence[dict], cell: Mapping, train: int) -> dict | None:
+    """Selective attention's claim: at the most pruned budget measured, its loss is not above
+    scaled's with the whole context (the paper: the same perplexity with 16x-47x less attention
+    memory at contexts 512-2048); None without its runs."""
+    rows = pruning_rows(lm)
+    if not rows or ("scaled", train) not in cell:
+        return None
+    most = max(rows, key=lambda r: r["memory_factor"])
+    ours, ref = most["loss"], cell["scaled", train]["loss"]
+    if ours["mean"] is None or ref["mean"] is None:
+        return None
+    outcome = claim_rules.compare(ours, ref)
+    agrees = outcome != "higher"
+    verdict = claim_rules.AGREES if agrees else "differs: a higher loss than scaled's"
+    full = next((r for r in rows if r["memory_factor"] == 1), None)
+    return claim_rules.claim(
+        f"small-LM validation loss at context {train} with {most['memory_factor']}x less "
+        f"attention memory (each query keeps {most['budget']} keys): selective vs scaled with "
+        "every key (nats/byte)",
+        f"not higher than scaled's {_text(ref)} (Leviathan et al. 2024, arXiv 2410.02703: equal "
+        "perplexity with 16x / 25x / 47x less memory at context 512 / 1024 / 2048)",
+        ours["mean"], _interval(ours), verdict, agrees,
+        f"{ours['n']} seed(s); agrees when selective's seed range is lower than or overlaps "
+        f"scaled's; selective without pruning: "
+        f"{_text(full['loss']) if full else 'n/a'}; pruning per query (a key may return), at "
+        f"a context {max(1, 512 // train)}x shorter than the paper's shortest")
+
+
 def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
     """The claim rows (fragment.json's contract); a claim whose runs are missing is left out."""
     out = []
@@ -167,7 +207,9 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
         for mech, source in (("ssmax", "Nakanishi 2025: s·ln n generalises to more keys than "
                                        "a fixed temperature"),
                              ("llama4-temp", "Llama 4's temperature tuning, the same argument"),
-                             ("stick-breaking", STICK_BREAKING_SOURCE)):
+                             ("stick-breaking", STICK_BREAKING_SOURCE),
+                             ("forgetting", "Lin et al. 2025 (FoX, arXiv 2503.02130): a "
+                                            "data-dependent forget gate generalises in length")):
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"recall accuracy at {longest} pairs, trained at {train}: {mech} vs scaled",
@@ -182,7 +224,9 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
         cell = {(r["mechanism"], r["context"]): r for r in lrows}
         for mech, source in (("ssmax", "a length-aware temperature extrapolates better"),
                              ("llama4-temp", "a length-aware temperature extrapolates better"),
-                             ("stick-breaking", STICK_BREAKING_SOURCE)):
+                             ("stick-breaking", STICK_BREAKING_SOURCE),
+                             ("forgetting", "Lin et al. 2025 (FoX, arXiv 2503.02130): lower "
+                                            "loss beyond the trained context, without RoPE")):
             if (mech, longest) in cell and ("scaled", longest) in cell:
                 out.append(_pair_claim(
                     f"small-LM validation loss at context {longest}, trained at {train}: "
@@ -190,6 +234,14 @@ def claims(recall: Sequence[dict], lm: Sequence[dict]) -> list[dict]:
                     cell["scaled", longest]["loss"], "scaled", source,
                     f"at {train}: {mech} {_text(cell[mech, train]['loss'])}, scaled "
                     f"{_text(cell['scaled', train]['loss'])}"))
+        if ("forgetting", train) in cell and ("scaled", train) in cell:
+            out.append(_pair_claim(
+                f"small-LM validation loss at the trained context {train}: forgetting (no "
+                "positional encoding) vs scaled (RoPE), equal size (nats/byte)", "lower",
+                cell["forgetting", train]["loss"], cell["scaled", train]["loss"], "scaled",
+                "Lin et al. 2025 (FoX): lower loss than the RoPE Transformer at equal size",
+                "both trained alike; FoX has W_f (d_model x H + H) more parameters per layer"))
+        out.append(_pruning_claim(lm, cell, train))
     out = [c for c in out if c is not None]
     yrows = yarn_rows(lm) if lm else []
     for row in yrows:
@@ -469,6 +521,15 @@ def markdown(recall: Sequence[dict], lm: Sequence[dict], claim_rows: Sequence[di
                              f"{r['m_yarn']:.3f} | {_text(r['loss_deepseek_v2'])} | "
                              f"{_text(r['loss_yarn'])} | {_text(r['difference'])} |")
             lines.append("")
+        prows = pruning_rows(lm)
+        if prows:
+            lines += ["#### Selective attention with less memory", "",
+                      "Validation loss (nats/byte) at the trained context when each query keeps "
+                      "only the keys selected least (context pruning, Leviathan et al. 2024):", "",
+                      "| memory factor | keys kept per query | loss |", "|---|---|---|"]
+            lines += [f"| {r['memory_factor']}x | {r['budget']} | {_text(r['loss'])} |"
+                      for r in prows]
+            lines += [""]
     lines += ["#### Claims", "", "| claim | expected | ours | verdict |", "|---|---|---|---|"]
     for c in claim_rows:  # from claims(recall, lm)
         ours = "n/a" if c["ours"] is None else f"{c['ours']:.3f}"
@@ -487,6 +548,8 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
               "yarn_slope": yarn_slope(lm) if lm else None, "claims": found}
     if lm and mscale_rows(lm):  # DeepSeek's rule, once the store holds mscale runs
         tables["mscale"] = mscale_rows(lm)
+    if lm and pruning_rows(lm):  # selective attention's runs (a store without them: no key)
+        tables["pruning"] = pruning_rows(lm)
     figures = {}
     if recall:
         figures[FIGURES["recall"]] = lambda: figure_recall(recall)
@@ -499,9 +562,10 @@ def analyse(stores: Mapping[str, list[dict]]) -> Analysis:
                     columns=COLUMNS)
 
 
-# The full study: 8 mechanisms x 3 seeds of recall at the essay's widths and the length
-# config's 1200 steps; the LM (width 64, 2 layers) at 2000 steps, 3 mechanisms x 3 seeds.
-# --quick (about 10 minutes on 2 cores): 2 seeds; recall at width 64 (d_k = d_model = 64),
+# The full study: the recall mechanisms (recall_length.MECHANISMS) x 3 seeds at the essay's
+# widths and the length config's 1200 steps; the LM (width 64, 2 layers) at 2000 steps, its
+# mechanisms (lm_length.MECHANISMS) x 3 seeds.  --quick (about 10 minutes on 2 cores as
+# measured with fewer mechanisms; it grows with their count): 2 seeds; recall at width 64,
 # 600 steps, 500 held-out sequences per length; the LM at 600 steps on 16 windows.
 STUDY = register(Study(
     name="length",
@@ -520,6 +584,8 @@ STUDY = register(Study(
                                {"steps": 600, "eval_windows": 16})},
     quick_doc="2 seeds, fewer steps, recall at width 64: about 10 minutes on 2 cores",
     analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),
+    page_figures={FIGURES["recall"]: "recall accuracy vs pairs",
+                  FIGURES["lm_loss"]: "LM loss vs context"},
     examples="""
   attnscale reproduce --out report/ --include length/
 """,

@@ -44,7 +44,8 @@ def _groups(records: Iterable[dict], *keys) -> dict[tuple, list[dict]]:
     return out
 
 
-def _order(records: Sequence[dict]) -> list[str]:
+def variants(records: Sequence[dict]) -> list[str]:
+    """The variants of ``records`` in the order they first appear (every table's row order)."""
     return list(dict.fromkeys(variant(r) for r in records))
 
 
@@ -72,7 +73,7 @@ def sensitivity_rows(records: Sequence[dict]) -> list[dict]:
         value = lr_sensitivity([r["final_val_loss"] for r in runs], runs[0]["loss_init"])
         per_seed[var, width].append((seed, value))
     rows = []
-    for var in _order(records):
+    for var in variants(records):
         for width in sorted({w for v, w in per_seed if v == var}):
             seeds = sorted(per_seed[var, width])
             s = spread([v for _, v in seeds])
@@ -95,7 +96,7 @@ def loss_vs_lr_rows(records: Sequence[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["width"], r["lr"]))
 
 
-def _range_text(row: dict) -> str:
+def sensitivity_text(row: dict) -> str:
     """A sensitivity row's seed spread, as every study writes one; ``partial`` for a cell whose
     learning-rate grid has not finished on any seed."""
     if not row["seeds"] and row.get("partial"):
@@ -132,8 +133,8 @@ def _pair_claim(rows: list[dict], a: str, b: str, expect: str, text: str) -> dic
         return _claim(text, expected, f"not run ({a} and {b} at a common width needed)",
                       claim_rules.NOT_RUN, None)
     outcomes = [claim_rules.compare(cell[a, w], cell[b, w]) for w in widths]
-    measured = "; ".join(f"width {w}: {a} {_range_text(cell[a, w])} vs {b} "
-                         f"{_range_text(cell[b, w])} ({o})" for w, o in zip(widths, outcomes))
+    measured = "; ".join(f"width {w}: {a} {sensitivity_text(cell[a, w])} vs {b} "
+                         f"{sensitivity_text(cell[b, w])} ({o})" for w, o in zip(widths, outcomes))
     one_seed = min(cell[m, w]["seeds"] for w in widths for m in (a, b)) < 2
     if one_seed:
         measured += " [one seed: no seed-to-seed interval, so any gap counts]"
@@ -176,7 +177,7 @@ def width_claims(rows: Sequence[dict]) -> list[dict]:
         g = _growth(cell, "scaled", widths)
         outcome = claim_rules.compare(cell["scaled", widths[-1]], cell["scaled", widths[0]])
         verdict, agrees = claim_rules.verdict([outcome], "higher")
-        measured = ", ".join(f"width {w}: {_range_text(cell['scaled', w])}" for w in widths)
+        measured = ", ".join(f"width {w}: {sensitivity_text(cell['scaled', w])}" for w in widths)
         if one_seed(["scaled"], widths):
             measured += " [a width on one seed: its value has no seed range]"
         out.append(_claim(text, expected, measured, verdict, agrees, g["mean"],
@@ -221,7 +222,7 @@ def highest_lr_rows(records: Sequence[dict]) -> list[dict]:
     complete = {key for key, runs in _groups(records, "variant", "d_model", "seed").items()
                 if sorted(r["config"]["lr"] for r in runs) == grid}
     groups = _groups(records, "variant", "d_model")
-    for var in _order(records):
+    for var in variants(records):
         for width in sorted(w for v, w in groups if v == var):
             runs_vw = [r for r in groups[var, width]
                        if (var, width, r["config"]["seed"]) in complete]
@@ -326,7 +327,7 @@ def sink_rows(records: Sequence[dict]) -> list[dict]:
     weight on the first key exceeds SINK_THRESHOLD) and the largest head's first-key weight,
     each over seeds (mean, range), and the final validation loss."""
     rows = []
-    for var in _order(records):
+    for var in variants(records):
         runs = [r for r in records if variant(r) == var]
         heaviest = [max((w for layer in r["first_key_weight"] for w in layer), default=None)
                     if r.get("first_key_weight") else None for r in runs]
@@ -408,7 +409,7 @@ def figure_loss_vs_lr(records: Sequence[dict]):
     widths = sorted({r["width"] for r in rows})
     fig, axes = new_figure(len(widths), width=4.2, height=3.4)
     for ax, width in zip(axes, widths):
-        for var in _order(records):
+        for var in variants(records):
             rs = [r for r in rows if r["mechanism"] == var and r["width"] == width]
             if not rs:
                 continue
@@ -433,7 +434,7 @@ def figure_sensitivity(records: Sequence[dict]):
     from attnscale.plotting import new_figure
     rows = [r for r in sensitivity_rows(records) if r["mean"] is not None]
     fig, (ax,) = new_figure(1, width=5.0, height=3.6)
-    for var in _order(records):
+    for var in variants(records):
         rs = [r for r in rows if r["mechanism"] == var]
         if not rs:
             continue
@@ -461,7 +462,7 @@ def _max_over_layers(record: dict, key: str, reduce) -> tuple[list[int], list[fl
 
 def _panels(records: Sequence[dict]):
     from attnscale.plotting import new_figure
-    names = _order(records)
+    names = variants(records)
     fig, axes = new_figure(len(names), width=3.4, height=3.0)
     return fig, list(zip(names, axes))
 
@@ -545,7 +546,7 @@ def markdown(records: Sequence[dict], claim_rows: Sequence[dict],
         "",
         "E over η of [min(ℓ(η), ℓ0) − ℓ*] in nats per byte (Wortsman et al. 2023), ℓ0 the loss "
         "at init and ℓ* the best over the grid: mean over seeds [seed-to-seed min, max]; lower "
-        "is more robust.", "", *_width_table(records, widths, cell, _range_text)]
+        "is more robust.", "", *_width_table(records, widths, cell, sensitivity_text)]
     thin = sorted({r["width"] for r in rows if 0 < r["seeds"] < seeds and not r["partial"]})
     if thin:
         lines += ["", f"Width {', '.join(map(str, thin))} ran on fewer seeds (a blank cell: that "
@@ -580,7 +581,7 @@ def _width_table(records: Sequence[dict], widths: Sequence[int], cell: Mapping[t
     (blank where the variant did not run at that width)."""
     lines = ["| mechanism | " + " | ".join(f"width {w}" for w in widths) + " |",
              "|---|" + "---|" * len(widths)]
-    for var in _order(records):
+    for var in variants(records):
         lines.append(f"| {var} | " + " | ".join(
             text(cell[var, w]) if (var, w) in cell else "" for w in widths) + " |")
     return lines
@@ -675,6 +676,8 @@ STUDY = register(Study(
     quick_doc=f"{', '.join(QUICK_VARIANTS)} x {len(WORTSMAN_LRS)} LRs x width "
               f"{DEFAULT_WIDTHS[0]} x seed {DEFAULT_SEEDS[0]}",
     analyse=analyse, summary=SUMMARY, figures=tuple(FIGURES.values()),
+    page_figures={FIGURES["sensitivity"]: "LR sensitivity vs width",
+                  FIGURES["loss_vs_lr"]: "final validation loss vs learning rate"},
     options=(
         Option("--mechanisms", "variant", "comma-separated variants, e.g. "
                "'scaled,qk-layernorm(divisor=False)'", check=_variant),

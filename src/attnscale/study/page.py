@@ -96,9 +96,10 @@ def _spread_text(s: dict | None, fmt: str = claim_rules.FMT) -> str:
 
 
 def lm_range_text(row: dict) -> str:
-    """An LM sensitivity cell as the LM study writes it (:func:`attnscale.study.lm._range_text`)."""
-    from attnscale.study.lm import _range_text
-    return _range_text(row)
+    """An LM sensitivity cell as the LM study writes it (:func:`attnscale.study.lm.
+    sensitivity_text`)."""
+    from attnscale.study.lm import sensitivity_text
+    return sensitivity_text(row)
 
 
 def _lr_cell(row: dict) -> str:
@@ -121,7 +122,7 @@ def _lm_tables(loaded: Loaded | None) -> dict:
     return {"records": records, "sensitivity": rows, "highest": lm.highest_lr_rows(records),
             "claims": lm.claims(records) + lm.sink_claims(sinks),
             "widths": sorted({r["width"] for r in rows}),
-            "order": lm._order(records)}
+            "order": lm.variants(records)}
 
 
 def _length_tables(loaded: Loaded | None) -> dict:
@@ -419,12 +420,9 @@ def render(root: str | os.PathLike) -> str:
     verdicts = _verdicts(lm, length)
     if verdicts:
         lines += ["## The claims, one by one", "", *verdicts]
-    figures = [("lm", "lm_lr_sensitivity.png", "LR sensitivity vs width"),
-               ("lm", "lm_loss_vs_lr.png", "final validation loss vs learning rate"),
-               ("length", "length_recall.png", "recall accuracy vs pairs"),
-               ("length", "length_lm_loss.png", "LM loss vs context"),
-               ("recall", "study_recall.png", "recall: steps to loss 0.1 and accuracy")]
-    shown = [(s, f, t) for s, f, t in figures if (Path(root) / s / f).is_file()]
+    from attnscale.study import get
+    shown = [(s, f, t) for s in STUDY_FOLDERS for f, t in get(s).page_figures.items()
+             if (Path(root) / s / f).is_file()]
     if shown:
         lines += ["## Figures", ""]
         for s, f, t in shown:

@@ -22,6 +22,10 @@ def register(study: Study) -> Study:
         if quick is not None and set(quick.grid) != set(trials.grid):
             raise ValueError(f"study {study.name!r}: store {key!r} has other grid axes when "
                              "quick; the analysis shows the same axes in both")
+    unknown = [name for name in study.page_figures if name not in study.figures]
+    if unknown:
+        raise ValueError(f"study {study.name!r}: page_figures names {', '.join(unknown)}, which "
+                         "its figures lack")
     for key in (study.quick or {}):
         if key not in study.stores:
             raise ValueError(f"study {study.name!r}: its quick variant has store {key!r}, which "

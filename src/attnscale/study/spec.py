@@ -84,6 +84,8 @@ class Study:
     summary: str                          # the JSON file of every table and claim
     figures: Sequence[str]                # every PNG the analysis may draw
     quick: Mapping[str, Trials] | None = None   # --quick: these stores instead
+    # The figures the results page (attnscale results) shows, each with its caption, in order.
+    page_figures: Mapping[str, str] = field(default_factory=dict)
     quick_doc: str = ""                   # what --quick runs, in words
     options: Sequence[Option] = ()
     examples: str = ""                    # extra worked examples for --help

@@ -13,6 +13,10 @@ fine-tuning:
 * ``llama4-temp`` uses ``floor_scale = seq_len``: Llama 4's 8192 is the span of its chunked
   RoPE layers, so the temperature steps up where the trained context ends; ``logn`` likewise
   ``train_len = seq_len`` (Qwen's L is its training context);
+* for ``selective``: the loss at the trained context under context pruning (Leviathan et al.
+  2024, arXiv 2410.02703, Section 4), each query keeping at most ``seq_len / f`` keys (those
+  selected least) for f in :data:`PRUNE_FACTORS` (f = 1: no pruning), the attention memory f
+  times smaller, on the first ``seq_len`` positions of the same windows;
 * for ``scaled`` (with ``yarn``, the default; other mechanisms skip it): extends the context
   by each s in ``yarn_factors`` with YaRN's NTK-by-parts frequencies (:func:`yarn_frequencies`),
   sweeps the multiplier m = √(1/t) that YaRN applies to q and k (logits times m²,
@@ -74,10 +78,13 @@ MSCALE_ALL_DIMS = (DEEPSEEK_V2_MSCALE_ALL_DIM, DEEPSEEK_V3_MSCALE_ALL_DIM)
 YARN_MECHANISMS = ("scaled", "mscale")
 # Query-key scores per forward of entropy_by_position (B x H x N x N): bounds its batch of windows.
 ENTROPY_FLOATS = 2 ** 24
-# The section's mechanisms (stick-breaking, which orders the keys itself, without RoPE; mscale
-# trained at factor 1, then extended by DeepSeek's rule).
+# The section's mechanisms (stick-breaking and forgetting, which encode position themselves,
+# without RoPE; mscale trained at factor 1, then extended by DeepSeek's rule).
 MECHANISMS = ("scaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "softpick",
-              "stick-breaking", "mscale")
+              "stick-breaking", "mscale", "forgetting", "selective", "differential")
+# Selective attention's memory budgets: each query keeps seq_len / f keys (f = 1: all).  The
+# paper's Table reports the same loss with 16x, 25x and 47x less memory at contexts 512-2048.
+PRUNE_FACTORS = (1, 2, 4, 8, 16)
 # Study defaults for the LM (the lm study's Wortsman recipe; more steps than its LR sweep).
 LM_STEPS = 2000
 LM_WINDOWS = 32
@@ -108,6 +115,20 @@ class Tempered(Mechanism):
     def prepare(self, q: Tensor, k: Tensor, n_keys: int | Tensor) -> tuple[Tensor, Tensor, Scale]:
         q, k, scale = self.base.prepare(q, k, n_keys)
         return q, k, scale * self.m ** 2
+
+
+@contextlib.contextmanager
+def pruned_to(model: LM, budget: int | None) -> Iterator[None]:
+    """Every layer's selective attention keeps at most ``budget`` keys per query inside the
+    block (its context pruning; None: every key)."""
+    mechanisms = [block.attn.mechanism for block in model.blocks]
+    try:
+        for mech in mechanisms:
+            mech.budget = budget
+        yield
+    finally:
+        for mech in mechanisms:
+            mech.budget = None
 
 
 @contextlib.contextmanager
@@ -157,7 +178,7 @@ def entropy_by_position(model: LM, inputs: Tensor, *, batch_size: int) -> Tensor
         if not obs.request_rows(lambda rows: add(layer, rows)):
             add(layer, query_rows(obs.q, obs.k, scale=obs.scale, cap=obs.cap, mask=obs.mask,
                                   causal=obs.causal, offset=obs.offset,
-                                  normaliser=obs.normaliser, sink=obs.sink))
+                                  normaliser=obs.normaliser, sink=obs.sink, lam=obs.lam))
 
     def enter(i: int):
         return lambda module, args: running.__setitem__(0, i)
@@ -274,6 +295,14 @@ def lm_length(**config) -> dict:
         out["loss_at_length"] = [float(loss[:n].mean()) for n in lengths]
         out["entropy_by_position"] = entropy_by_position(
             model, inputs, batch_size=entropy_batch(model.config.n_heads, longest)).tolist()
+        if run.mechanism == "selective":  # the same loss with less memory?
+            short = (inputs[:, :run.seq_len], targets[:, :run.seq_len])
+            out["pruning"] = []
+            for f in PRUNE_FACTORS:
+                with pruned_to(model, None if f == 1 else run.seq_len // f):
+                    loss = loss_by_position(model, short, batch_size=run.batch_size).mean()
+                out["pruning"].append({"memory_factor": f, "budget": run.seq_len // f,
+                                       "loss": float(loss)})
         if factors is None:
             return
         if run.mechanism == "mscale":

@@ -34,10 +34,12 @@ EVAL_PAIRS = (16, 32, 64, 128, 256, 512)
 LENGTH_CONFIG = RecallConfig(n_keys=max(EVAL_PAIRS))
 # The mechanisms compared: the fixed temperatures, the length-aware ones (ssmax, llama4-temp,
 # logn), the other normalisers (sink, sigmoid) and the normalised and capped ones, in the
-# figure's order; then the rectified normalisers (softpick, stick-breaking), appended so that a
-# store holding the others grows by them.
+# figure's order; then the rectified normalisers (softpick, stick-breaking), the logit biases
+# (forgetting, selective) and differential attention, appended so that a store holding the
+# others grows by them.
 MECHANISMS = ("scaled", "unscaled", "ssmax", "llama4-temp", "logn", "sink", "sigmoid", "qknorm",
-              "cosine", "softcap", "learned-temp", "softpick", "stick-breaking")
+              "cosine", "softcap", "learned-temp", "softpick", "stick-breaking", "forgetting",
+              "selective", "differential")
 # Statistics kept per length, from trainer.evaluate.
 STATS = ("accuracy", *named("entropy", "max_weight"))
 

@@ -26,8 +26,11 @@ study measure are exactly the ones the softmax receives.
 
 RoPE's frequencies are an argument of :func:`rope_tables`, and :meth:`LM.set_rope` swaps them
 (and the context length): the hook a length study uses for YaRN-scaled frequencies.  A mechanism
-that carries the order of the keys itself (``orders_keys``: stick-breaking, whose paper uses no
-positional encoding, Tan et al. 2024) gets q and k without RoPE.
+whose weights or logits carry the order of the keys themselves (``encodes_position``:
+stick-breaking's recency, Tan et al. 2024; FoX's forget gates, Lin et al. 2025) gets q and k
+without RoPE, as in their papers.  Each layer tells its mechanism its depth (``at_depth``:
+differential attention's λ_init grows with it), and a forgetting mechanism's gates read the
+block's input.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def _init_linear(linear: nn.Linear) -> nn.Linear:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE; the temperature is a registry mechanism."""
 
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: LMConfig, layer: int = 1):
         super().__init__()
         d, self.n_heads, self.d_head = config.d_model, config.n_heads, config.d_head
         self.w_q = _init_linear(nn.Linear(d, d, bias=False))
@@ -144,8 +147,9 @@ class CausalSelfAttention(nn.Module):
                                          **dict(config.options))
         # After W_Q and W_K have their init: init-reparam rescales it, sigma-reparam starts at it.
         self.mechanism.init_projections(self.w_q, self.w_k)
-        # The mechanism orders the keys itself (stick-breaking): no positional encoding.
-        self.uses_rope = not getattr(self.mechanism, "orders_keys", False)
+        self.mechanism.at_depth(layer)                             # this block's depth, 1-based
+        # The mechanism encodes the keys' positions itself (stick-breaking, forgetting): no RoPE.
+        self.uses_rope = not self.mechanism.encodes_position
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, n, d = x.shape                                          # (B, N, d_model)
@@ -158,12 +162,15 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, N, d)
         v = heads(self.w_v(x))                                     # (B, H, N, d)
         gate = self.mechanism.gate_values(x) if self.mechanism.gate else None  # (B, H, N, 1|d)
+        log_forget = (self.mechanism.forget_gates(x)                # (B, H, N), FoX
+                      if self.mechanism.logit_bias == "forget" else None)
         # The one pipeline; its observers (the monitor) see this call.
         # Under autocast q, k, v are already bf16, and attention() accumulates half inputs in
         # float32 itself; autocast inside it would recast its kernels' internals, so it is off.
         autocast = torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
-            o = attention(q, k, v, self.mechanism, causal=True, gate=gate)  # (B, H, N, d)
+            o = attention(q, k, v, self.mechanism, causal=True, gate=gate,
+                          log_forget=log_forget)                   # (B, H, N, d)
         return self.w_o(o.transpose(1, 2).reshape(b, n, d))       # (B, N, d_model)
 
 
@@ -180,10 +187,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x + attn(LN(x)), then x + mlp(LN(x)): pre-norm (GPT-2, Xiong et al. 2020)."""
 
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: LMConfig, layer: int = 1):
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.d_model, eps=NORM_EPS, bias=False)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_mlp = nn.LayerNorm(config.d_model, eps=NORM_EPS, bias=False)
         self.mlp = MLP(config.d_model)
 
@@ -203,7 +210,7 @@ class LM(nn.Module):
         # Tied with the output layer, so its init is the output layer's: N(0, 1/d_model) gives
         # logits of unit variance from the final LayerNorm, and a loss near ln 256 at init.
         nn.init.normal_(self.embed.weight, std=d ** -0.5)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, layer + 1) for layer in range(config.n_layers))
         self.ln_out = nn.LayerNorm(d, eps=NORM_EPS, bias=False)
         self.set_rope(rope_frequencies(config.d_head), config.max_seq_len)
 

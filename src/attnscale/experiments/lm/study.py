@@ -29,7 +29,9 @@ DEFAULT_VARIANTS = ("scaled", "unscaled", "qk-layernorm", "qk-layernorm(divisor=
                     "gated", "adaptive-temp",
                     # the normalisers without sinks, DeepSeek-V3's softmax scale (its YaRN
                     # factor 40) and OLMo 2's q/k norm over the whole projection
-                    "softpick", "stick-breaking", "mscale(factor=40.0)", "qk-rmsnorm(over=model)")
+                    "softpick", "stick-breaking", "mscale(factor=40.0)", "qk-rmsnorm(over=model)",
+                    # a forget gate (FoX), selective attention and differential attention
+                    "forgetting", "selective", "differential")
 DEFAULT_WIDTHS = (64, 128)
 DEFAULT_SEEDS = (0, 1)
 # The default study also runs these variants at WIDE_WIDTHS on WIDE_SEEDS, so that LR sensitivity

@@ -31,6 +31,15 @@ pair vectors instead of on the B x P pairs of a batch (:func:`_pair_logits`), wh
 more of those than of the batch's pairs; else on the batch's own keys (:func:`_row_logits`).
 :class:`StackedRecall` runs M models (mechanisms or seeds) as one: their weights are stacked on a
 leading model axis, so every matmul is one ``bmm`` and the optimiser sees five tensors, not 5 M.
+
+Mechanisms with a logit bias read the order of the pairs: the query sits after the P pairs, at
+position P, and a pair has a query of its own (W_Q of its embedding) for selective attention's
+selection.  FoX adds Σ_{j<l≤P} log f_l (each pair's forget gate, from its embedding, and the
+query's own, which cancels in the softmax); selective attention subtracts F_Pj = Σ_{j<k<P}
+max(0, s q_k·k_j), the selections of the pairs after j (pair 0 is never selected, as a first
+token).  Differential attention's logits are its two maps side by side (2P wide; in a stack with
+other mechanisms, their logits are padded to that width with -inf, masked keys), and its output
+is normalised before the readout.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnscale.attention import attention
+from attnscale.kernels.biased import ForgetBias, SelectBias, selection
 from attnscale.mechanisms import Mechanism, build_mechanism
 from attnscale.pipeline import normalise, observe_logits, temper
 from attnscale.experiments.recall.config import RecallConfig
@@ -56,7 +66,7 @@ PAIR_NORM = 1.0 / math.sqrt(2.0)
 class RecallOutput:
     """What one forward pass returns; ``...`` is () for one model, (M,) for a batched forward."""
     loss: Tensor     # (...) mean cross-entropy per model, nats
-    z: Tensor        # (..., B, P) attention logits after the mechanism
+    z: Tensor        # (..., B, P) attention logits after the mechanism (2P: see the module doc)
     logits: Tensor   # (..., B, n_values) readout logits
 
 
@@ -92,11 +102,29 @@ class RecallNet(nn.Module):
         k, v = self.w_k(x), self.w_v(x)                                         # (B, P, d_k)
         # A gating mechanism's output gate σ(x W_g) reads the query's embedding, the layer input.
         gate = self.mechanism.gate_values(x_q[:, None, :]) if self.mechanism.gate else None
-        trace = attention(q[:, None, None, :], k[:, None], v[:, None], self.mechanism, trace=True,
-                          gate=gate)
-        z, o = trace.logits[:, 0, 0], trace.out[:, 0, 0]                       # (B, P), (B, d_k)
+        if self.mechanism.logit_bias is not None:
+            z, o = self._ordered(x, x_q)
+        else:
+            trace = attention(q[:, None, None, :], k[:, None], v[:, None], self.mechanism,
+                              trace=True, gate=gate)
+            z, o = trace.logits[:, 0, 0], trace.out[:, 0, 0]                   # (B, P), (B, d_k)
         logits = self.readout(o)                                                # (B, n_values)
         return RecallOutput(F.cross_entropy(logits, batch.target), z, logits)
+
+
+    def _ordered(self, x: Tensor, x_q: Tensor) -> tuple[Tensor, Tensor]:
+        """A logit bias's model: the pairs then the query as one causal sequence, every token
+        with its q, k, v, the query's row attending the pairs only: logits (B, P), output
+        (B, d_k)."""
+        seq = torch.cat([x, x_q[:, None, :]], dim=1)                            # (B, P + 1, d)
+        q, k, v = (w(seq)[:, None] for w in (self.w_q, self.w_k, self.w_v))      # (B, 1, P+1, d)
+        n = seq.shape[1]
+        pairs = torch.arange(n) < n - 1                                          # keys: the pairs
+        log_forget = (self.mechanism.forget_gates(seq)
+                      if self.mechanism.logit_bias == "forget" else None)         # (B, 1, P + 1)
+        trace = attention(q, k, v, self.mechanism, mask=pairs, causal=True, trace=True,
+                          log_forget=log_forget)
+        return trace.logits[:, 0, -1, :-1], trace.out[:, 0, -1]
 
 
 def _is_bilinear(mechanism: Mechanism, d_k: int) -> bool:
@@ -178,9 +206,11 @@ class StackedRecall(nn.Module):
         """The effective W_Q^T and W_K^T, (M, d_model, d_k) each, after any parametrisation."""
         return _mapped(self.w_q_t, self.q_maps), _mapped(self.w_k_t, self.k_maps)
 
-    def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Projected token tables T_Q (M, n_keys, d_k), T_K (M, T, d_k), T_R (M, T, n_values)."""
-        W_q_t, W_k_t = self.qk_weights()
+    def _tables(self, qk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Projected token tables T_Q (M, n_keys, d_k), T_K (M, T, d_k), T_R (M, T, n_values),
+        from the effective W_Q^T and W_K^T ``qk`` (:meth:`qk_weights`, computed once per
+        forward: a parametrisation's power iteration steps each time it runs)."""
+        W_q_t, W_k_t = self.qk_weights() if qk is None else qk
         E = self.embed                                                       # (M, T, d_model)
         T_q = E[:, :self.config.n_keys] @ W_q_t                              # (M, n_keys, d_k)
         T_k = E @ W_k_t                                                      # (M, T, d_k)
@@ -192,7 +222,8 @@ class StackedRecall(nn.Module):
         up to float rounding."""
         M, B, P2 = idx.tokens.shape
         P = P2 // 2
-        T_q, T_k, T_r = self._tables()
+        qk = self.qk_weights()
+        T_q, T_k, T_r = self._tables(qk)
         # unbind, not T_q[m]: indexing model by model would make backward add M full-size zero
         # gradients (one per select), O(M^2) work; unbind's backward stacks the M slices once.
         T_qs, T_ks = T_q.unbind(0), T_k.unbind(0)                            # M x (n_keys|T, d_k)
@@ -208,19 +239,26 @@ class StackedRecall(nn.Module):
         for m, mech in enumerate(self.mechanisms):
             if self.bilinear[m]:
                 z.append(_temper(mech, T_qs[m], T_ks[m], dots[m], P))          # (B, P)
-            elif mech.per_key and pair_table:
+            elif mech.per_key and pair_table and mech.logit_bias is None:
                 z.append(_pair_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.pairs[m],
-                                      self.config.n_keys, P))                # (B, P)
+                                      self.config.n_keys, P))                # (B, P or 2P)
             else:  # the whole row, or a pair table larger than the batch: the batch's own keys
                 z.append(_row_logits(mech, T_qs[m], T_ks[m], idx.query[m], idx.tokens[m]))
-        z = torch.stack(z)                                                   # (M, B, P)
+            if mech.logit_bias is not None:  # the pairs' order: FoX's decay, the selection
+                z[-1] = z[-1] + self._bias(m, mech, idx, qk)
+        widths = [t.shape[-1] for t in z]
+        z = torch.stack([F.pad(t, (0, max(widths) - t.shape[-1]), value=float("-inf"))
+                         for t in z])                                        # (M, B, P or 2P)
+        # each model's own logits, contiguous (a strided slice would change float rounding)
+        own = [z[m] if widths[m] == z.shape[-1] else z[m][..., :widths[m]].contiguous()
+               for m in range(M)]
         gates = self._gates(idx)
         for m, mech in enumerate(self.mechanisms):
             # each model's logits as one attention call: its qk-clip's S_max in training, and
             # the monitor or guard, which see no attention call here otherwise
-            observe_logits(z[m][:, None, None, :], mech,
+            observe_logits(own[m][:, None, None, :], mech,
                            gate=None if m not in gates else gates[m][:, None, None, :])
-        p = torch.stack([_weights(mech, z[m]) for m, mech in enumerate(self.mechanisms)])
+        p = torch.stack([_weights(mech, own[m]) for m, mech in enumerate(self.mechanisms)])
         # The readout is linear: W_out sum_i p_i v_i = sum_t mass_t T_R[t], where mass_t is the
         # attention on token t (p_i / sqrt(2) on both halves of pair i).  A scatter and a bmm
         # replace gathering (B, P, n_values) readout rows, whose backward is a slow index_put.
@@ -228,6 +266,8 @@ class StackedRecall(nn.Module):
         logits = (mass * PAIR_NORM) @ T_r                                    # (M, B, n_values)
         if gates:
             logits = self._gated(logits, mass, idx, gates)
+        if any(mech.normalises_output for mech in self.mechanisms):
+            logits = self._normalised(logits, mass)
         loss = F.cross_entropy(logits.flatten(0, 1), idx.target.flatten(), reduction="none")
         return RecallOutput(loss.view(M, B).mean(-1), z, logits)
 
@@ -254,6 +294,36 @@ class StackedRecall(nn.Module):
                 o = (mass[m] * PAIR_NORM) @ (self.embed[m] @ self.w_v_t[m])   # (B, d_k)
                 out[m] = (g * o) @ self.readout_t[m]
         return torch.stack(out)
+
+    def _normalised(self, logits: Tensor, mass: Tensor) -> Tensor:
+        """The readout of models that normalise their output (differential attention): the
+        output formed from the value table, normalised, then read out."""
+        out = list(logits.unbind(0))
+        for m, mech in enumerate(self.mechanisms):
+            if mech.normalises_output:
+                o = (mass[m] * PAIR_NORM) @ (self.embed[m] @ self.w_v_t[m])   # (B, d_k)
+                o = mech.normalise_output(o[:, None, None, :])[:, 0, 0, :]
+                out[m] = o @ self.readout_t[m]
+        return torch.stack(out)
+
+    def _bias(self, m: int, mech: Mechanism, idx: BatchIndex,
+              qk: tuple[Tensor, Tensor]) -> Tensor:
+        """Model m's logit bias (B, P) on the ordered sequence of the module doc: FoX's decay
+        from the forget gates of the pairs' and the query's embeddings, or minus the pairs'
+        selection (their own queries against the keys before them)."""
+        E = self.embed[m]                                                     # (T, d_model)
+        B, P = idx.pairs[m].shape
+        pairs = E[idx.tokens[m]].view(B, 2, P, -1).sum(1) * PAIR_NORM        # (B, P, d_model)
+        if mech.logit_bias == "forget":
+            seq = torch.cat([pairs, E[idx.query[m]][:, None, :]], dim=1)      # (B, P + 1, d)
+            c = torch.cumsum(mech.forget_gates(seq).double(), dim=-1)         # (B, 1, P + 1)
+            return ForgetBias(c).dense(P + 1, P)[:, 0, -1].to(E.dtype)         # c_P − c_j
+        W_q_t, W_k_t = (w[m] for w in qk)
+        q, k = pairs @ W_q_t, pairs @ W_k_t                                   # (B, P, d_k) each
+        _, _, scale = mech.prepare(q[:, None], k[:, None], P)
+        # the query's row only: F_Pj = Σ_{j<k<P} S_kj, every pair k before the query selecting
+        z0 = scale * (q @ k.transpose(-2, -1))                                # (B, P, P)
+        return -selection(z0, SelectBias(None).valid_dense(P, P, z0.device)).sum(-2)
 
     @torch.no_grad()
     def qk_dots(self, idx: BatchIndex) -> Tensor:
@@ -299,9 +369,11 @@ def _gather_dots(T_q: Tensor, T_k: Tensor, idx: BatchIndex) -> Tensor:
 
 
 def _weights(mechanism: Mechanism, z: Tensor) -> Tensor:
-    """The attention weights of logits z (B, P) by the mechanism's normaliser (the pipeline's)."""
+    """The attention weights (B, P) of logits z (B, P; 2P for the differential normaliser) by
+    the mechanism's normaliser (the pipeline's)."""
     sink = mechanism.sink_logits() if mechanism.normaliser == "sink" else None
-    return normalise(z[:, None, None, :], mechanism.normaliser, sink)[:, 0, 0, :]
+    lam = mechanism.lam() if mechanism.normaliser == "differential" else None
+    return normalise(z[:, None, None, :], mechanism.normaliser, sink, lam)[:, 0, 0, :]
 
 
 def _row_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor,
@@ -341,5 +413,8 @@ def _pair_logits(mechanism: Mechanism, T_q: Tensor, T_k: Tensor, query: Tensor, 
     d_k = T_k.shape[-1]
     K = (T_k[:n_keys, None, :] + T_k[None, n_keys:, :]) * PAIR_NORM          # (n_keys, n_values, d_k)
     Z = mechanism.logits(T_q[None, None], K.reshape(1, 1, -1, d_k), n_attended)[0, 0]
-    # Z: (n_keys, n_keys * n_values), the logit of every query token against every pair
-    return Z.flatten()[query[:, None] * Z.shape[1] + pairs]                  # (B, P)
+    # Z: (n_keys, maps * n_keys * n_values), the logit of every query token against every pair,
+    # one map (two for the differential normaliser, side by side)
+    maps = Z.shape[1] // K.shape[0] // K.shape[1]
+    return torch.cat([Zm.flatten()[query[:, None] * Zm.shape[1] + pairs]
+                      for Zm in Z.chunk(maps, dim=1)], dim=-1)              # (B, P or 2P)

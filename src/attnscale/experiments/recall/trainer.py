@@ -161,7 +161,10 @@ def _attention_stats(z: torch.Tensor, mechanisms) -> dict[str, torch.Tensor]:
     per_model = []
     for m, mech in enumerate(mechanisms):
         sink = mech.sink_logits().detach() if mech.normaliser == "sink" else None
-        rows = columns(row_stats(z[m].detach(), normaliser=mech.normaliser, sink=sink))
+        lam = mech.lam().detach() if mech.normaliser == "differential" else None
+        # (a stack with a differential model pads the others' logits with -inf, masked keys)
+        rows = columns(row_stats(z[m].detach(), normaliser=mech.normaliser, sink=sink,
+                                 lam=lam))
         per_model.append([rows[name].mean(-1) for name in _STAT_NAMES])
     return {name: torch.stack([stats[i] for stats in per_model])
             for i, name in enumerate(_STAT_NAMES)}

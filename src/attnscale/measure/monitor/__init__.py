@@ -39,15 +39,22 @@ Not observed: callers that bound ``scaled_dot_product_attention`` to a local nam
 time.  The pipeline observer is context-local; the SDPA tap is
 process-wide but hands each call only to the monitors active in the calling thread's context.
 
+Building on the monitor: its observer contract (:mod:`~attnscale.measure.monitor.observer`) is
+a :class:`Watch` that hands each observed call, a :class:`Call`, to one function, with its owner's
+choice of forward passes and attention modules, and :class:`Totals` of per-site statistics taken
+and cleared per step; :class:`Monitor` and :func:`attnscale.guard` are both built on it.
+
 Figures and summaries: :mod:`~attnscale.measure.monitor.plots`.
 """
 
 from __future__ import annotations
 
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats, head_stats
-from attnscale.measure.monitor.observer import RECORD_KEYS, SCALAR_KEYS, Monitor, monitor
+from attnscale.measure.monitor.observer import (RECORD_KEYS, SCALAR_KEYS, Call, Monitor, Totals,
+                                                Watch, monitor, recomputing)
 from attnscale.measure.monitor.plots import colour_limits, layer_summary, plot_entropy
 from attnscale.pipeline import MASKED_BIAS
 
-__all__ = ["DEFAULT_BLOCK", "MASKED_BIAS", "RECORD_KEYS", "SCALAR_KEYS", "HeadStats", "Monitor",
-           "colour_limits", "head_stats", "layer_summary", "monitor", "plot_entropy"]
+__all__ = ["DEFAULT_BLOCK", "MASKED_BIAS", "RECORD_KEYS", "SCALAR_KEYS", "Call", "HeadStats",
+           "Monitor", "Totals", "Watch", "colour_limits", "head_stats", "layer_summary", "monitor",
+           "plot_entropy", "recomputing"]

@@ -18,8 +18,10 @@ from torch import Tensor
 
 from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
+from attnscale.kernels.biased import bias_row_stats
 from attnscale.mechanisms.base import inv_sqrt
-from attnscale.pipeline import MASKED_BIAS, Observation, Scale, key_mask, logits, normalise
+from attnscale.pipeline import (MASKED_BIAS, Observation, Scale, key_mask, normalise,
+                                rule_logits)
 from attnscale.precision import work_dtype
 from attnscale.stats import columns, row_mass, row_stats
 from attnscale.workers import parallel_map, workers_for
@@ -130,21 +132,25 @@ def head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
     Returns:
         :class:`HeadStats` with one entry per query head.
     """
-    return _head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
-                       causal_offset=causal_offset, block=check_int("block", block, minimum=1))
+    return call_head_stats(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
+                           causal_offset=causal_offset,
+                           block=check_int("block", block, minimum=1))
 
 
-def _head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
-                mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
-                block: int, offset: float | Tensor = 0.0, normaliser: str = "softmax",
-                sink: Tensor | None = None, gate: Tensor | None = None) -> HeadStats:
-    """:func:`head_stats` with ``block`` already validated (by the caller, where it entered);
+def call_head_stats(q: Tensor, k: Tensor, *, scale: Scale | None = None,
+                    cap: float | None = None, mask: Tensor | None = None, causal: bool = False,
+                    causal_offset: int = 0, block: int, offset: float | Tensor = 0.0,
+                    normaliser: str = "softmax", sink: Tensor | None = None,
+                    gate: Tensor | None = None, lam: Tensor | None = None) -> HeadStats:
+    """:func:`head_stats` of one observed call, ``block`` already validated (by the caller, where
+    it entered: the monitor, once);
     ``offset`` (float or broadcastable to (B, H, Nq, 1)) is added to the logits before the cap,
-    the weights are the ``normaliser``'s (``sink``: the per-head sink logits), and ``gate``
+    the weights are the ``normaliser``'s (``sink``: the per-head sink logits; ``lam``: λ of the
+    differential normaliser, whose two maps are the halves of q and k), and ``gate``
     (B, H, Nq, 1 or d), the output gate, is summarised as its mean per row."""
     parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
                     causal_offset=causal_offset, block=block, offset=offset,
-                    normaliser=normaliser, sink=sink)
+                    normaliser=normaliser, sink=sink, lam=lam)
     kept = [(i0, part) for i0, part in parts if part is not None]
     if not kept:  # O(B H Nq) rows in all
         return HeadStats.zeros(q.shape[-3])
@@ -174,19 +180,21 @@ def _from_rows(stats: Tensor, normaliser: str, mass: Tensor | None,
 
 
 def logit_stats(z: Tensor, *, normaliser: str = "softmax", sink: Tensor | None = None,
-                gate: Tensor | None = None) -> HeadStats:
+                gate: Tensor | None = None, lam: Tensor | None = None) -> HeadStats:
     """Per-head statistics of logits a model formed itself, (B, H, Nq, Nk) with masked keys at
-    -inf, under ``normaliser`` (``sink``: the per-head sink logits (H,)); ``gate`` (B, H, Nq,
-    1 or d) the output gate, summarised as its mean per row.  The same statistics
-    :func:`head_stats` gives from q and k."""
+    -inf, under ``normaliser`` (``sink``: the per-head sink logits (H,); ``lam``: λ, z the two
+    maps side by side, under the differential normaliser); ``gate`` (B, H, Nq, 1 or d) the
+    output gate, summarised as its mean per row.  The same statistics :func:`head_stats` gives
+    from q and k."""
     with torch.no_grad():
         z = z.detach().to(work_dtype(z.dtype))
         if normaliser == "softmax":
             stats, mass = row_stats(z), None
         else:
             sink = None if sink is None else sink.detach().to(z.dtype)
-            stats = row_stats(z, normaliser=normaliser, sink=sink)
-            mass = row_mass(z, normaliser, sink)
+            lam = None if lam is None else lam.detach().to(z.dtype)
+            stats = row_stats(z, normaliser=normaliser, sink=sink, lam=lam)
+            mass = row_mass(z, normaliser, sink, lam)
         gate_rows = None if gate is None else gate.detach().double().mean(-1).expand(
             *stats.shape[:3])
         return _from_rows(stats, normaliser, mass, gate_rows)
@@ -195,15 +203,16 @@ def logit_stats(z: Tensor, *, normaliser: str = "softmax", sink: Tensor | None =
 def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float | None = None,
                mask: Tensor | None = None, causal: bool = False, causal_offset: int = 0,
                block: int = DEFAULT_BLOCK, offset: float | Tensor = 0.0,
-               normaliser: str = "softmax", sink: Tensor | None = None) -> Tensor:
+               normaliser: str = "softmax", sink: Tensor | None = None,
+               lam: Tensor | None = None) -> Tensor:
     """The row statistics of every query, blockwise like :func:`head_stats` (same arguments, and
-    the logit ``offset``, the ``normaliser`` and its ``sink`` logits, as a pipeline
+    the logit ``offset``, the ``normaliser`` and its ``sink`` logits or ``lam``, as a pipeline
     :class:`~attnscale.pipeline.Observation` reports them): float64 (B, H, Nq,
     len(ROW_STATS_COLUMNS)) of :func:`attnscale.stats.row_stats` under that normaliser, a query
     with no key to attend all zeros.  For statistics by query position."""
     parts = _blocks(q, k, scale=scale, cap=cap, mask=mask, causal=causal,
                     causal_offset=causal_offset, block=check_int("block", block, minimum=1),
-                    offset=offset, normaliser=normaliser, sink=sink)
+                    offset=offset, normaliser=normaliser, sink=sink, lam=lam)
     if normaliser != "softmax":  # (rows, key mass) per block: the rows
         parts = [(i0, None if part is None else part[0]) for i0, part in parts]
     b, h, n_q = q.shape[0], q.shape[-3], q.shape[-2]
@@ -216,7 +225,8 @@ def query_rows(q: Tensor, k: Tensor, *, scale: Scale | None = None, cap: float |
 def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
             mask: Tensor | None, causal: bool, causal_offset: int, block: int,
             offset: float | Tensor = 0.0, normaliser: str = "softmax",
-            sink: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
+            sink: Tensor | None = None,
+            lam: Tensor | None = None) -> list[tuple[int, Tensor | tuple | None]]:
     """``(first query, row statistics)`` of each block of ``block`` queries, in order; None for
     a block in which no query has a key.  Under another normaliser than softmax the statistics
     come as ``(rows, key mass per row)``."""
@@ -247,6 +257,8 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
             offset = offset / cap  # it joins the scaled logits inside tanh
         if sink is not None:
             sink = sink.detach().to(work)
+        if lam is not None:
+            lam = lam.detach().to(work)
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
@@ -258,7 +270,7 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None,
                                     offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
-                                    sink=sink),
+                                    sink=sink, lam=lam),
             starts, workers)
         return list(zip(starts, blocks))
 
@@ -266,7 +278,8 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None, offset: float | Tensor = 0.0,
-                 normaliser: str = "softmax", sink: Tensor | None = None):
+                 normaliser: str = "softmax", sink: Tensor | None = None,
+                 lam: Tensor | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
@@ -289,19 +302,28 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     def cols_of(t: Tensor) -> Tensor:
         return t[..., lo:hi] if t.shape[-1] == n_k else t
 
-    z = q @ kt[..., lo:hi]                                   # (B, H, Nb, W), scaled logits
-    if isinstance(offset, Tensor) or offset != 0.0:
-        z = z + offset                                       # sigmoid attention's bias
-    if cap is not None:
-        z = z.tanh_().mul_(cap)                              # the soft-cap, before the mask
-    if bias is not None:
-        z = z + cols_of(bias)
-    if keep is not None:
-        keep = cols_of(keep)
-        if torch.broadcast_shapes(keep.shape, z.shape) == z.shape:
-            z.masked_fill_(~keep, -math.inf)
-        else:  # the mask has a batch the logits broadcast over
-            z = torch.where(keep, z, -math.inf)
+    def scores(q: Tensor, kt: Tensor) -> Tensor:
+        z = q @ kt[..., lo:hi]                               # (B, H, Nb, W), scaled logits
+        if isinstance(offset, Tensor) or offset != 0.0:
+            z = z + offset                                   # sigmoid attention's bias
+        if cap is not None:
+            z = z.tanh_().mul_(cap)                          # the soft-cap, before the mask
+        if bias is not None:
+            z = z + cols_of(bias)
+        if keep is not None:
+            kept = cols_of(keep)
+            if torch.broadcast_shapes(kept.shape, z.shape) == z.shape:
+                z.masked_fill_(~kept, -math.inf)
+            else:  # the mask has a batch the logits broadcast over
+                z = torch.where(kept, z, -math.inf)
+        return z
+
+    if normaliser == "differential":  # the two maps of q's and k's halves, side by side
+        half = q.shape[-1] // 2
+        z = torch.cat([scores(q[..., :half], kt[..., :half, :]),
+                       scores(q[..., half:], kt[..., half:, :])], dim=-1)  # (B, H, Nb, 2W)
+    else:
+        z = scores(q, kt)
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
     # Causality as a per-row key count (no mask is written): query i0 + r sees the first
     # first_hidden + r columns of the block.
@@ -311,11 +333,12 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     if normaliser == "softmax":
         return row_stats(z, limit=limit, threads=threads)
     if limit is not None:  # the key mass needs the hidden keys written out
-        cols = torch.arange(hi - lo, device=z.device)
-        z = z.masked_fill(cols >= limit.view(-1, 1), -math.inf)
+        hidden = torch.arange(hi - lo, device=z.device) >= limit.view(-1, 1)
+        z = z.masked_fill(hidden if z.shape[-1] == hi - lo else torch.cat([hidden, hidden], -1),
+                          -math.inf)
     # Another normaliser: its statistics (attnscale.stats) and each row's key mass.
-    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink),
-            row_mass(z, normaliser, sink))
+    return (row_stats(z, threads=threads, normaliser=normaliser, sink=sink, lam=lam),
+            row_mass(z, normaliser, sink, lam))
 
 
 def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[Tensor, Tensor]:
@@ -323,19 +346,33 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
     normaliser: ``(sum, rows)``, each float64 (H,), over the (batch, query) rows that attend key
     0.  ``sum / rows`` is a head's mean weight on the first key, the quantity of the attention-sink
     rate (Gu et al. 2024, arXiv 2410.10781: a head sinks when it exceeds a threshold; the
-    softpick paper, arXiv 2504.20966, measures its normaliser by it).
+    softpick paper, arXiv 2504.20966, measures its normaliser by it).  Under the differential
+    normaliser it is the net weight p1 − λ p2, which can be negative; every logit bias (the
+    caller's, the mechanism's: forgetting, selective) is included.
 
     From the observation's q and k (or the logits handed to ``observe_logits``), ``block``
-    queries at a time: the weights of whole rows are formed, O(B · H · block · Nk) memory.
+    queries at a time: the weights of whole rows are formed, O(B · H · block · Nk) memory (a
+    mechanism's logit bias: the blocks of :func:`attnscale.kernels.biased.bias_row_stats`; with
+    a caller's bias too, every query at once, since selective attention's F runs over the rows
+    in order).
     """
     with torch.no_grad():
+        if seen.logits is None and seen.mechanism_bias is not None and seen.bias is None:
+            return _biased_first_key_weight(seen)
+        two_maps = seen.normaliser == "differential"
+        lam = None if seen.lam is None else seen.lam.detach()
         if seen.logits is not None:  # formed by the model, masked at -inf
             z_all = seen.logits.to(work_dtype(seen.logits.dtype))
             keep_all = None
         else:
             work = work_dtype(seen.q.dtype)
             q, k = seen.q.detach().to(work), seen.k.detach().to(work)
-            keep_all = key_mask(seen.mask, seen.causal, q, k)
+            mask = seen.mask
+            if seen.bias is not None:  # the caller's bias is in the additive mask: its keys
+                mask = mask > MASKED_BIAS
+            keep_all = key_mask(mask, seen.causal, q, k)
+            if seen.mechanism_bias is not None:  # with a caller's bias (above): whole rows
+                block = max(q.shape[-2], 1)
         n_q = z_all.shape[-2] if seen.logits is not None else q.shape[-2]
         total = rows = None
         for i0 in range(0, n_q, block):
@@ -344,14 +381,37 @@ def first_key_weight(seen: Observation, *, block: int = DEFAULT_BLOCK) -> tuple[
             else:
                 scale, offset = _rows(seen.scale, i0, i0 + block), _rows(seen.offset, i0,
                                                                          i0 + block)
-                z = logits(q[..., i0:i0 + block, :], k, scale, seen.cap, offset)
+                z = rule_logits(q[..., i0:i0 + block, :], k, scale, seen.cap, offset,
+                                seen.normaliser, seen.mechanism_bias,
+                                _rows(seen.bias, i0, i0 + block))  # (B, H, Nb, Nk|2 Nk)
                 if keep_all is not None:
-                    keep = _rows(keep_all, i0, i0 + block).expand(z.shape)
+                    keep = _rows(keep_all, i0, i0 + block).expand(*z.shape[:-1], -1)
+                    if two_maps:  # both maps of a row see the same keys
+                        keep = torch.cat([keep, keep], dim=-1)
                     z = z.masked_fill(~keep, -math.inf)
             sees = ~torch.isneginf(z[..., 0])                          # (B, H, Nb)
-            p0 = normalise(z, seen.normaliser, seen.sink)[..., 0]      # (B, H, Nb)
+            p0 = normalise(z, seen.normaliser, seen.sink, lam)[..., 0]  # (B, H, Nb)
             part = torch.where(sees, p0, 0.0).double().sum(dim=(0, 2))
             count = sees.double().sum(dim=(0, 2))
             total = part if total is None else total + part
             rows = count if rows is None else rows + count
         return total, rows
+
+
+def _biased_first_key_weight(seen: Observation) -> tuple[Tensor, Tensor]:
+    """:func:`first_key_weight` of a call with a mechanism's logit bias (and no caller's), on the
+    blocks of the biased kernel (selective attention's F runs over the rows in order, so it is
+    not cut by query blocks)."""
+    work = work_dtype(seen.q.dtype)
+    q, k = seen.q.detach().to(work), seen.k.detach().to(work)
+    full = key_mask(seen.mask, seen.causal, q, k)
+    per_row = torch.zeros(*q.shape[:-1], 2, dtype=torch.float64)   # (B, H, Nq, [p0, sees])
+
+    def on_key_0(z: Tensor, threads: int | None = None) -> Tensor:  # z (H, r, n_k), masked
+        sees = ~torch.isneginf(z[..., 0])
+        p0 = torch.where(sees, torch.softmax(z, dim=-1)[..., 0], 0.0)
+        return torch.stack([p0, sees.to(p0.dtype)], dim=-1)
+
+    bias_row_stats(q, k, seen.scale, seen.mechanism_bias, full, seen.causal and full is None,
+                   per_row, on_key_0)
+    return per_row[..., 0].sum(dim=(0, 2)), per_row[..., 1].sum(dim=(0, 2))

@@ -1,0 +1,398 @@
+"""Softmax attention with a data-dependent logit bias, softmax(scale · q kᵀ + bias) v, without the
+(B, H, Nq, Nk) logits, forward and backward: a blockwise kernel on PyTorch ops (CPU and CUDA).
+
+Two biases, each a small strategy object the kernel calls per block of rows:
+
+* :class:`ForgetBias`, Forgetting Attention's c_i − c_j with c the cumulative sum of the log
+  forget gates (Lin et al. 2025, arXiv 2503.02130), one per head;
+* :class:`SelectBias`, selective attention's −F_ij, F_ij = Σ_{j<k<i} max(0, z⁰_kj) over the
+  first head's logits z⁰ (Leviathan et al. 2024, arXiv 2410.02703), shared by the heads.
+
+A block is every head of one batch element by a run of queries, against the keys they can see
+(all, or the causal prefix up to the block's last query), so selective attention's first head
+is in every block, and the blocks of one batch element run in order: the forward carries the
+column sums of the selection S from one block to the next (F of a block's first row), and the
+backward carries the sums of F's gradient the other way.  Batch elements run side by side on
+the CPU.  The backward recomputes each block's logits and weights from q and k (nothing of size
+Nq x Nk is saved): with dZ = P ∘ (dP − δ), the bias receives dZ, summed over the rows and
+columns of each head (FoX: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im) or over the heads and along the
+query axis (selective: ∂L/∂S_kj = Σ_{i>k} ∂L/∂(−F_ij) ... through max(0, ·) into z⁰, hence into
+the first head's q and k).  Extra memory is a few (H, rows, Nk) blocks.
+
+:func:`dense_bias` writes either bias out, (B, H|1, Nq, Nk), for the materialised pipeline
+(``trace=True``) and the tests.  :func:`bias_row_stats` reduces the biased logits to row
+statistics block by block, for the pipeline's observers (the monitor, the guard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnscale.kernels.rowsubset import block_hidden
+from attnscale.precision import all_finite, upcast
+from attnscale.workers import parallel_map, workers_for
+
+# Logits in one block: 2^19 (2 MiB of float32), every head of a batch element by as many
+# queries as fit (64 at H = 8, Nk = 1024), as the soft-cap kernel's blocks.
+BIASED_BLOCK_ELEMENTS = 2**19
+
+
+@dataclass
+class ForgetBias:
+    """FoX's bias c_i − c_j, c (B, H, N) the cumulative log forget gates at positions 0..N-1
+    (N >= Nq and N >= Nk, top-left aligned), float64 for float64 inputs and float32 else."""
+
+    c: Tensor
+
+    def dense(self, n_q: int, n_k: int) -> Tensor:
+        """c_i − c_j as (B, H, Nq, Nk)."""
+        return self.c[..., :n_q, None] - self.c[..., None, :n_k]
+
+
+@dataclass
+class SelectBias:
+    """Selective attention's −F from the first head's scaled logits: ``mask`` the keys each
+    query attends (bool, broadcastable to (B, H, Nq, Nk), None for all; the first head's mask
+    is read); causality only limits the attention, since S reads pairs j < k anyway.
+    ``budget``: context pruning, each query keeps at most this many keys (:func:`pruned`)."""
+
+    mask: Tensor | None
+    budget: int | None = None
+
+    def dense(self, q: Tensor, k: Tensor, scale: float) -> Tensor:
+        """−F as (B, 1, Nq, Nk) from prepared q (B, H, Nq, d), k (B, H, Nk, d)."""
+        z0 = (q[:, 0] * scale) @ k[:, 0].transpose(-2, -1)                  # (B, Nq, Nk)
+        s = selection(z0, self.valid_dense(z0.shape[-2], z0.shape[-1], z0.device))
+        return -(s.cumsum(-2) - s).unsqueeze(1)                            # exclusive prefix sum
+
+    def valid_dense(self, n_q: int, n_k: int, device) -> Tensor:
+        """Where S may be nonzero, (B|1, Nq, Nk): 1 <= j < k and query k attends key j."""
+        valid = self._valid(0, n_q, n_k, device)
+        if self.mask is not None:
+            m = self.mask.reshape((1,) * (4 - self.mask.dim()) + tuple(self.mask.shape))
+            valid = valid & m[:, 0]
+        return valid
+
+    @staticmethod
+    def _valid(i0: int, rows: int, n_k: int, device) -> Tensor:
+        """1 <= j < k for queries k = i0 .. i0 + rows - 1: bool (rows, n_k)."""
+        j = torch.arange(n_k, device=device)
+        k = torch.arange(i0, i0 + rows, device=device).unsqueeze(-1)
+        return (j < k) & (j >= 1)
+
+
+def pruned(f: Tensor, hidden: Tensor, budget: int) -> Tensor:
+    """Context pruning (Leviathan et al. 2024, Section 4): the keys a query drops, bool like
+    ``f``.  Each row of F (..., n) keeps the ``budget`` keys it attends (``hidden`` False) that
+    were selected least, ties going to the most recent key; the others are pruned."""
+    n = f.shape[-1]
+    if n <= budget:
+        return torch.zeros_like(hidden, dtype=torch.bool).expand(f.shape)
+    order = torch.sort(f.masked_fill(hidden, math.inf).flip(-1), dim=-1, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=f.device)
+                                            .expand_as(order))
+    return rank.flip(-1) >= budget                                       # rank of each key
+
+
+def selection(z0: Tensor, valid: Tensor) -> Tensor:
+    """S = max(0, z⁰) where ``valid``, else 0 (a NaN logit where it is not valid stays out)."""
+    return torch.where(valid, z0.clamp(min=0.0), 0.0)
+
+
+Bias = ForgetBias | SelectBias
+
+
+def nan_query_rows(out: Tensor, q: Tensor) -> Tensor:
+    """``out`` (B, H, Nq, d_v) with NaN on every row whose query (B, H, Nq, ·) is not finite: a
+    NaN there enters every logit of the row, as in the materialised formula, where SDPA's fused
+    CPU kernel would return a finite row.  One min/max pass over q when everything is finite."""
+    if all_finite(q):
+        return out
+    return out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), math.nan)
+
+
+def dense_bias(bias: Bias, q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """The bias of prepared q, k as a dense tensor broadcastable to (B, H, Nq, Nk)."""
+    if isinstance(bias, ForgetBias):
+        return bias.dense(q.shape[-2], k.shape[-2]).to(q.dtype)
+    return bias.dense(q, k, scale)
+
+
+def biased_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Bias,
+                     mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(scale · q kᵀ + bias, masked) v, blockwise: (B, H, Nq, d_v) in v's dtype.
+
+    q, k (B, H, N·, d) float32 or float64 (half v is computed in float32); ``mask`` bool
+    (True = attend) broadcastable to (B, H, Nq, Nk), leaving every query a key; ``causal``
+    top-left.  FoX's c receives its gradient through the kernel; selective attention's reaches
+    the first head's q and k.
+    """
+    c = bias.c if isinstance(bias, ForgetBias) else None
+    out = _BiasedAttention.apply(q.contiguous(), k.contiguous(),
+                                 upcast(v).to(q.dtype).contiguous(), mask, float(scale), causal,
+                                 BIASED_BLOCK_ELEMENTS, bias, c)
+    return out.to(v.dtype)
+
+
+class _Blocks:
+    """How the kernel cuts one batch element's (H, Nq) rows: ``rows`` queries per block."""
+
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool,
+                 block_elements: int):
+        self.n_b, self.n_h, self.n_q, _ = q.shape
+        self.n_k, self.causal = k.shape[-2], causal
+        self.rows = max(1, min(self.n_q, block_elements // max(self.n_h * self.n_k, 1)))
+        self.hidden = None
+        if mask is not None:
+            self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+    def starts(self) -> range:
+        return range(0, self.n_q, self.rows)
+
+    def n_keys(self, i0: int, i1: int) -> int:
+        """Keys rows i0..i1-1 can see: all, or the causal prefix min(Nk, i1)."""
+        return min(self.n_k, i1) if self.causal else self.n_k
+
+    def hide(self, z: Tensor, b: int, i0: int) -> Tensor:
+        """Masked and (causally) future keys of the block at -inf, in place; z (H, r, n_k)."""
+        r, n_k = z.shape[-2], z.shape[-1]
+        if self.hidden is not None:
+            z.masked_fill_(block_hidden(self.hidden, b, slice(None), i0, i0 + r, n_k), -math.inf)
+        if self.causal and i0 + 1 < n_k:
+            j = torch.arange(i0 + 1, n_k, device=z.device)
+            rows = torch.arange(i0, i0 + r, device=z.device).unsqueeze(-1)
+            z[..., i0 + 1:].masked_fill_(j > rows, -math.inf)
+        return z
+
+
+class _ForgetBlocks:
+    """FoX's c_i − c_j per block, from c split into float32 halves c = hi + lo (exact for
+    float64 c), so a bias far from zero keeps float32's precision near the diagonal: hi_i − hi_j
+    is exact where c_i and c_j are within a factor 2 (Sterbenz), the keys that carry weight."""
+
+    ordered = False
+
+    def __init__(self, c: Tensor, work: torch.dtype):
+        c = c.detach()
+        self.hi = c.to(work)
+        self.lo = (c - self.hi.to(c.dtype)).to(work) if c.dtype != work else None
+        self.dc: Tensor | None = None                                      # ∂L/∂c, (B, H, N)
+
+    def start(self, b: int, like: Tensor) -> None:
+        return None
+
+    def add(self, s: Tensor, b: int, i0: int, state: None) -> None:
+        """Add the block's c_i − c_j to s (H, r, n_k) in place."""
+        r, n_k = s.shape[-2], s.shape[-1]
+        t = self.hi[b, :, i0:i0 + r, None] - self.hi[b, :, None, :n_k]      # (H, r, n_k)
+        if self.lo is not None:
+            t.add_(self.lo[b, :, i0:i0 + r, None] - self.lo[b, :, None, :n_k])
+        s.add_(t)
+
+    def prune(self, z: Tensor, state: None) -> Tensor:
+        return z
+
+    def begin_backward(self) -> None:
+        """∂L/∂c, zeros, before the batch elements' threads add their rows into it."""
+        self.dc = torch.zeros_like(self.hi)
+
+    def backward(self, dz: Tensor, b: int, i0: int) -> None:
+        # c_m enters as + on row m and as − on column m: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im.
+        r, n_k = dz.shape[-2], dz.shape[-1]
+        self.dc[b, :, i0:i0 + r] += dz.sum(-1)
+        self.dc[b, :, :n_k] -= dz.sum(-2)
+
+
+class _SelectBlocks:
+    """Selective attention's −F per block, carrying Σ_{k < block} S_kj from block to block."""
+
+    ordered = True
+
+    def __init__(self, bias: SelectBias, n_k: int):
+        self.budget = bias.budget
+        self.mask = None
+        if bias.mask is not None:
+            m = bias.mask.reshape((1,) * (4 - bias.mask.dim()) + tuple(bias.mask.shape))
+            self.mask = m[:, 0]                                              # (B|1, Nq|1, Nk|1)
+        self.n_k = n_k
+        self.carries: dict[tuple[int, int], Tensor] = {}                     # (b, i0) -> carry
+
+    def _valid(self, b: int, i0: int, r: int, n_k: int, device) -> Tensor:
+        valid = SelectBias._valid(i0, r, n_k, device)
+        if self.mask is not None:
+            m = self.mask[b if self.mask.shape[0] > 1 else 0]
+            m = m[i0:i0 + r] if m.shape[0] > 1 else m
+            valid = valid & (m[:, :n_k] if m.shape[1] > 1 else m)
+        return valid
+
+    def start(self, b: int, like: Tensor) -> tuple[Tensor, None]:
+        """A batch element's state before its first block: the carry Σ_{k < i0} S_kj, zeros
+        (Nk,), and the last block's F (none yet).  Each batch element (a worker thread) has its
+        own."""
+        return like.new_zeros(self.n_k), None
+
+    def add(self, s: Tensor, b: int, i0: int,
+            state: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
+        """Subtract the block's F from s (H, r, n_k) in place; return the state for the next
+        block: the carry, and this block's F (r, n_k)."""
+        carry, _ = state
+        r, n_k = s.shape[-2], s.shape[-1]
+        self.carries[b, i0] = carry.clone()
+        sel = selection(s[0], self._valid(b, i0, r, n_k, s.device))          # (r, n_k)
+        cs = sel.cumsum(0)
+        f = (cs - sel).add_(carry[:n_k])                                     # F, exclusive
+        carry[:n_k] += cs[-1]
+        s.sub_(f)
+        return carry, f
+
+    def prune(self, z: Tensor, state: tuple[Tensor | None, Tensor]) -> Tensor:
+        """With a budget, the block's pruned keys at -inf, in place: z (H, r, n_k) masked, whose
+        first head's hidden keys are the ones a row does not attend; F from ``state``."""
+        if self.budget is not None:
+            z.masked_fill_(pruned(state[1], torch.isneginf(z[0]), self.budget), -math.inf)
+        return z
+
+    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor, Tensor]:
+        """In the backward: subtract the block's F from s (H, r, n_k) in place; return the
+        first head's raw logits and where S is valid, for the gradient through max(0, ·)."""
+        r, n_k = s.shape[-2], s.shape[-1]
+        z0 = s[0].clone()
+        valid = self._valid(b, i0, r, n_k, s.device)
+        sel = selection(z0, valid)
+        cs = sel.cumsum(0)
+        f = (cs - sel).add_(self.carries[b, i0][:n_k])
+        s.sub_(f)
+        return z0, valid, f
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, b: int, i0: int, i1: int, n_k: int) -> Tensor:
+    """scale · q kᵀ of batch element b's queries i0..i1-1 and first n_k keys: (H, r, n_k), the
+    scale applied by the matmul itself (no scaled copy of q)."""
+    q_b = q[b, :, i0:i1]
+    return torch.baddbmm(q_b.new_empty(()).expand(q_b.shape[0], i1 - i0, n_k), q_b,
+                         k[b, :, :n_k].transpose(1, 2), beta=0.0, alpha=scale)
+
+
+def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int):
+    """Batch element b's blocks in order, as ``(i0, i1, n_k, z)``: z (H, i1 − i0, n_k) the
+    biased, masked logits of queries i0..i1-1 against the keys they can see."""
+    state = bias.start(b, q)
+    for i0 in blocks.starts():
+        i1 = min(i0 + blocks.rows, blocks.n_q)
+        n_k = blocks.n_keys(i0, i1)
+        s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
+        state = bias.add(s, b, i0, state)
+        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0), state)
+
+
+class _BiasedAttention(torch.autograd.Function):
+    """softmax(scale q kᵀ + bias) v with ``strategy`` the bias's blocks; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                causal: bool, block_elements: int, given: Bias, c: Tensor | None) -> Tensor:
+        # c: FoX's cumulative log forget gates, an input here so that it receives a gradient
+        blocks = _Blocks(q, k, mask, causal, block_elements)
+        if c is not None:
+            bias = _ForgetBlocks(c, q.dtype)
+        else:
+            bias = _SelectBlocks(given, blocks.n_k)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])                        # (B, H, Nq, d_v)
+
+        def element(b: int) -> None:
+            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b):
+                p = torch.softmax(z, dim=-1)
+                torch.bmm(p, v[b, :, :n_k], out=out[b, :, i0:i1])
+
+        parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
+        ctx.save_for_backward(q, k, v, out, mask, c)
+        ctx.args = (scale, causal, block_elements, bias)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor):
+        q, k, v, out, mask, c = ctx.saved_tensors
+        scale, causal, block_elements, bias = ctx.args
+        blocks = _Blocks(q, k, mask, causal, block_elements)
+        d_out = d_out.contiguous()
+        delta = torch.linalg.vecdot(d_out, out).unsqueeze(-1)             # δ_i = Σ_j P_ij dP_ij
+        dq = torch.empty_like(q)
+        # dK and dV accumulate transposed: dKᵀ += Qᵀ dZ reads dZ untransposed (a faster gemm).
+        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
+        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        if not bias.ordered:
+            bias.begin_backward()
+
+        def element(b: int) -> None:
+            after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
+            for i0 in reversed(blocks.starts()):
+                i1 = min(i0 + blocks.rows, blocks.n_q)
+                n_k = blocks.n_keys(i0, i1)
+                s = _scores(q, k, scale, b, i0, i1, n_k)                     # (H, r, n_k)
+                if bias.ordered:
+                    z0, valid, f = bias.recompute(s, b, i0)
+                    state = (None, f)
+                else:
+                    state = bias.add(s, b, i0, None)
+                p = torch.softmax(bias.prune(blocks.hide(s, b, i0), state), dim=-1)
+                do = d_out[b, :, i0:i1]
+                dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
+                dz = torch.bmm(do, v[b, :, :n_k].transpose(1, 2))            # dP = dO Vᵀ
+                dz.sub_(delta[b, :, i0:i1]).mul_(p)                          # dZ = P ∘ (dP − δ)
+                if bias.ordered:
+                    after = _select_backward(dz, z0, valid, after, blocks.n_k)
+                else:
+                    bias.backward(dz, b, i0)
+                torch.bmm(dz, k[b, :, :n_k], out=dq[b, :, i0:i1])          # dQ = dZ K
+                dk_t[b, :, :, :n_k].baddbmm_(q[b, :, i0:i1].transpose(1, 2), dz)  # dKᵀ += Qᵀ dZ
+
+        parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
+        dq.mul_(scale)
+        dk_t.mul_(scale)
+        d_c = None if c is None else bias.dc.to(c.dtype)
+        return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
+                None, d_c)
+
+
+def _select_backward(dz: Tensor, z0: Tensor, valid: Tensor, after: Tensor | None,
+                     n_keys: int) -> Tensor:
+    """Selective attention's gradient in one block, rows processed last to first: F's gradient
+    is −Σ_h dZ; the block's rows k pass it on to S_kj summed over the later rows i > k (those in
+    the block and ``after`` it), then through max(0, ·) into the first head's logits, added to
+    ``dz[0]`` in place.  Returns the new ``after`` (this block's rows included)."""
+    n_k = dz.shape[-1]
+    if after is None:
+        after = dz.new_zeros(n_keys)
+    d_f = dz.sum(0).neg_()                                                   # ∂L/∂F, (r, n_k)
+    total = d_f.flip(0).cumsum(0).flip(0)                                    # Σ_{i ≥ k}
+    d_s = (total - d_f).add_(after[:n_k])                                    # Σ_{i > k}
+    after[:n_k] += total[0]
+    dz[0] += torch.where(valid & (z0 > 0), d_s, 0.0)
+    return after
+
+
+def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor | None,
+                   causal: bool, rows: Tensor, row_stats: Callable[..., Tensor]) -> None:
+    """Fill ``rows`` (float64 (B, H, Nq, columns)) with ``row_stats`` (:func:`attnscale.stats.
+    row_stats`) of every query's biased, masked logits, block by block as the kernel forms them
+    (one q kᵀ; the pipeline's observers ask for it).  ``mask`` is the keys each query attends
+    (a query without any gets count 0); q, k prepared, (B, H, N·, d)."""
+    with torch.no_grad():
+        q, k = q.detach(), k.detach()
+        blocks = _Blocks(q, k, mask, causal, BIASED_BLOCK_ELEMENTS)
+        strategy = (_ForgetBlocks(bias.c, q.dtype) if isinstance(bias, ForgetBias)
+                    else _SelectBlocks(bias, blocks.n_k))
+        workers = workers_for(q.device, blocks.n_b)
+        threads = 1 if workers > 1 else None  # the row kernel inside a worker: one thread
+
+        def element(b: int) -> None:
+            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b):
+                rows[b, :, i0:i1].copy_(row_stats(z, threads=threads))
+
+        parallel_map(element, range(blocks.n_b), workers)

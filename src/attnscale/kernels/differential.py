@@ -1,0 +1,150 @@
+"""Differential attention's two softmax maps on one SDPA call (Ye et al. 2024, arXiv 2410.05258):
+(softmax(scale · q1 k1ᵀ) − λ softmax(scale · q2 k2ᵀ)) v, without the (B, H, Nq, Nk) logits.
+
+The two maps of H heads are 2H heads of one call: q = [q1 | q2] and k = [k1 | k2] are split
+along the head dimension and stacked along the heads, v is shared (repeated), and the output's
+two halves are combined as o1 − λ o2.  The CPU flash kernel needs one head size for q, k and v,
+so the halves of q and k (d/2) are padded with zeros to v's size (which doubles their share of
+the matmuls; without it SDPA falls back to its materialising math backend).  fp16 and bf16 run
+SDPA in their own type, which accumulates in float32, and combine the maps in float32.
+
+On the CPU without a mask (float32 and float64, q's and v's head sizes equal) the flash op runs
+under an autograd node of its own (:class:`_TwoMapsFlashCPU`), one call per map on v itself (no
+copy of v), keeping only the two outputs and log-sum-exps and writing each map's padded q and k
+again in its backward, so that one map's copies are alive at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnscale.kernels.biased import nan_query_rows
+from attnscale.precision import upcast
+
+
+def split_maps(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[x1 | x2] (..., d) -> x1, x2 (..., d/2): the two maps' halves of q or k."""
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: Tensor,
+                           mask: Tensor | None, causal: bool) -> Tensor:
+    """(softmax(scale q1 k1ᵀ) − λ softmax(scale q2 k2ᵀ)) v masked: (B, H, Nq, d_v) in v's dtype.
+
+    q, k (B, H, N·, d) float32 or float64 (d even: [first map | second map]); ``lam`` a 0-d
+    tensor (or broadcastable to (B, H, 1, 1)); ``mask`` bool broadcastable to (B, H, Nq, Nk)
+    leaving every query a key; ``causal`` top-left.
+    """
+    h = q.shape[1]
+    if (mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and q.shape[-2] > 0 and k.shape[-2] > 0  # the flash op fails on an empty sequence
+            and q.dtype == v.dtype and q.dtype in (torch.float32, torch.float64)
+            and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+            and type(q) is torch.Tensor):
+        o = _TwoMapsFlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), lam.to(q.dtype),
+                                   float(scale), causal)
+        return nan_query_rows(o, q)
+    q1, q2 = split_maps(q)
+    k1, k2 = split_maps(k)
+    qs = torch.cat([q1, q2], dim=1)                                        # (B, 2H, Nq, d/2)
+    ks = torch.cat([k1, k2], dim=1)                                        # (B, 2H, Nk, d/2)
+    vs = torch.cat([v, v], dim=1)                                          # (B, 2H, Nk, d_v)
+    d_v = v.shape[-1]
+    if q.device.type == "cpu" and qs.shape[-1] != d_v:  # zeros change no dot product
+        width = max(qs.shape[-1], d_v)
+        qs, ks = F.pad(qs, (0, width - qs.shape[-1])), F.pad(ks, (0, width - ks.shape[-1]))
+        vs = F.pad(vs, (0, width - d_v))
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if mask.shape[1] > 1:  # one per head: the same for both maps of a head
+            mask = torch.cat([mask, mask], dim=1)
+    o = F.scaled_dot_product_attention(qs.to(v.dtype), ks.to(v.dtype), vs, attn_mask=mask,
+                                       is_causal=causal, scale=scale)
+    o = upcast(o[..., :d_v])
+    return nan_query_rows(o[:, :h] - lam.to(o.dtype) * o[:, h:], q).to(v.dtype)
+
+
+# The CPU flash-attention op and its backward (None where this torch lacks them).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _padded(x: Tensor, m: int) -> Tensor:
+    """Map m's half of q or k (B, H, N, d), zero-padded to d: (B, H, N, d), written once."""
+    half = x.shape[-1] // 2
+    out = torch.zeros_like(x)
+    out[..., :half] = x[..., m * half:(m + 1) * half]
+    return out
+
+
+class _TwoMapsFlashCPU(torch.autograd.Function):
+    """o = o1 − λ o2 from one CPU flash call per map on v itself (module doc), keeping only the
+    two outputs and their log-sum-exps; the backward runs the op's backward map by map (given g
+    and −λ g), so only one map's padded q and k are alive at a time: ∂L/∂λ = −Σ g·o2, each half
+    of dq and dk from its map, dv the sum of both maps'."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scale: float,
+                causal: bool) -> Tensor:
+        maps = [_CPU_FLASH(_padded(q, m), _padded(k, m), v, 0.0, causal, scale=scale)
+                for m in (0, 1)]                                         # (o_m, lse_m)
+        (o1, lse1), (o2, lse2) = maps
+        ctx.save_for_backward(q, k, v, lam, o1, o2, lse1, lse2)
+        ctx.args = (scale, causal)
+        return o1 - lam * o2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        q, k, v, lam, o1, o2, lse1, lse2 = ctx.saved_tensors
+        scale, causal = ctx.args
+        half = q.shape[-1] // 2
+        g = g.contiguous()
+        d_lam = -torch.linalg.vecdot(g, o2).sum()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), None
+        for m, (o, lse, g_m) in enumerate(((o1, lse1, g), (o2, lse2, -lam * g))):
+            dq_m, dk_m, dv_m = _CPU_FLASH_BACKWARD(g_m, _padded(q, m), _padded(k, m), v, o, lse,
+                                                   0.0, causal, scale=scale)
+            dq[..., m * half:(m + 1) * half] = dq_m[..., :half]
+            dk[..., m * half:(m + 1) * half] = dk_m[..., :half]
+            dv = dv_m if dv is None else dv.add_(dv_m)
+        return dq, dk, dv, d_lam.reshape(lam.shape), None, None
+
+
+# Logits in one block of differential_row_stats: 2^20 floats, both maps of a run of queries of
+# every head.
+ROW_STATS_BLOCK_ELEMENTS = 2**20
+
+
+def differential_row_stats(q: Tensor, k: Tensor, scale: float, lam: Tensor,
+                           mask: Tensor | None, causal: bool, rows: Tensor,
+                           row_stats: Callable[..., Tensor]) -> None:
+    """Fill ``rows`` (float64 (B, H, Nq, columns)) with ``row_stats`` (:func:`attnscale.stats.
+    row_stats`, normaliser ``"differential"``) of every query's two logit maps, block by block
+    of queries (for the pipeline's observers).  ``mask`` bool (True = attend) broadcastable to
+    (B, H, Nq, Nk), the keys each query attends; ``causal`` top-left; q, k prepared."""
+    with torch.no_grad():
+        (q1, q2), (k1, k2) = split_maps(q.detach()), split_maps(k.detach())
+        b, h, n_q, _ = q.shape
+        n_k = k.shape[-2]
+        step = max(1, ROW_STATS_BLOCK_ELEMENTS // max(1, b * h * 2 * n_k))
+        hidden = None if mask is None else ~mask.reshape((1,) * (4 - mask.dim()) + mask.shape)
+        for i0 in range(0, n_q, step):
+            i1 = min(i0 + step, n_q)
+            z = torch.cat([scale * q1[..., i0:i1, :] @ k1.transpose(-2, -1),
+                           scale * q2[..., i0:i1, :] @ k2.transpose(-2, -1)], dim=-1)
+            off = torch.zeros(i1 - i0, n_k, dtype=torch.bool, device=q.device)
+            if causal:
+                off = torch.arange(n_k, device=q.device) > torch.arange(
+                    i0, i1, device=q.device).unsqueeze(-1)
+            if hidden is not None:
+                off = off | (hidden[..., i0:i1, :] if hidden.shape[-2] > 1 else hidden)
+            z = z.masked_fill(torch.cat([off, off], dim=-1), float("-inf"))
+            rows[..., i0:i1, :] = row_stats(z, normaliser="differential", lam=lam.detach())
