@@ -329,7 +329,10 @@ def test_a_batched_sweep_stops_at_once_and_resumes(tmp_path, when, how, to_group
     took = time.monotonic() - sent
     assert driver.returncode == 128 + how and "Traceback" not in err, err
     assert "leaked" not in err, err
-    assert took < 10, f"exit took {took:.1f} s"            # not the chunks' run to the end
+    # The held chunks never end before "go" below, so an exit at all means the driver did not
+    # wait for them; the bound only leaves room for a fork server still importing torch on a
+    # loaded machine (10.2 s measured at load 7).
+    assert took < 30, f"exit took {took:.1f} s"
     assert not (out / RESULTS_FILE).exists() or _lines(out) == []   # the chunk was in flight
     (marks / "go").touch()
     done = sweep.resume(out, workers=2, show_progress=False)
