@@ -11,6 +11,7 @@ key is not counted; an additive float mask's entries at or below
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -262,6 +263,7 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
+        scratch = _Scratch(q, kt, block)
         # Blocks are independent: with several threads, each computes the logits and statistics
         # of whole blocks side by side (the small matmuls and the row kernel parallelise poorly
         # on their own); results come back in block order, so they do not depend on threads.
@@ -270,21 +272,43 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None,
                                     offset=_rows(offset, i0, i0 + block), normaliser=normaliser,
-                                    sink=sink, lam=lam),
+                                    sink=sink, lam=lam, scratch=scratch),
             starts, workers)
         return list(zip(starts, blocks))
+
+
+class _Scratch:
+    """One reusable logits buffer per thread for the blocks of one call, (B, H, block, Nk)
+    float32 at most: a fresh multi-MiB tensor per block costs its page faults every time (the
+    allocator hands large blocks back to the system), about a quarter of the monitor's time on
+    the tiny Llama of benchmarks/bench_monitor.py at N=2048."""
+
+    def __init__(self, q: Tensor, kt: Tensor, block: int):
+        self.lead = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
+        self.size = math.prod(self.lead) * min(block, q.shape[-2]) * kt.shape[-1]
+        self.dtype, self.device = q.dtype, q.device
+        self.buffers: dict[int, Tensor] = {}  # by thread
+
+    def take(self, rows: int, cols: int) -> Tensor:
+        """A (B, H, rows, cols) contiguous view of this thread's buffer."""
+        buf = self.buffers.get(threading.get_ident())
+        if buf is None:
+            buf = self.buffers[threading.get_ident()] = torch.empty(
+                self.size, dtype=self.dtype, device=self.device)
+        return buf[:math.prod(self.lead) * rows * cols].view(*self.lead, rows, cols)
 
 
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None, offset: float | Tensor = 0.0,
                  normaliser: str = "softmax", sink: Tensor | None = None,
-                 lam: Tensor | None = None):
+                 lam: Tensor | None = None, scratch: _Scratch | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
     q (B, H, Nb, d) already multiplied by the scale (and 1/cap); kt (B, H, d, Nk);
-    keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel.
+    keep (bool) and bias broadcastable to (B, H, Nb, Nk); threads: for the row kernel;
+    scratch: where the logits of the block's first map are written (None: a new tensor).
     """
     n_b, n_k = q.shape[-2], kt.shape[-1]
     # Only the keys some row of this block may attend are scored: under a causal or sliding-window
@@ -302,8 +326,11 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
     def cols_of(t: Tensor) -> Tensor:
         return t[..., lo:hi] if t.shape[-1] == n_k else t
 
-    def scores(q: Tensor, kt: Tensor) -> Tensor:
-        z = q @ kt[..., lo:hi]                               # (B, H, Nb, W), scaled logits
+    def scores(q: Tensor, kt: Tensor, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            z = q @ kt[..., lo:hi]                           # (B, H, Nb, W), scaled logits
+        else:
+            z = torch.matmul(q, kt[..., lo:hi], out=out)
         if isinstance(offset, Tensor) or offset != 0.0:
             z = z + offset                                   # sigmoid attention's bias
         if cap is not None:
@@ -323,7 +350,7 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         z = torch.cat([scores(q[..., :half], kt[..., :half, :]),
                        scores(q[..., half:], kt[..., half:, :])], dim=-1)  # (B, H, Nb, 2W)
     else:
-        z = scores(q, kt)
+        z = scores(q, kt, None if scratch is None else scratch.take(n_b, hi - lo))
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
     # Causality as a per-row key count (no mask is written): query i0 + r sees the first
     # first_hidden + r columns of the block.
