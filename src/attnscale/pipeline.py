@@ -376,16 +376,7 @@ def key_mask(mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> Tensor 
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
             raise ConfigError(f"mask must be a boolean tensor (True = attend), got {got}.")
-        if mask.device != q.device:
-            raise ConfigError(f"mask is on {mask.device} but q is on {q.device}.")
-        full = (*q.shape[:2], n_q, n_k)
-        try:
-            fits = torch.broadcast_shapes(mask.shape, full) == full
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ConfigError(f"mask of shape {tuple(mask.shape)} does not broadcast to "
-                              f"(B, H, Nq, Nk) = {full}.")
+        _check_pairwise("mask", mask, q, n_q, n_k)
     if causal:
         tril = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()  # (Nq, Nk)
         mask = tril if mask is None else mask & tril
@@ -665,15 +656,21 @@ def check_bias(bias: Tensor, q: Tensor, k: Tensor) -> None:
     if not isinstance(bias, Tensor) or not bias.is_floating_point():
         got = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
         raise ConfigError(f"bias must be a floating tensor (an additive logit bias), got {got}.")
-    if bias.device != q.device:
-        raise ConfigError(f"bias is on {bias.device} but q is on {q.device}.")
-    full = (*q.shape[:2], q.shape[-2], k.shape[-2])
+    _check_pairwise("bias", bias, q, q.shape[-2], k.shape[-2])
+
+
+def _check_pairwise(name: str, t: Tensor, q: Tensor, n_q: int, n_k: int) -> None:
+    """ConfigError unless the query-by-key tensor ``t`` (a mask or a bias) is on q's device and
+    broadcasts to (B, H, Nq, Nk)."""
+    if t.device != q.device:
+        raise ConfigError(f"{name} is on {t.device} but q is on {q.device}.")
+    full = (*q.shape[:2], n_q, n_k)
     try:
-        fits = torch.broadcast_shapes(bias.shape, full) == full
+        fits = torch.broadcast_shapes(t.shape, full) == full
     except RuntimeError:
         fits = False
     if not fits:
-        raise ConfigError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+        raise ConfigError(f"{name} of shape {tuple(t.shape)} does not broadcast to "
                           f"(B, H, Nq, Nk) = {full}.")
 
 
