@@ -37,6 +37,19 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
+def text_dir(tmp_path):
+    """A small text corpus: attnscale's own mechanism sources (real text, ~20 files)."""
+    import shutil
+    from pathlib import Path
+
+    import attnscale
+    out = tmp_path / "text"
+    shutil.copytree(Path(attnscale.__file__).parent / "mechanisms", out,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return out
+
+
+@pytest.fixture
 def cli(capsys):
     """``cli(*argv) -> (exit_code, stdout, stderr)``; argparse's SystemExit becomes the code."""
     def run(*argv: str) -> tuple[int, str, str]:

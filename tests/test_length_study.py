@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,6 @@ SRC = Path(attnscale.__file__).parent
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSCALE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def text_dir(tmp_path) -> Path:
-    """A small text corpus: attnscale's own mechanism sources."""
-    out = tmp_path / "text"
-    shutil.copytree(SRC / "mechanisms", out, ignore=shutil.ignore_patterns("__pycache__"))
-    return out
 
 
 TINY_RECALL = {"d_k": 8, "d_model": 8, "steps": 6, "batch_size": 8, "n_keys": 64,

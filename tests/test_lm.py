@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,6 @@ def cache(tmp_path, monkeypatch):
     """Every test caches its token arrays under its own tmp folder."""
     monkeypatch.setenv("ATTNSCALE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
-
-
-@pytest.fixture
-def text_dir(tmp_path) -> Path:
-    """A small text corpus: attnscale's own mechanism sources (real text, ~20 files)."""
-    out = tmp_path / "text"
-    shutil.copytree(SRC / "mechanisms", out, ignore=shutil.ignore_patterns("__pycache__"))
-    return out
 
 
 def tiny(text_dir: Path, **overrides) -> LMRunConfig:

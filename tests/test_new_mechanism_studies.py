@@ -5,7 +5,6 @@ length study's stick-breaking and DeepSeek mscale claims, and the lm-length msca
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,6 @@ SRC = Path(attnscale.__file__).parent
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSCALE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def text_dir(tmp_path) -> Path:
-    out = tmp_path / "text"
-    shutil.copytree(SRC / "mechanisms", out, ignore=shutil.ignore_patterns("__pycache__"))
-    return out
 
 
 @pytest.mark.parametrize("name", ["scaled", "sink", "sigmoid", "softpick", "stick-breaking",
