@@ -46,7 +46,7 @@ NATIVE_ENV = "ATTNSCALE_NATIVE"
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 6
+KERNELS_VERSION = 7
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,6 +68,9 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_stats.restype = None
+    lib.attnscale_softmax_rows.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr,
+                                           flag]
+    lib.attnscale_softmax_rows.restype = None
     lib.attnscale_softcap_exp.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
                                           ptr, flag]
     lib.attnscale_softcap_exp.restype = None
@@ -247,6 +250,33 @@ def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
         require().attnscale_bf16_row_max(z.data_ptr(), width, ld, 0, rows, out.data_ptr(),
                                          int(portable))
     return out
+
+
+def softmax_rows(z: Tensor, e: Tensor, stats: Tensor, rows_out: Tensor, *,
+                 limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """The softmax forward of float32 logits ``z`` (..., n) with every row's statistics: ``e``
+    (like ``z``, not ``z`` itself) receives the unnormalised weights exp(z - m), ``stats`` (..., 2)
+    float32 (m, 1 / Σ e) per row (the weights are e · stats[..., 1:]), and ``rows_out`` (...,
+    len(ROW_STATS_COLUMNS)) float64 the statistics :func:`row_stats_rows` gives.  ``z = -inf``
+    marks a masked key and row r of the flattened rows sees only its first ``limit[r %
+    len(limit)]`` keys; the others get e = 0.  A row with a NaN or +inf logit among the keys it
+    sees gets NaN weights (stats (NaN, NaN)), a row without a key zeros (stats (-inf, 0)).
+    Returns ``e``."""
+    rows, width, ld = _rows("z", z)
+    _same_rows("e", e, z, ld)
+    if rows and e.data_ptr() == z.data_ptr():
+        raise ValueError("e must not be z (a row near one-hot reads z again)")
+    _row_pair("stats", stats, z, 2)
+    out_rows, out_width, _ = _rows("rows_out", rows_out, torch.float64)
+    if (out_rows, out_width) != (rows, len(ROW_STATS_COLUMNS)) or not rows_out.is_contiguous():
+        raise ValueError(f"rows_out must be contiguous float64 (..., {len(ROW_STATS_COLUMNS)}) "
+                         f"with one row per row of z, got {tuple(rows_out.shape)}")
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_softmax_rows(z.data_ptr(), e.data_ptr(), width, ld, limit_ptr, period,
+                                         0, rows, rows_out.data_ptr(), stats.data_ptr(),
+                                         int(portable))
+    return e
 
 
 def softcap_exp(s: Tensor, cap: float, stats: Tensor, *, out: Tensor | None = None,
