@@ -587,8 +587,9 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: 
         model: any ``nn.Module``; attnscale's MultiHeadAttention, an HF model running
             ``attn_implementation="attnscale"`` (or ``"sdpa"``), or anything calling SDPA.
         block: queries per statistics block (extra memory O(T · B · H · block · N) with T the
-            number of torch threads); soft-cap attention on the CPU hands over statistics from
-            its own kernel blocks instead, so ``block`` does not apply there.
+            number of torch threads); soft-cap attention on the CPU, and softmax on the CPU
+            under ``torch.no_grad()`` (see ``exact_outputs``), hand over statistics from their
+            own kernel blocks instead, so ``block`` does not apply there.
         writer: optional TensorBoard ``SummaryWriter`` (anything with ``add_scalar``); receives
             the per-(layer, head) and per-layer statistics after every forward pass.
         step: index of the first forward pass, the TensorBoard step its scalars are logged at;
