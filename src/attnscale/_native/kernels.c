@@ -1,5 +1,5 @@
-/* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
- * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
+/* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor, alone or
+ * with the block's softmax weights (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
  * the row entropy and log-sum-exp of adaptive temperature and its bfloat16 screen
  * (entropy_kernel.h), the bfloat16 row max of the S_max screen (peak_kernel.h), the per-row steps
  * of softpick and stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward
@@ -103,14 +103,20 @@ typedef void (*rownorm_bwd_fn)(const float *, const float *, float *, const floa
                                const int64_t *, const int64_t *, const int64_t *, int64_t, int,
                                float, int64_t, int64_t, int64_t);
 
+/* The widest build any call runs (2 = AVX-512, 1 = AVX2, 0 = the portable one), set by the loader
+ * from ATTNSCALE_ISA: to time the narrower builds, as an older CPU runs them, on a wider one. */
+static int isa_cap = 2;
+
+void attnscale_cap_isa(int level) { isa_cap = level < 0 ? 0 : (level > 2 ? 2 : level); }
+
 /* The build a call runs: 2 = AVX-512, 1 = AVX2, 0 = the portable 128-bit one.  ``portable`` caps
  * it: 0 = the best this CPU runs, 1 = the portable build, 2 = AVX2 at most (to test each). */
 static int build_level(int portable) {
 #ifdef HAVE_AVX2_BUILD
-    if (portable == 1) return 0;
+    if (portable == 1 || isa_cap == 0) return 0;
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
-    if (portable == 2) return 1;
+    if (portable == 2 || isa_cap == 1) return 1;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
            && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
 #else

@@ -3,11 +3,14 @@ wrapper per kernel.
 
 The kernels are plain C (``src/attnscale/_native``) with AVX-512 and AVX2+FMA builds chosen at
 run time and a portable 128-bit one, compiled by ``pip install`` and loaded here with ctypes
-(which releases the GIL during every call).  Where no C compiler was available at install time,
+(which releases the GIL during every call); ``ATTNSCALE_ISA=avx2`` (or ``v128``) caps every call
+at that build, to time what an older CPU runs.  Where no C compiler was available at install time,
 or with the environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and every
 caller uses its PyTorch formulation instead:
 
-* :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
+* :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics, and
+  the same pass writing a block's softmax weights beside them
+  (:mod:`attnscale.kernels.softmax_rows`);
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
 * the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature),
   and its bfloat16 screen's entropy, top logit and spread of bfloat16 rows;
@@ -16,7 +19,7 @@ caller uses its PyTorch formulation instead:
   :mod:`attnscale.kernels.stick_breaking`);
 * qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
+Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
 :func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`, the softpick and
 stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype,
 device, layout and shapes and pass pointers and strides on; nothing else in attnscale touches
@@ -42,6 +45,10 @@ from attnscale.columns import ROW_STATS_COLUMNS
 
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
+# Environment cap on the kernels' instruction set, by isa() name: "avx2" or "v128" run that build
+# on a wider CPU (to time what an AVX2 CPU runs, beside torch's ATEN_CPU_CAPABILITY=avx2).
+ISA_ENV = "ATTNSCALE_ISA"
+ISA_LEVELS = {"v128": 0, "avx2": 1, "avx512": 2}
 # ``portable`` value that caps a call at the AVX2 build (kernels.c, build_level).
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
@@ -105,6 +112,11 @@ def library() -> ctypes.CDLL | None:
     version.restype = ctypes.c_int
     if version() != KERNELS_VERSION or lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
         return None  # a stale build from another version: do not trust its layout
+    cap = os.environ.get(ISA_ENV) or "avx512"   # the library is loaded once: always set
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}, got {cap!r}")
+    lib.attnscale_cap_isa.argtypes = [flag]
+    lib.attnscale_cap_isa(ISA_LEVELS[cap])
     return lib
 
 
@@ -122,9 +134,9 @@ def isa() -> str | None:
 
 def cpu_bf16() -> bool:
     """Whether the CPU has AVX512_BF16 (bfloat16 dot products); False where the kernels are
-    unavailable."""
+    unavailable or capped below AVX-512 (:data:`ISA_ENV`)."""
     lib = library()
-    return lib is not None and bool(lib.attnscale_cpu_bf16())
+    return lib is not None and bool(lib.attnscale_cpu_bf16()) and isa() == "avx512"
 
 
 def require() -> ctypes.CDLL:
