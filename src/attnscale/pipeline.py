@@ -744,7 +744,8 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
                causal: bool, exact_qk: bool) -> Tensor:
     """``out`` of :func:`_fused` with its NaN where the rule of :mod:`attnscale.kernels.nans`
     puts them (a cheap screen first; the exact path recomputes on the same kernels);
-    ``exact_qk``: the kernel placed the NaN of q and k itself (:func:`attnscale.kernels.nans.ruled`)."""
+    ``exact_qk``: the kernel placed the NaN of q and k itself
+    (:func:`attnscale.kernels.nans.ruled`)."""
     def recompute(q: Tensor, k: Tensor, v: Tensor, scale: Scale, offset: float | Tensor,
                   sink: Tensor | None, mask: Tensor | None) -> Tensor:
         return _fused(q, k, v, replace(how, scale=scale, offset=offset, sink=sink), mask, causal)
