@@ -6,6 +6,12 @@ AMX and about 250 ms on one without; the soft-cap, monitor and guard ratios move
     import machine                       # benchmarks/ is on sys.path when a script runs
     print(machine.describe(shape=(4, 8, 1024, 64), causal=True))
 
+To time what an AVX2 CPU runs, on a wider one, cap both torch and attnscale (oneDNN and MKL
+have their own caps)::
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+        ATTNSCALE_ISA=avx2 python benchmarks/bench_mechanisms.py
+
 ``describe`` gives one line, for instance::
 
     instruction set: AVX-512 (attnscale kernels avx512, torch AVX512); SDPA kernel: flash

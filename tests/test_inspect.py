@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from attnscale import hf
 from attnscale.columns import RECORD_STATS
 from attnscale.errors import ConfigError
+from attnscale.kernels import softmax_rows
 from attnscale.inspect import FIELDS, inspect_checkpoint, inspect_model, redraw, render, write
 from attnscale.inspect.inputs import fresh_model
 from attnscale.inspect.measure import qk_totals
@@ -426,8 +427,10 @@ class OutputShapes(TorchDispatchMode):
         return out
 
 
-def test_no_op_forms_a_batch_heads_by_n_by_n_tensor():
+def test_no_op_forms_a_batch_heads_by_n_by_n_tensor(monkeypatch):
     n, block = 512, 32
+    # the blockwise softmax kernel (no_grad forwards) holds blocks of this many logits
+    monkeypatch.setattr(softmax_rows, "ROWS_BLOCK_ELEMENTS", block * n)
     config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": n,
                                          "num_key_value_heads": 4})
     torch.manual_seed(0)

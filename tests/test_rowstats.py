@@ -15,6 +15,7 @@ exact (an integer, and a float32 value converted to float64) and are compared wi
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -111,6 +112,25 @@ def test_random_logits_match_float64_reference(n, mean, std, portable):
     got = rowstats.row_stats(z, portable=portable)
     assert_rows_close(got, reference(z))
     assert_close(got[:, 0], torch.full((6,), float(n), dtype=torch.float64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "v128", "bogus"])
+def test_isa_env_caps_every_call(cap):
+    """ATTNSCALE_ISA runs a narrower build on a wider CPU (to time what an older CPU runs)."""
+    import subprocess
+    import sys
+
+    code = ("from attnscale.kernels import native\n"
+            "print(native.isa(), native.cpu_bf16())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          env={**os.environ, native.ISA_ENV: cap})
+    if cap == "bogus":
+        assert done.returncode != 0 and f"{native.ISA_ENV} must be one of" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    levels = native.ISA_LEVELS
+    want = min(levels[cap], levels[native.isa()])  # never above what this CPU runs
+    assert done.stdout.split() == [next(k for k, v in levels.items() if v == want), "False"]
 
 
 def test_portable_runs_the_other_build():

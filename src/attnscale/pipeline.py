@@ -121,6 +121,13 @@ The contract:
   ``q``, ``k``, ``scale``, ``cap`` and the mask to float rounding, and the output does not change
   by a bit.  Where the computation never forms the logits (SDPA, FlexAttention on CUDA, tracing),
   ``offers_rows`` is False and ``request_rows`` returns False: the observer computes them.
+  Plain softmax on the CPU (float32, no gradient wanted, no caller's bias) offers them too:
+  when an observer requests them, the call runs on the blockwise kernel of
+  :mod:`attnscale.kernels.softmax_rows` instead of SDPA, which forms the logits once for both,
+  and its output then equals SDPA's to float32 rounding, not bit for bit.
+  ``Observation.rows_exact`` says which: True where requesting the rows leaves the output as it
+  is, False where it swaps SDPA for that kernel; an observer that must keep every bit of the
+  output (``monitor(exact_outputs=True)``) requests rows only where it is True.
   A mechanism with a logit bias of its own always offers them (the pipeline scores its biased
   logits in one blockwise pass, :func:`attnscale.kernels.biased.bias_row_stats`, when asked), so
   its statistics include that bias; ``Observation.mechanism_bias`` describes it for observers
@@ -160,6 +167,7 @@ from attnscale.kernels.native import ROW_STATS_COLUMNS
 from attnscale.kernels.sigmoid import sigmoid_attention
 from attnscale.kernels.sink import sink_attention
 from attnscale.kernels.softcap import capped_attention, forms_logits
+from attnscale.kernels.softmax_rows import forms_rows, softmax_rows_attention
 from attnscale.kernels.rowwise import softpick_attention, stick_breaking_attention
 from attnscale.kernels.softpick import softpick_weights
 from attnscale.kernels.stick_breaking import stick_breaking_weights
@@ -244,6 +252,7 @@ class Observation:
     bias: Tensor | None = None    # the caller's additive logit bias (already in ``mask``), or None
     mechanism_bias: Bias | None = None  # the mechanism's logit bias (forgetting, selective)
     lam: Tensor | None = None     # λ of the "differential" normaliser (0-d, shared by the heads)
+    rows_exact: bool = True       # requesting rows leaves the output bit for bit (module doc)
     _sinks: list = field(default_factory=list, repr=False, compare=False)
 
     def request_rows(self, sink: RowSink) -> bool:
@@ -594,12 +603,14 @@ def run(q: Tensor, k: Tensor, v: Tensor, mechanism: Rule, *, mask: Tensor | None
     rows = seen = None
     if watchers:
         kernel_rows = cap is not None and normaliser == "softmax" and forms_logits(qs)
+        # SDPA forms no logits; on the CPU the blockwise softmax kernel can stand in for it
+        swaps = not materialised and _softmax_rows(how) and forms_rows(qs, ks, v)
         seen = Observation(qs, ks, scale, cap, mask if bias is None else additive_mask(bias, mask),
                            causal, n_keys, mechanism,
                            offers_rows=(materialised or kernel_rows or own is not None
-                                        or normaliser == "differential"), offset=offset,
+                                        or normaliser == "differential" or swaps), offset=offset,
                            sink=sink, gate=gate, normaliser=normaliser, bias=bias,
-                           mechanism_bias=own, lam=how.lam)
+                           mechanism_bias=own, lam=how.lam, rows_exact=not swaps)
         for observer in watchers:
             observer(seen)
         if seen._sinks:  # filled by the computation below
@@ -679,6 +690,13 @@ def additive_mask(bias: Tensor, mask: Tensor | None) -> Tensor:
     return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
 
+def _softmax_rows(how: _How) -> bool:
+    """Whether the call is plain softmax attention (no cap, no bias of either kind), which SDPA
+    computes unobserved and :func:`softmax_rows_attention` when its row statistics are wanted."""
+    return (how.cap is None and how.normaliser == "softmax" and how.bias is None
+            and how.mechanism_bias is None)
+
+
 def _materialises(how: _How) -> bool:
     """Whether the fused path runs materialised: a caller's bias on anything but uncapped
     softmax attention without a bias of its own (SDPA takes it as its float mask); the
@@ -707,22 +725,27 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qs: Tensor, ks: Tensor, how: _How,
             full_mask = key_mask(None, True, q, k)
         out = _materialised(qs, ks, v, how, full_mask, n_keys, rows)
         return out if trace else out.out
+    # The blockwise softmax kernel hides masked keys itself, like the selective kernel
+    exact_qk = isinstance(how.mechanism_bias, SelectBias) or (rows is not None
+                                                               and _softmax_rows(how))
     if full_mask is None:
         # Causality alone never leaves a query without keys, and the kernels skip the keys
         # above the diagonal themselves (SDPA's is_causal).
         out = _fused(qs, ks, v, how, None, causal, rows)
-        return _nan_ruled(out, qs, ks, v, how, None, causal)
+        return _nan_ruled(out, qs, ks, v, how, None, causal, exact_qk)
     # Rows with no key would give NaN in softmax; let them attend everything, then zero them,
     # which also zeroes their gradients.  O(mask) work, only when a mask is given.
     empty = n_keys == 0  # (..., Nq, 1)
     out = _fused(qs, ks, v, how, full_mask | empty, False, rows)
-    return _nan_ruled(out, qs, ks, v, how, full_mask, False).masked_fill(empty, 0.0)
+    return _nan_ruled(out, qs, ks, v, how, full_mask, False, exact_qk).masked_fill(empty, 0.0)
 
 
 def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
-               causal: bool) -> Tensor:
+               causal: bool, exact_qk: bool) -> Tensor:
     """``out`` of :func:`_fused` with its NaN where the rule of :mod:`attnscale.kernels.nans`
-    puts them (a cheap screen first; the exact path recomputes on the same kernels)."""
+    puts them (a cheap screen first; the exact path recomputes on the same kernels);
+    ``exact_qk``: the kernel placed the NaN of q and k itself
+    (:func:`attnscale.kernels.nans.ruled`)."""
     def recompute(q: Tensor, k: Tensor, v: Tensor, scale: Scale, offset: float | Tensor,
                   sink: Tensor | None, mask: Tensor | None) -> Tensor:
         return _fused(q, k, v, replace(how, scale=scale, offset=offset, sink=sink), mask, causal)
@@ -731,7 +754,7 @@ def _nan_ruled(out: Tensor, q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Te
     return nans.ruled(out, q, k, v, how.scale, how.offset, how.sink, mask, causal, recompute,
                       flash=how.cap is None and how.normaliser in ("softmax", "sink",
                                                                    "differential"),
-                      exact_qk=isinstance(how.mechanism_bias, SelectBias))
+                      exact_qk=exact_qk)
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None,
@@ -770,10 +793,13 @@ def _materialised(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | Non
 def _fused(q: Tensor, k: Tensor, v: Tensor, how: _How, mask: Tensor | None, causal: bool,
            rows: Tensor | None = None) -> Tensor:
     """The normalised weights times v on the fused kernels; q, k may be float32 for half v;
-    ``rows`` only for the capped kernel (where it forms the logits)."""
+    ``rows`` only for the kernels that form the logits: the capped one, and for plain softmax
+    the blockwise softmax kernel in SDPA's place (:func:`forms_rows` held)."""
     scale = how.scale
     if isinstance(scale, Tensor):  # per-head or per-row: folded into q, the kernels get a float
         q, scale = q * scale, 1.0
+    if rows is not None and _softmax_rows(how):
+        return softmax_rows_attention(q, k, v, scale, mask, causal, rows)
     own = how.mechanism_bias
     if (own is not None or how.normaliser == "differential") and (
             how.cap is not None or isinstance(how.offset, Tensor) or how.offset != 0.0):

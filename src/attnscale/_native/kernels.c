@@ -1,5 +1,5 @@
-/* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor
- * (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
+/* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor, alone or
+ * with the block's softmax weights (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
  * the row entropy and log-sum-exp of adaptive temperature and its bfloat16 screen
  * (entropy_kernel.h), the bfloat16 row max of the S_max screen (peak_kernel.h), the per-row steps
  * of softpick and stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward
@@ -85,6 +85,7 @@ enum { OUT_COUNT, OUT_MAX_WEIGHT, OUT_ENTROPY, OUT_JACOBIAN_FRO, OUT_LOGIT_STD, 
 #endif
 
 typedef void (*row_fn)(const float *, int64_t, double *);
+typedef void (*softmax_row_fn)(const float *, int64_t, int64_t, double *, float *, float *);
 typedef void (*softcap_exp_fn)(const float *, int64_t, int64_t, float, float *, float *);
 typedef void (*softcap_bwd_fn)(float *, float *, const float *, float, float, int64_t, int64_t);
 typedef void (*entropy_fn)(const float *, int64_t, double *);
@@ -102,14 +103,20 @@ typedef void (*rownorm_bwd_fn)(const float *, const float *, float *, const floa
                                const int64_t *, const int64_t *, const int64_t *, int64_t, int,
                                float, int64_t, int64_t, int64_t);
 
+/* The widest build any call runs (2 = AVX-512, 1 = AVX2, 0 = the portable one), set by the loader
+ * from ATTNSCALE_ISA: to time the narrower builds, as an older CPU runs them, on a wider one. */
+static int isa_cap = 2;
+
+void attnscale_cap_isa(int level) { isa_cap = level < 0 ? 0 : (level > 2 ? 2 : level); }
+
 /* The build a call runs: 2 = AVX-512, 1 = AVX2, 0 = the portable 128-bit one.  ``portable`` caps
  * it: 0 = the best this CPU runs, 1 = the portable build, 2 = AVX2 at most (to test each). */
 static int build_level(int portable) {
 #ifdef HAVE_AVX2_BUILD
-    if (portable == 1) return 0;
+    if (portable == 1 || isa_cap == 0) return 0;
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
-    if (portable == 2) return 1;
+    if (portable == 2 || isa_cap == 1) return 1;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
            && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
 #else
@@ -161,13 +168,26 @@ void attnscale_row_stats(const float *z, int64_t width, int64_t ld, const int64_
 
 int attnscale_row_stats_columns(void) { return OUT_COLUMNS; }
 
+/* Softmax forward of rows [row0, row1) of z with their statistics (rows as for
+ * attnscale_row_stats): e = exp(z - m), 0 beyond each row's n_r keys (to width); out:
+ * OUT_COLUMNS doubles per row; stats: (m, 1 / sum e) per row (two floats).  e must not be z. */
+void attnscale_softmax_rows(const float *z, float *e, int64_t width, int64_t ld,
+                            const int64_t *limit, int64_t period, int64_t row0, int64_t row1,
+                            double *out, float *stats, int portable) {
+    softmax_row_fn row = PICK(softmax_row, portable);
+    for (int64_t r = row0; r < row1; r++)
+        row(z + r * ld, row_limit(limit, period, r, width), width, out + r * OUT_COLUMNS,
+            e + r * ld, stats + 2 * r);
+}
+
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
  * steps, 6 = the RMSNorm kernels, attnscale_cpu_bf16 and the soft-cap forward keeping each
  * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
- * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy. */
-int attnscale_kernels_version(void) { return 6; }
+ * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy, 7 = attnscale_softmax_rows
+ * (the softmax forward with the row statistics). */
+int attnscale_kernels_version(void) { return 7; }
 
 /* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap
  * tanh(s) - m) unnormalised, stats (m, 1 / sum) per row (two floats); e may be s. */

@@ -19,9 +19,11 @@ struct moments { double U1, U2, U3, Ud, s1, s2, ties; float umax; };
 
 /* Pass 2 over a row: with u_i = exp(z_i - zref) for the keys below the top zmax (0 for masked
  * keys), d_i = z_i - zmax, c_i = z_i / 2^e - mean / 2^e over the valid keys:
- * U_k = sum u^k, Ud = sum u d, s1 = sum c, s2 = sum c^2, ties = #{z_i = zmax}, umax = max u. */
+ * U_k = sum u^k, Ud = sum u d, s1 = sum c, s2 = sum c^2, ties = #{z_i = zmax}, umax = max u.
+ * e: NULL, or (when zref = zmax) where the softmax's unnormalised weights exp(z_i - zmax) go,
+ * u_i below the top and 1 at it. */
 static void KERNEL(moments)(const float *z, int64_t n, float zmax, float zref, float vinv_f,
-                            float mean_unit, struct moments *m) {
+                            float mean_unit, struct moments *m, float *e) {
     const vf ninf = KERNEL(splat)(-INFINITY), zero = KERNEL(splat)(0.0f);
     const vf one = KERNEL(splat)(1.0f);
     const vf vtop = KERNEL(splat)(zmax), vref = KERNEL(splat)(zref);
@@ -40,7 +42,9 @@ static void KERNEL(moments)(const float *z, int64_t n, float zmax, float zref, f
             vf u = KERNEL(exp_nonpositive)(KERNEL(sel)(low, same ? d : v - vref, ninf));
             vf c = KERNEL(sel)(ok, v * vinv - vmean_unit, zero);
             vf u2 = u * u;
-            vt += KERNEL(sel)(v == vtop, one, zero);
+            vi at_top = v == vtop;
+            if (e) KERNEL(store)(e, i, c1, KERNEL(sel)(at_top, one, u));
+            vt += KERNEL(sel)(at_top, one, zero);
             vumax = KERNEL(vmax)(u, vumax);
             vu1 += u;
             vu2 += u2;
@@ -62,7 +66,10 @@ static void KERNEL(moments)(const float *z, int64_t n, float zmax, float zref, f
     m->umax = umax;
 }
 
-static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
+/* The statistics of one row of n keys into out (OUT_COLUMNS doubles).  w: NULL, or where the
+ * row's unnormalised softmax weights exp(z_i - max z) go, written by the first pass 2 (a second
+ * one near one-hot still reads z, so w must not be z). */
+static void KERNEL(row_pass)(const float *z, int64_t n, double *out, float *w) {
     const vf ninf = KERNEL(splat)(-INFINITY), pinf = KERNEL(splat)(INFINITY);
     const vf zero = KERNEL(splat)(0.0f), one = KERNEL(splat)(1.0f);
     int64_t i, c0;
@@ -102,15 +109,25 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
         for (i = 0; i < n; i++) nans += z[i] != z[i];
         out[OUT_COUNT] = count + nans;
         for (j = OUT_COUNT + 1; j < OUT_COLUMNS; j++) out[j] = NAN;
+        if (w)
+            for (i = 0; i < n; i++) w[i] = NAN;
         return;
     }
-    if (count == 0.0) return;
+    if (count == 0.0) {
+        if (w)
+            for (i = 0; i < n; i++) w[i] = 0.0f;
+        return;
+    }
     double amax = fabs((double)zmax), amin = fabs((double)zmin);
     out[OUT_COUNT] = count;
     out[OUT_LOGIT_ABSMAX] = amax > amin ? amax : amin;
     out[OUT_LOGIT_MAX] = (double)zmax;       /* signed: the top logit, QK-Clip's S_max */
     out[OUT_MAX_WEIGHT] = 1.0;
-    if (count == 1.0) return;  /* one key: weight 1, entropy 0, Jacobian 0, std 0 */
+    if (count == 1.0) {  /* one key: weight 1, entropy 0, Jacobian 0, std 0 */
+        if (w)
+            for (i = 0; i < n; i++) w[i] = z[i] == zmax ? 1.0f : 0.0f;
+        return;
+    }
 
     /* Pass 2 (and 3 and 2 again near one-hot, see the top): u_i = exp(z_i - z_ref) over the keys
      * below the top (masked keys give u = 0; every other tie at the top adds u = 1 and
@@ -125,7 +142,7 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
     const float mean_unit = (float)(sum / count) * vinv;   /* |z / 2^e| < 1: no overflow */
     struct moments mo;
     float zref = zmax;
-    KERNEL(moments)(z, n, zmax, zref, vinv, mean_unit, &mo);
+    KERNEL(moments)(z, n, zmax, zref, vinv, mean_unit, &mo, w);
     if (mo.ties < 2.0 && mo.umax < MOMENTS_MIN_U) {
         /* a single top far above every other key: z_2, the largest logit below the top */
         vf below = ninf;
@@ -136,7 +153,7 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
         }
         zref = -INFINITY;
         for (j = 0; j < W; j++) zref = below[j] > zref ? below[j] : zref;
-        KERNEL(moments)(z, n, zmax, zref, vinv, mean_unit, &mo);
+        KERNEL(moments)(z, n, zmax, zref, vinv, mean_unit, &mo, NULL);
     }
     double ties = mo.ties;
     double U1 = mo.U1 + (ties - 1.0), U2 = mo.U2 + (ties - 1.0), U3 = mo.U3 + (ties - 1.0);
@@ -152,4 +169,30 @@ static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
     out[OUT_MAX_WEIGHT] = pt;
     out[OUT_ENTROPY] = log1p(S) - pm * mo.Ud;
     out[OUT_JACOBIAN_FRO] = pm * sqrt(inner > 0.0 ? inner : 0.0);
+}
+
+static void KERNEL(one_row)(const float *z, int64_t n, double *out) {
+    KERNEL(row_pass)(z, n, out, NULL);
+}
+
+/* One row of the softmax forward with the row's statistics: e[i] = exp(z_i - m) over the first n
+ * keys (0 at masked ones, and 0 from n to width), m the largest logit; out as KERNEL(one_row);
+ * stats = (m, 1 / sum_i e_i), the weights being e * stats[1].  A row with a NaN or +inf logit
+ * gives NaN weights and stats (NaN, NaN); a row without a key zeros and (-inf, 0).  e must not
+ * be z. */
+static void KERNEL(softmax_row)(const float *z, int64_t n, int64_t width, double *out, float *e,
+                                float *stats) {
+    KERNEL(row_pass)(z, n, out, e);
+    for (int64_t i = n; i < width; i++) e[i] = 0.0f;
+    double count = out[OUT_COUNT];
+    if (count == 0.0) {
+        stats[0] = -INFINITY;
+        stats[1] = 0.0f;
+    } else if (out[OUT_MAX_WEIGHT] != out[OUT_MAX_WEIGHT]) {
+        stats[0] = stats[1] = NAN;
+    } else {
+        /* max weight = 1 / sum_i e_i, the top's weight (e = 1 there) */
+        stats[0] = (float)out[OUT_LOGIT_MAX];
+        stats[1] = (float)out[OUT_MAX_WEIGHT];
+    }
 }

@@ -3,11 +3,14 @@ wrapper per kernel.
 
 The kernels are plain C (``src/attnscale/_native``) with AVX-512 and AVX2+FMA builds chosen at
 run time and a portable 128-bit one, compiled by ``pip install`` and loaded here with ctypes
-(which releases the GIL during every call).  Where no C compiler was available at install time,
+(which releases the GIL during every call); ``ATTNSCALE_ISA=avx2`` (or ``v128``) caps every call
+at that build, to time what an older CPU runs.  Where no C compiler was available at install time,
 or with the environment variable ``ATTNSCALE_NATIVE=0``, :func:`available` is False and every
 caller uses its PyTorch formulation instead:
 
-* :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics;
+* :func:`attnscale.kernels.rowstats.row_stats`, the monitor's per-row softmax statistics, and
+  the same pass writing a block's softmax weights beside them
+  (:mod:`attnscale.kernels.softmax_rows`);
 * the elementwise part of the soft-cap attention kernel in :mod:`attnscale.kernels.softcap`;
 * the row entropy and log-sum-exp of :mod:`attnscale.kernels.entropy` (adaptive temperature),
   and its bfloat16 screen's entropy, top logit and spread of bfloat16 rows;
@@ -16,7 +19,7 @@ caller uses its PyTorch formulation instead:
   :mod:`attnscale.kernels.stick_breaking`);
 * qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
+Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
 :func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`, the softpick and
 stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype,
 device, layout and shapes and pass pointers and strides on; nothing else in attnscale touches
@@ -42,11 +45,15 @@ from attnscale.columns import ROW_STATS_COLUMNS
 
 # Environment switch: "0" disables the compiled kernels (the PyTorch formulations are used).
 NATIVE_ENV = "ATTNSCALE_NATIVE"
+# Environment cap on the kernels' instruction set, by isa() name: "avx2" or "v128" run that build
+# on a wider CPU (to time what an AVX2 CPU runs, beside torch's ATEN_CPU_CAPABILITY=avx2).
+ISA_ENV = "ATTNSCALE_ISA"
+ISA_LEVELS = {"v128": 0, "avx2": 1, "avx512": 2}
 # ``portable`` value that caps a call at the AVX2 build (kernels.c, build_level).
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 6
+KERNELS_VERSION = 7
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,6 +75,9 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.attnscale_row_stats.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, flag]
     lib.attnscale_row_stats.restype = None
+    lib.attnscale_softmax_rows.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr,
+                                           flag]
+    lib.attnscale_softmax_rows.restype = None
     lib.attnscale_softcap_exp.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
                                           ptr, flag]
     lib.attnscale_softcap_exp.restype = None
@@ -102,6 +112,11 @@ def library() -> ctypes.CDLL | None:
     version.restype = ctypes.c_int
     if version() != KERNELS_VERSION or lib.attnscale_row_stats_columns() != len(ROW_STATS_COLUMNS):
         return None  # a stale build from another version: do not trust its layout
+    cap = os.environ.get(ISA_ENV) or "avx512"   # the library is loaded once: always set
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}, got {cap!r}")
+    lib.attnscale_cap_isa.argtypes = [flag]
+    lib.attnscale_cap_isa(ISA_LEVELS[cap])
     return lib
 
 
@@ -119,9 +134,9 @@ def isa() -> str | None:
 
 def cpu_bf16() -> bool:
     """Whether the CPU has AVX512_BF16 (bfloat16 dot products); False where the kernels are
-    unavailable."""
+    unavailable or capped below AVX-512 (:data:`ISA_ENV`)."""
     lib = library()
-    return lib is not None and bool(lib.attnscale_cpu_bf16())
+    return lib is not None and bool(lib.attnscale_cpu_bf16()) and isa() == "avx512"
 
 
 def require() -> ctypes.CDLL:
@@ -247,6 +262,33 @@ def bf16_row_max(z: Tensor, *, portable: int = False) -> Tensor:
         require().attnscale_bf16_row_max(z.data_ptr(), width, ld, 0, rows, out.data_ptr(),
                                          int(portable))
     return out
+
+
+def softmax_rows(z: Tensor, e: Tensor, stats: Tensor, rows_out: Tensor, *,
+                 limit: Tensor | None = None, portable: int = False) -> Tensor:
+    """The softmax forward of float32 logits ``z`` (..., n) with every row's statistics: ``e``
+    (like ``z``, not ``z`` itself) receives the unnormalised weights exp(z - m), ``stats`` (..., 2)
+    float32 (m, 1 / Σ e) per row (the weights are e · stats[..., 1:]), and ``rows_out`` (...,
+    len(ROW_STATS_COLUMNS)) float64 the statistics :func:`row_stats_rows` gives.  ``z = -inf``
+    marks a masked key and row r of the flattened rows sees only its first ``limit[r %
+    len(limit)]`` keys; the others get e = 0.  A row with a NaN or +inf logit among the keys it
+    sees gets NaN weights (stats (NaN, NaN)), a row without a key zeros (stats (-inf, 0)).
+    Returns ``e``."""
+    rows, width, ld = _rows("z", z)
+    _same_rows("e", e, z, ld)
+    if rows and e.data_ptr() == z.data_ptr():
+        raise ValueError("e must not be z (a row near one-hot reads z again)")
+    _row_pair("stats", stats, z, 2)
+    out_rows, out_width, _ = _rows("rows_out", rows_out, torch.float64)
+    if (out_rows, out_width) != (rows, len(ROW_STATS_COLUMNS)) or not rows_out.is_contiguous():
+        raise ValueError(f"rows_out must be contiguous float64 (..., {len(ROW_STATS_COLUMNS)}) "
+                         f"with one row per row of z, got {tuple(rows_out.shape)}")
+    limit_ptr, period = _limit(limit)
+    if rows:
+        require().attnscale_softmax_rows(z.data_ptr(), e.data_ptr(), width, ld, limit_ptr, period,
+                                         0, rows, rows_out.data_ptr(), stats.data_ptr(),
+                                         int(portable))
+    return e
 
 
 def softcap_exp(s: Tensor, cap: float, stats: Tensor, *, out: Tensor | None = None,

@@ -9,7 +9,10 @@ body raises):
   Face models on ``attn_implementation="attnscale"``, and the logits a model formed itself and
   handed to :func:`attnscale.pipeline.observe_logits`.  Nothing is replaced or run again.  Where the
   pipeline's kernel forms the logits anyway (soft-cap on the CPU), the monitor takes the row
-  statistics from that kernel (``Observation.request_rows``); elsewhere it scores q kᵀ
+  statistics from that kernel (``Observation.request_rows``); so it does for plain softmax on
+  the CPU without gradients, where the pipeline then forms the logits once for the output and
+  the statistics (:mod:`attnscale.kernels.softmax_rows`; the output equals SDPA's to float32
+  rounding, ``monitor(exact_outputs=True)`` keeps its bits); elsewhere it scores q kᵀ
   blockwise itself (:mod:`attnscale.measure.monitor.blocks`).
 * a tap on ``torch.nn.functional.scaled_dot_product_attention``, only for foreign models (HF on
   ``"sdpa"``, anything else calling SDPA); the SDPA call made inside attnscale's own pipeline is
@@ -204,13 +207,16 @@ class Call:
                                  head_peaks(q2, k2, scale, mask=mask, causal=self.causal))
         return head_peaks(self.q, self.k, scale, mask=mask, causal=self.causal)
 
-    def statistics(self, then: Callable[[HeadStats], None], *, block: int) -> None:
+    def statistics(self, then: Callable[[HeadStats], None], *, block: int,
+                   exact_outputs: bool = False) -> None:
         """Hand ``then`` the call's per-head statistics: of handed-over logits; from the row
         statistics of the kernel that forms the logits where the pipeline offers them (softmax;
         ``then`` runs once the call's output is computed); else scored from q and k, ``block``
         queries at a time (:func:`~attnscale.measure.monitor.blocks.call_head_stats`: ``block``
         is not validated again).  Rows with no key to attend are left out (the pipeline zeroes
-        their output)."""
+        their output).  ``exact_outputs``: take the pipeline's rows only where that leaves the
+        output bit for bit (``Observation.rows_exact``), not where the pipeline would swap SDPA
+        for its blockwise softmax kernel to form them."""
         if self.logits is not None:
             then(logit_stats(self.logits, normaliser=self.normaliser, sink=self.sink,
                              gate=self.gate, lam=self.lam))
@@ -222,6 +228,7 @@ class Call:
             then(HeadStats.from_rows(rows, weights))
 
         if (self.observation is not None and self.normaliser == "softmax"
+                and (self.observation.rows_exact or not exact_outputs)
                 and self.observation.request_rows(from_kernel)):
             return
         then(call_head_stats(self.q, self.k, scale=self.scale, cap=self.cap, mask=self.mask,
@@ -463,10 +470,14 @@ class Monitor:
 
     def __init__(self, model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None,
                  step: int = 0, every: int = 1,
-                 on_call: Callable[[str, Observation], None] | None = None):
+                 on_call: Callable[[str, Observation], None] | None = None,
+                 exact_outputs: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"monitor() needs a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(exact_outputs, bool):
+            raise ConfigError(f"exact_outputs must be True or False, got {exact_outputs!r}.")
         self.model = model
+        self.exact_outputs = exact_outputs
         self.block = check_int("block", block, minimum=1)  # validated here, once
         self.writer = writer      # SummaryWriter-like: add_scalar(tag, value, step)
         self.step = check_int("step", step, minimum=0)  # index of the model's next forward pass
@@ -511,7 +522,8 @@ class Monitor:
     def _observe(self, call: Call) -> None:
         if self.on_call is not None and call.observation is not None:
             self.on_call(call.site, call.observation)  # a record's `module` is this site
-        call.statistics(functools.partial(self._merge, call.site), block=self.block)
+        call.statistics(functools.partial(self._merge, call.site), block=self.block,
+                        exact_outputs=self.exact_outputs)
 
     def _merge(self, site: str, stats: HeadStats) -> None:
         self._totals.add(site, stats)
@@ -567,15 +579,17 @@ class Monitor:
 
 def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: int = 0,
             every: int = 1,
-            on_call: Callable[[str, Observation], None] | None = None) -> Monitor:
+            on_call: Callable[[str, Observation], None] | None = None,
+            exact_outputs: bool = False) -> Monitor:
     """Observe the attention statistics of ``model`` per (layer, head) inside a ``with`` block.
 
     Args:
         model: any ``nn.Module``; attnscale's MultiHeadAttention, an HF model running
             ``attn_implementation="attnscale"`` (or ``"sdpa"``), or anything calling SDPA.
         block: queries per statistics block (extra memory O(T · B · H · block · N) with T the
-            number of torch threads); soft-cap attention on the CPU hands over statistics from
-            its own kernel blocks instead, so ``block`` does not apply there.
+            number of torch threads); soft-cap attention on the CPU, and softmax on the CPU
+            under ``torch.no_grad()`` (see ``exact_outputs``), hand over statistics from their
+            own kernel blocks instead, so ``block`` does not apply there.
         writer: optional TensorBoard ``SummaryWriter`` (anything with ``add_scalar``); receives
             the per-(layer, head) and per-layer statistics after every forward pass.
         step: index of the first forward pass, the TensorBoard step its scalars are logged at;
@@ -586,10 +600,18 @@ def monitor(model: nn.Module, *, block: int = DEFAULT_BLOCK, writer=None, step: 
             the pipeline's :class:`~attnscale.pipeline.Observation` of every pipeline call the
             monitor records (not SDPA-tapped calls), for measurements of q and k beyond the row
             statistics (``attnscale inspect``'s coherence).
+        exact_outputs: keep the model's outputs bit for bit.  By default, a softmax call on the
+            CPU in float32 under ``torch.no_grad()`` runs on attnscale's blockwise softmax
+            kernel, which forms the logits once for the output and the statistics (about a
+            fifth of a small Llama's forward saved on one core, benchmarks/bench_monitor.py);
+            its output equals SDPA's to float32 rounding, not bit for bit.  With True, SDPA
+            runs as unmonitored and the monitor scores q kᵀ beside it.  Outputs with gradients
+            are never touched: there the calls run as unmonitored either way.
     Returns:
         a :class:`Monitor`; after the block, ``mon.records`` and ``mon.to_frame()`` hold the
         statistics (entropy in nats, weights in [0, 1], logits in logit units).
     """
-    return Monitor(model, block=block, writer=writer, step=step, every=every, on_call=on_call)
+    return Monitor(model, block=block, writer=writer, step=step, every=every, on_call=on_call,
+                   exact_outputs=exact_outputs)
 
 

@@ -1,0 +1,88 @@
+"""Softmax attention that forms its logits once for both its output and their row statistics.
+
+SDPA never hands out its logits, so an observer that wants the statistics of a softmax call
+(the monitor) would score q kᵀ a second time beside it: on one core that second product and its
+row reduction cost about a quarter of a small Llama's forward (benchmarks/bench_monitor.py).
+:func:`softmax_rows_attention` computes the same attention blockwise instead: each block's logits
+are formed once, one pass of the compiled row kernel (``attnscale_softmax_rows``) writes both the
+block's unnormalised weights exp(z - m) and every row's statistics, and O = E V / Σ E.
+
+Its output equals SDPA's to float32 rounding, not bit for bit (the sums run in another order).
+The pipeline runs it only for a call whose observer asked for the row statistics and accepts
+that (:attr:`attnscale.pipeline.Observation.rows_exact` is False then); an observer that needs
+SDPA's very bits leaves the rows alone and scores q kᵀ itself.
+
+A block is a few heads of one batch element by a run of queries against every key those queries
+can see (:class:`attnscale.kernels.tiles.Tiles`), so a row's maximum and sum are exact within it.
+Blocks are independent in the forward, so they are spread over the workers one by one (not by
+head group): at B = 1 and 4 heads a head group would leave a worker idle.  The forward only:
+with grad mode on, the call runs on SDPA (:func:`forms_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnscale.columns import ROW_STATS_COLUMNS
+from attnscale.kernels import native
+from attnscale.kernels.tiles import Scratch, Tiles
+from attnscale.workers import parallel_map, workers_for
+
+# Logits per block: 2^18 float32 (1 MiB, one core's L2 on AMD Zen 4 / 5), e.g. 128 queries of
+# one head at Nk = 2048; two such blocks (logits and weights) per worker.
+ROWS_BLOCK_ELEMENTS = 2**18
+
+
+def forms_rows(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`softmax_rows_attention` can run a call: float32 CPU tensors with the
+    compiled kernels, q and k of the same batch and heads, grad mode off (it has no backward, and
+    a temperature beside q and k may be a parameter), not traced."""
+    return (not torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == k.device.type == v.device.type == "cpu"
+            and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and type(q) is torch.Tensor and not torch.jit.is_tracing()
+            and not torch.compiler.is_compiling() and native.available())
+
+
+def softmax_rows_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
+                           causal: bool, rows: Tensor) -> Tensor:
+    """softmax(scale · q kᵀ masked) v, filling ``rows`` with every query's row statistics.
+
+    q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), float32 CPU (:func:`forms_rows`);
+    ``mask`` boolean (True = attend) broadcastable to (B, H, Nq, Nk), or None; ``causal``: query
+    i sees keys j <= i (top-left).  ``rows``: float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) that
+    receives :func:`attnscale.stats.row_stats` of each query's masked logits.  A query without a
+    key gets a zero output and count 0.  Returns (B, H, Nq, d_v).
+    """
+    if rows.shape != (*q.shape[:-1], len(ROW_STATS_COLUMNS)) or rows.dtype != torch.float64:
+        raise ValueError(f"rows must be float64 {(*q.shape[:-1], len(ROW_STATS_COLUMNS))}, got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    if q.shape[-2] == 0:
+        return out
+    if k.shape[-2] == 0:  # no key anywhere: zero weights, count 0
+        rows.zero_()
+        return out.zero_()
+    tiles = Tiles(q, k, mask, causal, ROWS_BLOCK_ELEMENTS)
+    scratch = Scratch(tiles.block_elements(), torch.float32, 2, q.device)
+    n_blocks = -(-q.shape[-2] // tiles.rows)
+    items = [(b, heads, i) for b, heads in tiles.groups() for i in range(n_blocks)]
+
+    def block(item: tuple[int, slice, int]) -> None:
+        b, heads, i = item
+        n_k = tiles.n_keys(i)
+        q_blk = tiles.rows_of(q, b, heads, i)                        # (h, r, d)
+        z = scratch.scores(0, q_blk, k[b, heads, :n_k], scale)       # (h, r, n_k) logits
+        tiles.hide_masked(z, b, heads, i)
+        e = scratch.block(1, z.shape)
+        stats = z.new_empty(*z.shape[:-1], 2)                        # (m, 1 / Σ e) per row
+        found = torch.empty(*z.shape[:-1], len(ROW_STATS_COLUMNS), dtype=torch.float64)
+        native.softmax_rows(z, e, stats, found, limit=tiles.causal_counts(i, z.shape[1]))
+        tiles.rows_of(rows, b, heads, i).copy_(found)
+        out_blk = tiles.rows_of(out, b, heads, i)
+        torch.bmm(e, v[b, heads, :n_k], out=out_blk).mul_(stats[..., 1:])
+
+    parallel_map(block, items, workers_for(q.device, len(items)))
+    return out
