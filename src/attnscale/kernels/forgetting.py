@@ -172,7 +172,8 @@ class _FoldedFlashCPU(torch.autograd.Function):
         out = torch.empty_like(q)                                        # (B, H, Nq, d)
         lse = q.new_empty(q.shape[:-1])                                  # (B, H, Nq)
         lo_ = lo.detach()
-        scratch = Scratch(_chunk_elements(q, k), q.dtype, 3)
+        chunks = chunked.chunks_of(q)
+        scratch = chunked.scratch(chunks, q, k, FOLD_CHANNELS + q.shape[-1], 3)
 
         def chunk(b: int, heads: slice) -> None:
             q2, k2, v2 = _augment_into(scratch, q[b, heads], k[b, heads], v[b, heads], scale,
@@ -181,7 +182,7 @@ class _FoldedFlashCPU(torch.autograd.Function):
             out[b, heads] = o2[0, ..., FOLD_CHANNELS:]
             lse[b, heads] = l2[0]
 
-        chunked.run_chunks(chunk, _chunks(q), q.device)
+        chunked.run_chunks(chunk, chunks, q.device)
         ctx.save_for_backward(q, k, v, lo, hi, out, lse)
         ctx.args = (scale, causal)
         return out
@@ -195,7 +196,8 @@ class _FoldedFlashCPU(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         d_lo = torch.zeros_like(lo)                                      # (B, H, N)
         n_q, n_k = q.shape[-2], k.shape[-2]
-        scratch = Scratch(_chunk_elements(q, k), q.dtype, 5)
+        chunks = chunked.chunks_of(q)
+        scratch = chunked.scratch(chunks, q, k, FOLD_CHANNELS + q.shape[-1], 5)
 
         def chunk(b: int, heads: slice) -> None:
             q2, k2, v2 = _augment_into(scratch, q[b, heads], k[b, heads], v[b, heads], scale,
@@ -209,16 +211,5 @@ class _FoldedFlashCPU(torch.autograd.Function):
             d_lo[b, heads, :n_q] += dq2[0, ..., 2]
             d_lo[b, heads, :n_k] -= dk2[0, ..., 3]
 
-        chunked.run_chunks(chunk, _chunks(q), q.device)
+        chunked.run_chunks(chunk, chunks, q.device)
         return dq, dk, dv, d_lo, None, None, None
-
-
-def _chunks(q: Tensor) -> list[tuple[int, slice]]:
-    """The chunks of heads the flash op runs on (:func:`attnscale.kernels.chunked.head_chunks`)."""
-    return chunked.head_chunks(q.shape[0], q.shape[1], q.shape[-2] * q.shape[-1])
-
-
-def _chunk_elements(q: Tensor, k: Tensor) -> int:
-    """Values of the largest copy a chunk writes (q', k', v', the output or its gradient)."""
-    heads = max(h.stop - h.start for _, h in _chunks(q))
-    return heads * max(q.shape[-2], k.shape[-2]) * (FOLD_CHANNELS + q.shape[-1])
