@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.rowsubset import block_hidden
+from attnscale.kernels.tiles import Scratch
 from attnscale.precision import all_finite, upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -154,6 +155,10 @@ class _Blocks:
     def starts(self) -> range:
         return range(0, self.n_q, self.rows)
 
+    def elements(self) -> int:
+        """Logits in the largest block: H · rows · Nk."""
+        return self.n_h * self.rows * self.n_k
+
     def n_keys(self, i0: int, i1: int) -> int:
         """Keys rows i0..i1-1 can see: all, or the causal prefix min(Nk, i1)."""
         return min(self.n_k, i1) if self.causal else self.n_k
@@ -270,28 +275,33 @@ class _SelectBlocks:
         return z0, valid, f
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, b: int, i0: int, i1: int, n_k: int) -> Tensor:
-    """scale · q kᵀ of batch element b's queries i0..i1-1 and first n_k keys: (H, r, n_k), the
-    scale applied by the matmul itself (no scaled copy of q)."""
-    q_b = q[b, :, i0:i1]
-    return torch.baddbmm(q_b.new_empty(()).expand(q_b.shape[0], i1 - i0, n_k), q_b,
-                         k[b, :, :n_k].transpose(1, 2), beta=0.0, alpha=scale)
+def _softmax_(z: Tensor) -> Tensor:
+    """softmax over the last dimension of ``z``, in place (the same values as torch.softmax, in
+    about half its time on a 2 MiB block: no new block to fault in)."""
+    return torch.ops.aten._softmax.out(z, -1, False, out=z)
 
 
-def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int):
+def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int,
+                   scratch: Scratch):
     """Batch element b's blocks in order, as ``(i0, i1, n_k, z)``: z (H, i1 − i0, n_k) the
-    biased, masked logits of queries i0..i1-1 against the keys they can see."""
+    biased, masked logits of queries i0..i1-1 against the keys they can see, in this thread's
+    scratch buffer 0 (the scale applied by the matmul itself)."""
     state = bias.start(b, q)
     for i0 in blocks.starts():
         i1 = min(i0 + blocks.rows, blocks.n_q)
         n_k = blocks.n_keys(i0, i1)
-        s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
+        s = scratch.scores(0, q[b, :, i0:i1], k[b, :, :n_k], scale)         # (H, r, n_k)
         state = bias.add(s, b, i0, state)
         yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0), state)
 
 
 class _BiasedAttention(torch.autograd.Function):
-    """softmax(scale q kᵀ + bias) v with ``strategy`` the bias's blocks; see the module doc."""
+    """softmax(scale q kᵀ + bias) v with ``strategy`` the bias's blocks; see the module doc.
+
+    Every pass over a whole (B, H, N, ·) tensor runs inside the batch elements' workers, block
+    by block (δ, the zero fill of dK and dV, the scale of dQ and dK in their matmuls): on 2
+    threads a torch op of its own would open an OpenMP team, which stalls whenever the other
+    core is taken (4-16 ms an op at load 4, against 0.4-1.5 ms on one thread)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
@@ -303,11 +313,11 @@ class _BiasedAttention(torch.autograd.Function):
         else:
             bias = _SelectBlocks(given, blocks.n_k)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                        # (B, H, Nq, d_v)
+        scratch = Scratch(blocks.elements(), q.dtype, 1, q.device)
 
         def element(b: int) -> None:
-            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b):
-                p = torch.softmax(z, dim=-1)
-                torch.bmm(p, v[b, :, :n_k], out=out[b, :, i0:i1])
+            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b, scratch):
+                torch.bmm(_softmax_(z), v[b, :, :n_k], out=out[b, :, i0:i1])
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         ctx.save_for_backward(q, k, v, out, mask, c)
@@ -321,40 +331,44 @@ class _BiasedAttention(torch.autograd.Function):
         scale, causal, block_elements, bias = ctx.args
         blocks = _Blocks(q, k, mask, causal, block_elements)
         d_out = d_out.contiguous()
-        delta = torch.linalg.vecdot(d_out, out).unsqueeze(-1)             # δ_i = Σ_j P_ij dP_ij
         dq = torch.empty_like(q)
         # dK and dV accumulate transposed: dKᵀ += Qᵀ dZ reads dZ untransposed (a faster gemm).
-        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
-        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        dk_t = k.new_empty(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
+        dv_t = v.new_empty(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        scratch = Scratch(blocks.elements(), q.dtype, 2, q.device)
         if not bias.ordered:
             bias.begin_backward()
 
         def element(b: int) -> None:
+            dk_t[b].zero_()
+            dv_t[b].zero_()
             after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
             for i0 in reversed(blocks.starts()):
                 i1 = min(i0 + blocks.rows, blocks.n_q)
                 n_k = blocks.n_keys(i0, i1)
-                s = _scores(q, k, scale, b, i0, i1, n_k)                     # (H, r, n_k)
+                s = scratch.scores(0, q[b, :, i0:i1], k[b, :, :n_k], scale)  # (H, r, n_k)
                 if bias.ordered:
                     z0, valid, f = bias.recompute(s, b, i0)
                     state = (None, f)
                 else:
                     state = bias.add(s, b, i0, None)
-                p = torch.softmax(bias.prune(blocks.hide(s, b, i0), state), dim=-1)
+                p = _softmax_(bias.prune(blocks.hide(s, b, i0), state))
                 do = d_out[b, :, i0:i1]
+                delta = torch.linalg.vecdot(do, out[b, :, i0:i1]).unsqueeze_(-1)  # δ = Σ P dP
                 dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
-                dz = torch.bmm(do, v[b, :, :n_k].transpose(1, 2))            # dP = dO Vᵀ
-                dz.sub_(delta[b, :, i0:i1]).mul_(p)                          # dZ = P ∘ (dP − δ)
+                dz = scratch.scores(1, do, v[b, :, :n_k])                   # dP = dO Vᵀ
+                dz.sub_(delta).mul_(p)                                       # dZ = P ∘ (dP − δ)
                 if bias.ordered:
                     after = _select_backward(dz, z0, valid, after, blocks.n_k)
                 else:
                     bias.backward(dz, b, i0)
-                torch.bmm(dz, k[b, :, :n_k], out=dq[b, :, i0:i1])          # dQ = dZ K
-                dk_t[b, :, :, :n_k].baddbmm_(q[b, :, i0:i1].transpose(1, 2), dz)  # dKᵀ += Qᵀ dZ
+                dq_b = dq[b, :, i0:i1]
+                torch.baddbmm(dq_b, dz, k[b, :, :n_k], beta=0.0, alpha=scale,
+                              out=dq_b)                                      # dQ = s dZ K
+                dk_t[b, :, :, :n_k].baddbmm_(q[b, :, i0:i1].transpose(1, 2), dz,
+                                             alpha=scale)                    # dKᵀ += s Qᵀ dZ
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
-        dq.mul_(scale)
-        dk_t.mul_(scale)
         d_c = None if c is None else bias.dc.to(c.dtype)
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
                 None, d_c)
@@ -390,9 +404,10 @@ def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor 
                     else _SelectBlocks(bias, blocks.n_k))
         workers = workers_for(q.device, blocks.n_b)
         threads = 1 if workers > 1 else None  # the row kernel inside a worker: one thread
+        scratch = Scratch(blocks.elements(), q.dtype, 1, q.device)
 
         def element(b: int) -> None:
-            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b):
+            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b, scratch):
                 rows[b, :, i0:i1].copy_(row_stats(z, threads=threads))
 
         parallel_map(element, range(blocks.n_b), workers)
