@@ -19,6 +19,7 @@ forward + backward; medians of 11 interleaved rounds at load 4).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -64,7 +65,34 @@ def scratch(chunks: list[tuple[int, slice]], q: Tensor, k: Tensor, width: int,
     """``count`` buffers per worker thread, each the size of the largest chunk's
     (heads, max(Nq, Nk), width) copy of q (B, H, Nq, ·) or k (B, H, Nk, ·)."""
     heads = max(h.stop - h.start for _, h in chunks)
-    return Scratch(heads * max(q.shape[-2], k.shape[-2]) * width, q.dtype, count, q.device)
+    return CallerScratch(heads * max(q.shape[-2], k.shape[-2]) * width, q.dtype, count,
+                         q.device, workers_for(q.device, len(chunks)))
+
+
+class CallerScratch(Scratch):
+    """:class:`attnscale.kernels.tiles.Scratch` whose buffers the calling thread allocates, one
+    set per worker, handed out to the workers at their first block.  Memory a worker thread
+    allocates comes from its own malloc arena and, freed, serves only that thread again; the
+    caller's serves the tensors the caller makes next (a norm of the output, the gradients):
+    measured at B4 H8 N1024 d64, 2 threads, peak extra memory of differential attention's
+    forward + backward 100 -> 84 MiB (1 thread: 65)."""
+
+    def __init__(self, elements: int, dtype: torch.dtype, count: int,
+                 device: torch.device | str, workers: int):
+        super().__init__(elements, dtype, count, device)
+        self._sets = [[torch.empty(elements, dtype=dtype, device=device) for _ in range(count)]
+                      for _ in range(workers)]
+        self._lock = threading.Lock()
+
+    def block(self, slot: int, shape: tuple[int, ...]) -> Tensor:
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            with self._lock:  # this thread's set; a thread beyond the workers makes its own
+                buffers = self._sets.pop() if self._sets else None
+            if buffers is None:
+                return super().block(slot, shape)
+            self._local.buffers = buffers
+        return buffers[slot][:math.prod(shape)].view(shape)
 
 
 def run_chunks(fn: Callable[[int, slice], None], chunks: list[tuple[int, slice]],
