@@ -108,11 +108,12 @@ def selection(z0: Tensor, valid: Tensor) -> Tensor:
 Bias = ForgetBias | SelectBias
 
 
-def nan_query_rows(out: Tensor, q: Tensor) -> Tensor:
+def nan_query_rows(out: Tensor, q: Tensor, finite: bool | None = None) -> Tensor:
     """``out`` (B, H, Nq, d_v) with NaN on every row whose query (B, H, Nq, ·) is not finite: a
     NaN there enters every logit of the row, as in the materialised formula, where SDPA's fused
-    CPU kernel would return a finite row.  One min/max pass over q when everything is finite."""
-    if all_finite(q):
+    CPU kernel would return a finite row.  One min/max pass over q when everything is finite,
+    none when the caller knows (``finite``: whether every entry of q is finite)."""
+    if all_finite(q) if finite is None else finite:
         return out
     return out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), math.nan)
 

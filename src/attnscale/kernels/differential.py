@@ -29,7 +29,7 @@ from torch import Tensor
 from attnscale.kernels import chunked
 from attnscale.kernels.biased import nan_query_rows
 from attnscale.kernels.tiles import Scratch
-from attnscale.precision import upcast
+from attnscale.precision import all_finite, upcast
 
 
 def split_maps(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -53,9 +53,10 @@ def differential_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, lam: T
             and chunked.flash_available()
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
             and type(q) is torch.Tensor):
+        finite: list[bool] = []  # each chunk's q finite, found where the chunk reads it
         o = _TwoMapsFlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), lam.to(q.dtype),
-                                   float(scale), causal)
-        return nan_query_rows(o, q)
+                                   float(scale), causal, finite)
+        return nan_query_rows(o, q, all(finite))
     q1, q2 = split_maps(q)
     k1, k2 = split_maps(k)
     qs = torch.cat([q1, q2], dim=1)                                        # (B, 2H, Nq, d/2)
@@ -96,7 +97,8 @@ class _TwoMapsFlashCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scale: float,
-                causal: bool) -> Tensor:
+                causal: bool, finite: list[bool]) -> Tensor:
+        # finite: receives whether each chunk's q is finite
         out, o2 = torch.empty_like(q), torch.empty_like(q)               # (B, H, Nq, d)
         lse = q.new_empty(2, *q.shape[:-1])                              # both maps' (B, H, Nq)
         neg_lam = -lam.detach().expand(*q.shape[:2], 1, 1)                # −λ per head
@@ -104,6 +106,7 @@ class _TwoMapsFlashCPU(torch.autograd.Function):
         scratch = chunked.scratch(chunks, q, k, q.shape[-1], 2)
 
         def chunk(b: int, heads: slice) -> None:
+            finite.append(all_finite(q[b, heads]))
             v_c = v[b:b + 1, heads]
             o = []
             for m in (0, 1):
@@ -157,7 +160,8 @@ class _TwoMapsFlashCPU(torch.autograd.Function):
             torch.sum(torch.linalg.vecdot(g_c[0], o2_c), -1, out=d_lam[b, heads]).neg_()
 
         chunked.run_chunks(chunk, chunks, q.device)
-        return dq, dk, dv, d_lam.view(*q.shape[:2], 1, 1).sum_to_size(lam.shape), None, None
+        return (dq, dk, dv, d_lam.view(*q.shape[:2], 1, 1).sum_to_size(lam.shape), None,
+                None, None)
 
 
 

@@ -91,10 +91,11 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor, mask: Tens
     if (mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
             and chunked.flash_available()):
         hi, lo = _split(c, q.dtype)
+        finite: list[bool] = []  # each chunk's q finite, found where the chunk reads it
         out = _FoldedFlashCPU.apply(q.contiguous(), k.contiguous(),
                                     upcast(v).to(q.dtype).contiguous(), lo, hi, float(scale),
-                                    causal)
-        return _nan_rows(out, q, c).to(v.dtype)
+                                    causal, finite)
+        return _nan_rows(out, q, c, all(finite)).to(v.dtype)
     work = q.dtype
     n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     q_parts, k_parts = [], []
@@ -117,10 +118,10 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, scale: float, c: Tensor, mask: Tens
     return _nan_rows(out[..., front:front + d_v], q, c).to(v.dtype)
 
 
-def _nan_rows(out: Tensor, q: Tensor, c: Tensor) -> Tensor:
-    """NaN on the rows whose query or c_i is not finite (:func:`nan_query_rows`): c_i enters
-    every logit of row i."""
-    out = nan_query_rows(out, q)
+def _nan_rows(out: Tensor, q: Tensor, c: Tensor, finite: bool | None = None) -> Tensor:
+    """NaN on the rows whose query or c_i is not finite (:func:`nan_query_rows`; ``finite``:
+    whether q is, if known): c_i enters every logit of row i."""
+    out = nan_query_rows(out, q, finite)
     if all_finite(c):
         return out
     return out.masked_fill(~torch.isfinite(c[..., :q.shape[-2], None]), math.nan)
@@ -168,7 +169,8 @@ class _FoldedFlashCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float,
-                causal: bool) -> Tensor:
+                causal: bool, finite: list[bool]) -> Tensor:
+        # finite: receives whether each chunk's q is finite
         out = torch.empty_like(q)                                        # (B, H, Nq, d)
         lse = q.new_empty(q.shape[:-1])                                  # (B, H, Nq)
         lo_ = lo.detach()
@@ -176,6 +178,7 @@ class _FoldedFlashCPU(torch.autograd.Function):
         scratch = chunked.scratch(chunks, q, k, FOLD_CHANNELS + q.shape[-1], 3)
 
         def chunk(b: int, heads: slice) -> None:
+            finite.append(all_finite(q[b, heads]))
             q2, k2, v2 = _augment_into(scratch, q[b, heads], k[b, heads], v[b, heads], scale,
                                        hi[b, heads], lo_[b, heads])
             o2, l2 = chunked.FLASH(q2, k2, v2, 0.0, causal, scale=1.0)
@@ -212,4 +215,4 @@ class _FoldedFlashCPU(torch.autograd.Function):
             d_lo[b, heads, :n_k] -= dk2[0, ..., 3]
 
         chunked.run_chunks(chunk, chunks, q.device)
-        return dq, dk, dv, d_lo, None, None, None
+        return dq, dk, dv, d_lo, None, None, None, None
