@@ -221,20 +221,26 @@ class _SelectBlocks:
 
     def __init__(self, bias: SelectBias, n_k: int):
         self.budget = bias.budget
-        self.mask = None
+        self.hidden = None
         if bias.mask is not None:
             m = bias.mask.reshape((1,) * (4 - bias.mask.dim()) + tuple(bias.mask.shape))
-            self.mask = m[:, 0]                                              # (B|1, Nq|1, Nk|1)
+            self.hidden = ~m[:, 0]                                           # (B|1, Nq|1, Nk|1)
         self.n_k = n_k
         self.carries: dict[tuple[int, int], Tensor] = {}                     # (b, i0) -> carry
 
-    def _valid(self, b: int, i0: int, r: int, n_k: int, device) -> Tensor:
-        valid = SelectBias._valid(i0, r, n_k, device)
-        if self.mask is not None:
-            m = self.mask[b if self.mask.shape[0] > 1 else 0]
-            m = m[i0:i0 + r] if m.shape[0] > 1 else m
-            valid = valid & (m[:, :n_k] if m.shape[1] > 1 else m)
-        return valid
+    def selected(self, z0: Tensor, b: int, i0: int) -> Tensor:
+        """S of the block's first-head logits z0 (r, n_k): max(0, z⁰_kj) where 1 <= j < k (k =
+        i0 + row) and query k attends key j, else 0 (a NaN logit where S is not valid stays
+        out), as a new tensor.  A clamp and a fill above a diagonal: a boolean ``where`` takes
+        ten times as long on the CPU."""
+        r, n_k = z0.shape
+        sel = z0.clamp(min=0.0).tril_(i0 - 1)                                # j < k
+        sel[:, 0] = 0.0                                                      # j >= 1
+        if self.hidden is not None:
+            h = self.hidden[b if self.hidden.shape[0] > 1 else 0]
+            h = h[i0:i0 + r] if h.shape[0] > 1 else h
+            sel.masked_fill_(h[:, :n_k] if h.shape[1] > 1 else h, 0.0)
+        return sel
 
     def start(self, b: int, like: Tensor) -> tuple[Tensor, None]:
         """A batch element's state before its first block: the carry Σ_{k < i0} S_kj, zeros
@@ -247,14 +253,20 @@ class _SelectBlocks:
         """Subtract the block's F from s (H, r, n_k) in place; return the state for the next
         block: the carry, and this block's F (r, n_k)."""
         carry, _ = state
-        r, n_k = s.shape[-2], s.shape[-1]
+        n_k = s.shape[-1]
         self.carries[b, i0] = carry.clone()
-        sel = selection(s[0], self._valid(b, i0, r, n_k, s.device))          # (r, n_k)
-        cs = sel.cumsum(0)
-        f = (cs - sel).add_(carry[:n_k])                                     # F, exclusive
-        carry[:n_k] += cs[-1]
+        f, total = self._exclusive(self.selected(s[0], b, i0), carry[:n_k])
+        carry[:n_k] += total
         s.sub_(f)
         return carry, f
+
+    @staticmethod
+    def _exclusive(sel: Tensor, carry: Tensor) -> tuple[Tensor, Tensor]:
+        """F = Σ_{k' < k} S_k'j + carry over the block's rows k, and Σ_k S_kj (the next carry's
+        increment)."""
+        cs = sel.cumsum(0)
+        total = cs[-1].clone()
+        return cs.sub_(sel).add_(carry), total
 
     def prune(self, z: Tensor, state: tuple[Tensor | None, Tensor]) -> Tensor:
         """With a budget, the block's pruned keys at -inf, in place: z (H, r, n_k) masked, whose
@@ -263,17 +275,13 @@ class _SelectBlocks:
             z.masked_fill_(pruned(state[1], torch.isneginf(z[0]), self.budget), -math.inf)
         return z
 
-    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor, Tensor]:
-        """In the backward: subtract the block's F from s (H, r, n_k) in place; return the
-        first head's raw logits and where S is valid, for the gradient through max(0, ·)."""
-        r, n_k = s.shape[-2], s.shape[-1]
-        z0 = s[0].clone()
-        valid = self._valid(b, i0, r, n_k, s.device)
-        sel = selection(z0, valid)
-        cs = sel.cumsum(0)
-        f = (cs - sel).add_(self.carries[b, i0][:n_k])
+    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor]:
+        """In the backward: subtract the block's F from s (H, r, n_k) in place; return S
+        (r, n_k), whose positive entries pass the gradient through max(0, ·), and F."""
+        sel = self.selected(s[0], b, i0)
+        f, _ = self._exclusive(sel, self.carries[b, i0][:s.shape[-1]])
         s.sub_(f)
-        return z0, valid, f
+        return sel, f
 
 
 def _softmax_(z: Tensor) -> Tensor:
@@ -349,7 +357,7 @@ class _BiasedAttention(torch.autograd.Function):
                 n_k = blocks.n_keys(i0, i1)
                 s = scratch.scores(0, q[b, :, i0:i1], k[b, :, :n_k], scale)  # (H, r, n_k)
                 if bias.ordered:
-                    z0, valid, f = bias.recompute(s, b, i0)
+                    sel, f = bias.recompute(s, b, i0)
                     state = (None, f)
                 else:
                     state = bias.add(s, b, i0, None)
@@ -360,7 +368,7 @@ class _BiasedAttention(torch.autograd.Function):
                 dz = scratch.scores(1, do, v[b, :, :n_k])                   # dP = dO Vᵀ
                 dz.sub_(delta).mul_(p)                                       # dZ = P ∘ (dP − δ)
                 if bias.ordered:
-                    after = _select_backward(dz, z0, valid, after, blocks.n_k)
+                    after = _select_backward(dz, sel, after, blocks.n_k)
                 else:
                     bias.backward(dz, b, i0)
                 dq_b = dq[b, :, i0:i1]
@@ -375,12 +383,12 @@ class _BiasedAttention(torch.autograd.Function):
                 None, d_c)
 
 
-def _select_backward(dz: Tensor, z0: Tensor, valid: Tensor, after: Tensor | None,
-                     n_keys: int) -> Tensor:
+def _select_backward(dz: Tensor, sel: Tensor, after: Tensor | None, n_keys: int) -> Tensor:
     """Selective attention's gradient in one block, rows processed last to first: F's gradient
     is −Σ_h dZ; the block's rows k pass it on to S_kj summed over the later rows i > k (those in
-    the block and ``after`` it), then through max(0, ·) into the first head's logits, added to
-    ``dz[0]`` in place.  Returns the new ``after`` (this block's rows included)."""
+    the block and ``after`` it), then through max(0, ·) (where S, ``sel``, is positive) into the
+    first head's logits, added to ``dz[0]`` in place.  Returns the new ``after`` (this block's
+    rows included)."""
     n_k = dz.shape[-1]
     if after is None:
         after = dz.new_zeros(n_keys)
@@ -388,7 +396,7 @@ def _select_backward(dz: Tensor, z0: Tensor, valid: Tensor, after: Tensor | None
     total = d_f.flip(0).cumsum(0).flip(0)                                    # Σ_{i ≥ k}
     d_s = (total - d_f).add_(after[:n_k])                                    # Σ_{i > k}
     after[:n_k] += total[0]
-    dz[0] += torch.where(valid & (z0 > 0), d_s, 0.0)
+    dz[0] += torch.where(sel > 0, d_s, 0.0)
     return after
 
 
