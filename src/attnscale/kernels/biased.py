@@ -152,6 +152,10 @@ class _Blocks:
         self.hidden = None
         if mask is not None:
             self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        # Under causality, which keys of a block's diagonal square are future (u >= t for row t
+        # and key i0 + 1 + u): one mask for every block.
+        self.future = (torch.ones(self.rows, self.rows, dtype=torch.bool, device=q.device).triu_()
+                       if causal else None)
 
     def starts(self) -> range:
         return range(0, self.n_q, self.rows)
@@ -169,11 +173,16 @@ class _Blocks:
         r, n_k = z.shape[-2], z.shape[-1]
         if self.hidden is not None:
             z.masked_fill_(block_hidden(self.hidden, b, slice(None), i0, i0 + r, n_k), -math.inf)
-        if self.causal and i0 + 1 < n_k:
-            j = torch.arange(i0 + 1, n_k, device=z.device)
-            rows = torch.arange(i0, i0 + r, device=z.device).unsqueeze(-1)
-            z[..., i0 + 1:].masked_fill_(j > rows, -math.inf)
+        if self.causal and i0 + 1 < n_k:  # keys j > i0 + t, all within the diagonal square
+            z[..., i0 + 1:].masked_fill_(self.future[:r, :n_k - i0 - 1], -math.inf)
         return z
+
+    def row_blocks(self, b: int, *tensors: Tensor) -> list[tuple]:
+        """(i0, n_k, blocks of each (B, H, Nq, ·) tensor) for batch element b's row blocks in
+        order: (H, r, ·) views from one ``split`` per tensor."""
+        parts = [t[b].split(self.rows, dim=1) for t in tensors]
+        return [(i0, self.n_keys(i0, min(i0 + self.rows, self.n_q)), *views)
+                for i0, *views in zip(self.starts(), *parts)]
 
 
 class _ForgetBlocks:
@@ -296,12 +305,11 @@ def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b:
     biased, masked logits of queries i0..i1-1 against the keys they can see, in this thread's
     scratch buffer 0 (the scale applied by the matmul itself)."""
     state = bias.start(b, q)
-    for i0 in blocks.starts():
-        i1 = min(i0 + blocks.rows, blocks.n_q)
-        n_k = blocks.n_keys(i0, i1)
-        s = scratch.scores(0, q[b, :, i0:i1], k[b, :, :n_k], scale)         # (H, r, n_k)
+    k_b = k[b]
+    for i0, n_k, q_blk in blocks.row_blocks(b, q):
+        s = scratch.scores(0, q_blk, k_b[:, :n_k], scale)                   # (H, r, n_k)
         state = bias.add(s, b, i0, state)
-        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0), state)
+        yield i0, i0 + q_blk.shape[1], n_k, bias.prune(blocks.hide(s, b, i0), state)
 
 
 class _BiasedAttention(torch.autograd.Function):
@@ -349,33 +357,30 @@ class _BiasedAttention(torch.autograd.Function):
             bias.begin_backward()
 
         def element(b: int) -> None:
-            dk_t[b].zero_()
-            dv_t[b].zero_()
+            k_b, v_b, dk_b, dv_b = k[b], v[b], dk_t[b].zero_(), dv_t[b].zero_()
             after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
-            for i0 in reversed(blocks.starts()):
-                i1 = min(i0 + blocks.rows, blocks.n_q)
-                n_k = blocks.n_keys(i0, i1)
-                s = scratch.scores(0, q[b, :, i0:i1], k[b, :, :n_k], scale)  # (H, r, n_k)
+            for i0, n_k, q_blk, do, out_blk, dq_blk in reversed(
+                    blocks.row_blocks(b, q, d_out, out, dq)):
+                k_p, v_p = k_b[:, :n_k], v_b[:, :n_k]                        # (H, n_k, ·)
+                s = scratch.scores(0, q_blk, k_p, scale)                     # (H, r, n_k)
                 if bias.ordered:
                     sel, f = bias.recompute(s, b, i0)
                     state = (None, f)
                 else:
                     state = bias.add(s, b, i0, None)
                 p = _softmax_(bias.prune(blocks.hide(s, b, i0), state))
-                do = d_out[b, :, i0:i1]
-                delta = torch.linalg.vecdot(do, out[b, :, i0:i1]).unsqueeze_(-1)  # δ = Σ P dP
-                dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
-                dz = scratch.scores(1, do, v[b, :, :n_k])                   # dP = dO Vᵀ
+                delta = torch.linalg.vecdot(do, out_blk).unsqueeze_(-1)     # δ = Σ_j P dP
+                dv_b[..., :n_k].baddbmm_(do.transpose(1, 2), p)             # dVᵀ += dOᵀ P
+                dz = scratch.scores(1, do, v_p)                              # dP = dO Vᵀ
                 dz.sub_(delta).mul_(p)                                       # dZ = P ∘ (dP − δ)
                 if bias.ordered:
                     after = _select_backward(dz, sel, after, blocks.n_k)
                 else:
                     bias.backward(dz, b, i0)
-                dq_b = dq[b, :, i0:i1]
-                torch.baddbmm(dq_b, dz, k[b, :, :n_k], beta=0.0, alpha=scale,
-                              out=dq_b)                                      # dQ = s dZ K
-                dk_t[b, :, :, :n_k].baddbmm_(q[b, :, i0:i1].transpose(1, 2), dz,
-                                             alpha=scale)                    # dKᵀ += s Qᵀ dZ
+                torch.baddbmm(dq_blk, dz, k_p, beta=0.0, alpha=scale,
+                              out=dq_blk)                                    # dQ = s dZ K
+                dk_b[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz,
+                                         alpha=scale)                        # dKᵀ += s Qᵀ dZ
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         d_c = None if c is None else bias.dc.to(c.dtype)
