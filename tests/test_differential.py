@@ -158,8 +158,8 @@ def test_the_flash_path_in_chunks_of_heads_on_worker_threads(monkeypatch, n_q, n
     # the CPU path without a mask: one head per chunk (6 chunks), on 2 workers, float64 inputs
     from attnscale.kernels import chunked
     from attnscale.workers import num_threads
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1)
-    assert len(chunked.head_chunks(B, H, n_q * D)) == B * H
+    monkeypatch.setattr(chunked, "IN_FLIGHT_ELEMENTS", 1)
+    assert len(chunked.head_chunks(B, H, n_q * D, 2)) == B * H
     q, k, v = qkv(n_q, n_k, seed=5)
     m = _mechanism()
     wrt = (q, k, v, m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2)

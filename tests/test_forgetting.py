@@ -249,8 +249,8 @@ def test_the_folded_flash_path_in_chunks_of_heads_on_worker_threads(monkeypatch,
     # run the flash op in float64, so the formula's rounding is the tolerance
     from attnscale.kernels import chunked
     from attnscale.workers import num_threads
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1)
-    assert len(chunked.head_chunks(B, H, n_q * D)) == B * H
+    monkeypatch.setattr(chunked, "IN_FLIGHT_ELEMENTS", 1)
+    assert len(chunked.head_chunks(B, H, n_q * D, 2)) == B * H
     q, k, v, log_f = _inputs(n_q, n_k, seed=4)
     mech = build_mechanism("forgetting", D, H).double()
     with num_threads(2):

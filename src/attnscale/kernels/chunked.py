@@ -32,11 +32,12 @@ from attnscale.workers import parallel_map, workers_for
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FLASH_BACKWARD = getattr(torch.ops.aten,
                          "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-# Values in one chunk's copy of q (heads · N · d): 2^17 float32 = 512 KiB, 2 heads at N = 1024,
-# d = 64.  As fast as 2^18 (forgetting and differential forward + backward at B4 H8 N1024 d64 on
-# 2 threads, load 4) and, the chunks' copies being alive two at a time, 9 MiB less peak memory
-# for forgetting.
-CHUNK_ELEMENTS = 2**17
+# Values of the chunks in flight at once, each worker's copy of q (heads · N · d): 2^18 float32 =
+# 1 MiB, shared by the workers: at N = 1024, d = 64, chunks of 2 heads on 2 threads and of 4 on
+# one.  On 2 threads chunks of 2^17 ran as fast as 2^18 (forgetting and differential forward +
+# backward at B4 H8 N1024 d64, load 4) with 9 MiB less peak memory for forgetting; on one thread
+# differential ran 3% faster on chunks of 2^18 than of 2^17 (load 3.5).
+IN_FLIGHT_ELEMENTS = 2**18
 
 
 def flash_available() -> bool:
@@ -44,11 +45,12 @@ def flash_available() -> bool:
     return FLASH is not None and FLASH_BACKWARD is not None
 
 
-def head_chunks(n_b: int, n_h: int, per_head: int) -> list[tuple[int, slice]]:
+def head_chunks(n_b: int, n_h: int, per_head: int,
+                workers: int) -> list[tuple[int, slice]]:
     """(b, heads) of every chunk: each batch element's heads cut into near-equal groups of at
-    most ``CHUNK_ELEMENTS // per_head`` heads (at least one), ``per_head`` the values of one
-    head of q (N · d)."""
-    most = max(1, CHUNK_ELEMENTS // max(per_head, 1))
+    most ``IN_FLIGHT_ELEMENTS // workers // per_head`` heads (at least one), ``per_head`` the
+    values of one head of q (N · d), ``workers`` the threads the chunks run on."""
+    most = max(1, IN_FLIGHT_ELEMENTS // max(workers, 1) // max(per_head, 1))
     groups = math.ceil(n_h / most)               # as few groups as fit, of near-equal sizes
     size = math.ceil(n_h / groups)
     return [(b, slice(h0, min(h0 + size, n_h))) for b in range(n_b)
@@ -56,8 +58,10 @@ def head_chunks(n_b: int, n_h: int, per_head: int) -> list[tuple[int, slice]]:
 
 
 def chunks_of(q: Tensor) -> list[tuple[int, slice]]:
-    """The chunks of q (B, H, N, d): :func:`head_chunks` of its heads."""
-    return head_chunks(q.shape[0], q.shape[1], q.shape[-2] * q.shape[-1])
+    """The chunks of q (B, H, N, d): :func:`head_chunks` of its heads, for as many workers as
+    torch has intra-op threads."""
+    return head_chunks(q.shape[0], q.shape[1], q.shape[-2] * q.shape[-1],
+                       workers_for(q.device, q.shape[0] * q.shape[1]))
 
 
 def scratch(chunks: list[tuple[int, slice]], q: Tensor, k: Tensor, width: int,
