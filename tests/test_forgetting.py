@@ -241,22 +241,3 @@ def test_the_blockwise_kernel_on_worker_threads(monkeypatch):
     assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(got_grads, grads(want, (q, k, v, log_f))):
         assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("n_q, n_k", [(6, 6), (5, 7), (7, 5)])
-def test_the_folded_flash_path_in_chunks_of_heads_on_worker_threads(monkeypatch, n_q, n_k):
-    # the CPU path without a mask: one head per chunk (6 chunks), on 2 workers; float64 inputs
-    # run the flash op in float64, so the formula's rounding is the tolerance
-    from attnscale.kernels import chunked
-    from attnscale.workers import num_threads
-    monkeypatch.setattr(chunked, "IN_FLIGHT_ELEMENTS", 1)
-    assert len(chunked.head_chunks(B, H, n_q * D, 2)) == B * H
-    q, k, v, log_f = _inputs(n_q, n_k, seed=4)
-    mech = build_mechanism("forgetting", D, H).double()
-    with num_threads(2):
-        got = attention(q, k, v, mech, causal=True, log_forget=log_f)
-        got_grads = grads(got, (q, k, v, log_f))
-    want = fox_reference(q, k, v, log_f)
-    assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for a, b in zip(got_grads, grads(want, (q, k, v, log_f))):
-        assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -201,12 +201,17 @@ class _ForgetBlocks:
     def start(self, b: int, like: Tensor) -> None:
         return None
 
-    def add(self, s: Tensor, b: int, i0: int, state: None) -> None:
-        """Add the block's c_i − c_j to s (H, r, n_k) in place."""
+    # Scratch buffers add() writes into beside the logits' (buffer 1: c_i − c_j).
+    temporaries = 1
+
+    def add(self, s: Tensor, b: int, i0: int, state: None, scratch: Scratch) -> None:
+        """Add the block's c_i − c_j to s (H, r, n_k) in place: (hi_i − hi_j + lo_i) − lo_j, the
+        first difference exact near the diagonal, in this thread's scratch buffer 1."""
         r, n_k = s.shape[-2], s.shape[-1]
-        t = self.hi[b, :, i0:i0 + r, None] - self.hi[b, :, None, :n_k]      # (H, r, n_k)
+        t = torch.sub(self.hi[b, :, i0:i0 + r, None], self.hi[b, :, None, :n_k],
+                      out=scratch.block(1, s.shape))                          # (H, r, n_k)
         if self.lo is not None:
-            t.add_(self.lo[b, :, i0:i0 + r, None] - self.lo[b, :, None, :n_k])
+            t.add_(self.lo[b, :, i0:i0 + r, None]).sub_(self.lo[b, :, None, :n_k])
         s.add_(t)
 
     def prune(self, z: Tensor, state: None) -> Tensor:
@@ -257,8 +262,10 @@ class _SelectBlocks:
         own."""
         return like.new_zeros(self.n_k), None
 
-    def add(self, s: Tensor, b: int, i0: int,
-            state: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
+    temporaries = 0
+
+    def add(self, s: Tensor, b: int, i0: int, state: tuple[Tensor, Tensor | None],
+            scratch: Scratch) -> tuple[Tensor, Tensor]:
         """Subtract the block's F from s (H, r, n_k) in place; return the state for the next
         block: the carry, and this block's F (r, n_k)."""
         carry, _ = state
@@ -308,7 +315,7 @@ def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b:
     k_b = k[b]
     for i0, n_k, q_blk in blocks.row_blocks(b, q):
         s = scratch.scores(0, q_blk, k_b[:, :n_k], scale)                   # (H, r, n_k)
-        state = bias.add(s, b, i0, state)
+        state = bias.add(s, b, i0, state, scratch)
         yield i0, i0 + q_blk.shape[1], n_k, bias.prune(blocks.hide(s, b, i0), state)
 
 
@@ -330,7 +337,7 @@ class _BiasedAttention(torch.autograd.Function):
         else:
             bias = _SelectBlocks(given, blocks.n_k)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                        # (B, H, Nq, d_v)
-        scratch = Scratch(blocks.elements(), q.dtype, 1, q.device)
+        scratch = Scratch(blocks.elements(), q.dtype, 1 + bias.temporaries, q.device)
 
         def element(b: int) -> None:
             for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b, scratch):
@@ -367,7 +374,7 @@ class _BiasedAttention(torch.autograd.Function):
                     sel, f = bias.recompute(s, b, i0)
                     state = (None, f)
                 else:
-                    state = bias.add(s, b, i0, None)
+                    state = bias.add(s, b, i0, None, scratch)  # before dP takes buffer 1
                 p = _softmax_(bias.prune(blocks.hide(s, b, i0), state))
                 delta = torch.linalg.vecdot(do, out_blk).unsqueeze_(-1)     # δ = Σ_j P dP
                 dv_b[..., :n_k].baddbmm_(do.transpose(1, 2), p)             # dVᵀ += dOᵀ P
@@ -418,7 +425,7 @@ def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor 
                     else _SelectBlocks(bias, blocks.n_k))
         workers = workers_for(q.device, blocks.n_b)
         threads = 1 if workers > 1 else None  # the row kernel inside a worker: one thread
-        scratch = Scratch(blocks.elements(), q.dtype, 1, q.device)
+        scratch = Scratch(blocks.elements(), q.dtype, 1 + strategy.temporaries, q.device)
 
         def element(b: int) -> None:
             for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b, scratch):

@@ -1,19 +1,18 @@
 """PyTorch's CPU flash-attention op run on chunks of heads, one chunk per worker thread.
 
-Forgetting attention (:mod:`attnscale.kernels.forgetting`) and differential attention
-(:mod:`attnscale.kernels.differential`) hand the flash op rewritten q, k and v (extra channels,
-zero-padded halves).  Written for the whole (B, H, N, ·) input, those copies and the op's own
-gradients of them are as large as the input each, and alive together in the backward.  Cut into
-chunks of a few heads of one batch element, each copy is written into a buffer of its worker's
-(:class:`attnscale.kernels.tiles.Scratch`, reused from chunk to chunk, still in cache when the op
-reads it), and only the chunk's part of the op's outputs exists at a time.
+Differential attention (:mod:`attnscale.kernels.differential`) hands the flash op rewritten q
+and k (each map's half, zero-padded to v's width).  Written for the whole (B, H, N, d) input,
+those copies and the op's own gradients are as large as the input each, and alive together in
+the backward.  Cut into chunks of a few heads of one batch element, each copy is written into a
+buffer of its worker's (:class:`CallerScratch`, reused from chunk to chunk, still in cache when
+the op reads it), and only the chunk's part of the op's outputs exists at a time.
 
 The chunks run side by side on worker threads of one intra-op thread each
 (:func:`attnscale.workers.parallel_map`), not one op call after another on torch's own threads:
 the op's OpenMP team splits a call's (batch, head) pairs statically, and on the shared 2-core
 machine a call per batch element on 2 threads took 1.3x the time of one call on the whole input,
-while 4 chunks of B1 H8 N1024 d68 on 2 single-threaded workers took 0.92x of it (causal flash
-forward + backward; medians of 11 interleaved rounds at load 4).
+while 4 chunks of B1 H8 N1024 (head size 68) on 2 single-threaded workers took 0.92x of it
+(causal flash forward + backward; medians of 11 interleaved rounds at load 4).
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ FLASH_BACKWARD = getattr(torch.ops.aten,
                          "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 # Values of the chunks in flight at once, each worker's copy of q (heads · N · d): 2^18 float32 =
 # 1 MiB, shared by the workers: at N = 1024, d = 64, chunks of 2 heads on 2 threads and of 4 on
-# one.  On 2 threads chunks of 2^17 ran as fast as 2^18 (forgetting and differential forward +
-# backward at B4 H8 N1024 d64, load 4) with 9 MiB less peak memory for forgetting; on one thread
-# differential ran 3% faster on chunks of 2^18 than of 2^17 (load 3.5).
+# one.  On 2 threads chunks of 2^17 values ran as fast as 2^18 (differential attention's forward
+# + backward at B4 H8 N1024 d64, load 4) on less memory; on one thread chunks of 2^18 ran 3%
+# faster than of 2^17 (load 3.5).
 IN_FLIGHT_ELEMENTS = 2**18
 
 
