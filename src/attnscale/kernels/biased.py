@@ -153,9 +153,12 @@ class _Blocks:
         if mask is not None:
             self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         # Under causality, which keys of a block's diagonal square are future (u >= t for row t
-        # and key i0 + 1 + u): one mask for every block.
-        self.future = (torch.ones(self.rows, self.rows, dtype=torch.bool, device=q.device).triu_()
-                       if causal else None)
+        # and key i0 + 1 + u): one mask for every block, from a comparison (a small op on one
+        # thread; triu_ on 2 threads took 6 ms at load 3, waking its OpenMP team)
+        self.future = None
+        if causal:
+            at = torch.arange(self.rows, device=q.device)
+            self.future = at >= at.unsqueeze(-1)                            # (rows, rows)
 
     def starts(self) -> range:
         return range(0, self.n_q, self.rows)
