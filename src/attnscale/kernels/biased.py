@@ -196,10 +196,21 @@ class _ForgetBlocks:
     ordered = False
 
     def __init__(self, c: Tensor, work: torch.dtype):
-        c = c.detach()
-        self.hi = c.to(work)
-        self.lo = (c - self.hi.to(c.dtype)).to(work) if c.dtype != work else None
+        # Every pass over c (B, H, N) runs in the worker of its batch element: on 2 threads a
+        # whole-c op (2^15 values at B4 H8 N1024) would wake an OpenMP team of its own.
+        self.c, self.work = c.detach(), work
+        self.halves: dict[int, tuple[Tensor, Tensor | None]] = {}         # b -> (hi, lo)
         self.dc: Tensor | None = None                                      # ∂L/∂c, (B, H, N)
+
+    def _halves(self, b: int) -> tuple[Tensor, Tensor | None]:
+        """Batch element b's c = hi + lo in the working precision (lo None when c is in it)."""
+        got = self.halves.get(b)
+        if got is None:
+            c = self.c[b]                                                  # (H, N)
+            hi = c.to(self.work)
+            lo = (c - hi.to(c.dtype)).to(self.work) if c.dtype != self.work else None
+            got = self.halves[b] = (hi, lo)
+        return got
 
     def start(self, b: int, like: Tensor) -> None:
         return None
@@ -211,18 +222,23 @@ class _ForgetBlocks:
         """Add the block's c_i − c_j to s (H, r, n_k) in place: (hi_i − hi_j + lo_i) − lo_j, the
         first difference exact near the diagonal, in this thread's scratch buffer 1."""
         r, n_k = s.shape[-2], s.shape[-1]
-        t = torch.sub(self.hi[b, :, i0:i0 + r, None], self.hi[b, :, None, :n_k],
+        hi, lo = self._halves(b)
+        t = torch.sub(hi[:, i0:i0 + r, None], hi[:, None, :n_k],
                       out=scratch.block(1, s.shape))                          # (H, r, n_k)
-        if self.lo is not None:
-            t.add_(self.lo[b, :, i0:i0 + r, None]).sub_(self.lo[b, :, None, :n_k])
+        if lo is not None:
+            t.add_(lo[:, i0:i0 + r, None]).sub_(lo[:, None, :n_k])
         s.add_(t)
 
     def prune(self, z: Tensor, state: None) -> Tensor:
         return z
 
     def begin_backward(self) -> None:
-        """∂L/∂c, zeros, before the batch elements' threads add their rows into it."""
-        self.dc = torch.zeros_like(self.hi)
+        """∂L/∂c in c's dtype, each batch element's rows zeroed by its worker (begin_element)."""
+        self.dc = torch.empty(self.c.shape, dtype=self.c.dtype, device=self.c.device)
+
+    def begin_element(self, b: int) -> None:
+        """Before batch element b's first block in the backward: its ∂L/∂c rows at 0."""
+        self.dc[b].zero_()
 
     def backward(self, dz: Tensor, b: int, i0: int) -> None:
         # c_m enters as + on row m and as − on column m: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im.
@@ -368,6 +384,8 @@ class _BiasedAttention(torch.autograd.Function):
 
         def element(b: int) -> None:
             k_b, v_b, dk_b, dv_b = k[b], v[b], dk_t[b].zero_(), dv_t[b].zero_()
+            if not bias.ordered:
+                bias.begin_element(b)
             after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
             for i0, n_k, q_blk, do, out_blk, dq_blk in reversed(
                     blocks.row_blocks(b, q, d_out, out, dq)):
@@ -393,7 +411,7 @@ class _BiasedAttention(torch.autograd.Function):
                                          alpha=scale)                        # dKᵀ += s Qᵀ dZ
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
-        d_c = None if c is None else bias.dc.to(c.dtype)
+        d_c = None if c is None else bias.dc
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
                 None, d_c)
 
