@@ -268,7 +268,7 @@ class _SelectBlocks:
         ten times as long on the CPU."""
         r, n_k = z0.shape
         sel = z0.clamp(min=0.0).tril_(i0 - 1)                                # j < k
-        sel[:, 0] = 0.0                                                      # j >= 1
+        sel[:, :1] = 0.0                                                     # j >= 1
         if self.hidden is not None:
             h = self.hidden[b if self.hidden.shape[0] > 1 else 0]
             h = h[i0:i0 + r] if h.shape[0] > 1 else h
