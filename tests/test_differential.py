@@ -150,3 +150,23 @@ def test_an_observer_gets_the_rows_of_both_maps():
     keep = mask & torch.ones(6, 9, dtype=torch.bool).tril()
     z = z.masked_fill(~torch.cat([keep, keep], -1), -math.inf)
     assert_close(seen[0], row_stats(z, normaliser="differential", lam=m.lam().detach()))
+
+
+@pytest.mark.parametrize("n_q, n_k", [(6, 6), (5, 7), (7, 5)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_flash_path_in_chunks_of_heads_on_worker_threads(monkeypatch, n_q, n_k, causal):
+    # the CPU path without a mask: one head per chunk (6 chunks), on 2 workers, float64 inputs
+    from attnscale.kernels import chunked
+    from attnscale.workers import num_threads
+    monkeypatch.setattr(chunked, "IN_FLIGHT_ELEMENTS", 1)
+    assert len(chunked.head_chunks(B, H, n_q * D, 2)) == B * H
+    q, k, v = qkv(n_q, n_k, seed=5)
+    m = _mechanism()
+    wrt = (q, k, v, m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2)
+    with num_threads(2):
+        got = attention(q, k, v, m, causal=causal)
+        got_grads = grads(got, wrt)
+    want = differential_reference(q, k, v, m, causal=causal)
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, grads(want, wrt)):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)

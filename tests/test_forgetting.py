@@ -241,3 +241,14 @@ def test_the_blockwise_kernel_on_worker_threads(monkeypatch):
     assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(got_grads, grads(want, (q, k, v, log_f))):
         assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_second_backward_through_the_same_graph_gives_the_same_gradients():
+    # the blockwise kernel (the CPU path without a mask) zeroes c's gradient afresh each backward
+    q, k, v, log_f = _inputs(6, 6, dtype=torch.float32)
+    out = attention(q, k, v, build_mechanism("forgetting", D, H), causal=True, log_forget=log_f)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    first = [t.clone() for t in torch.autograd.grad(out, (q, k, v, log_f), g, retain_graph=True)]
+    second = torch.autograd.grad(out, (q, k, v, log_f), g)  # c's into the memory freed just now
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.rowsubset import block_hidden
+from attnscale.kernels.tiles import Scratch
 from attnscale.precision import all_finite, upcast
 from attnscale.workers import parallel_map, workers_for
 
@@ -107,11 +108,12 @@ def selection(z0: Tensor, valid: Tensor) -> Tensor:
 Bias = ForgetBias | SelectBias
 
 
-def nan_query_rows(out: Tensor, q: Tensor) -> Tensor:
+def nan_query_rows(out: Tensor, q: Tensor, finite: bool | None = None) -> Tensor:
     """``out`` (B, H, Nq, d_v) with NaN on every row whose query (B, H, Nq, ·) is not finite: a
     NaN there enters every logit of the row, as in the materialised formula, where SDPA's fused
-    CPU kernel would return a finite row.  One min/max pass over q when everything is finite."""
-    if all_finite(q):
+    CPU kernel would return a finite row.  One min/max pass over q when everything is finite,
+    none when the caller knows (``finite``: whether every entry of q is finite)."""
+    if all_finite(q) if finite is None else finite:
         return out
     return out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), math.nan)
 
@@ -150,9 +152,20 @@ class _Blocks:
         self.hidden = None
         if mask is not None:
             self.hidden = ~mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        # Under causality, which keys of a block's diagonal square are future (u >= t for row t
+        # and key i0 + 1 + u): one mask for every block, from a comparison (a small op on one
+        # thread; triu_ on 2 threads took 6 ms at load 3, waking its OpenMP team)
+        self.future = None
+        if causal:
+            at = torch.arange(self.rows, device=q.device)
+            self.future = at >= at.unsqueeze(-1)                            # (rows, rows)
 
     def starts(self) -> range:
         return range(0, self.n_q, self.rows)
+
+    def elements(self) -> int:
+        """Logits in the largest block: H · rows · Nk."""
+        return self.n_h * self.rows * self.n_k
 
     def n_keys(self, i0: int, i1: int) -> int:
         """Keys rows i0..i1-1 can see: all, or the causal prefix min(Nk, i1)."""
@@ -163,11 +176,16 @@ class _Blocks:
         r, n_k = z.shape[-2], z.shape[-1]
         if self.hidden is not None:
             z.masked_fill_(block_hidden(self.hidden, b, slice(None), i0, i0 + r, n_k), -math.inf)
-        if self.causal and i0 + 1 < n_k:
-            j = torch.arange(i0 + 1, n_k, device=z.device)
-            rows = torch.arange(i0, i0 + r, device=z.device).unsqueeze(-1)
-            z[..., i0 + 1:].masked_fill_(j > rows, -math.inf)
+        if self.causal and i0 + 1 < n_k:  # keys j > i0 + t, all within the diagonal square
+            z[..., i0 + 1:].masked_fill_(self.future[:r, :n_k - i0 - 1], -math.inf)
         return z
+
+    def row_blocks(self, b: int, *tensors: Tensor) -> list[tuple]:
+        """(i0, n_k, blocks of each (B, H, Nq, ·) tensor) for batch element b's row blocks in
+        order: (H, r, ·) views from one ``split`` per tensor."""
+        parts = [t[b].split(self.rows, dim=1) for t in tensors]
+        return [(i0, self.n_keys(i0, min(i0 + self.rows, self.n_q)), *views)
+                for i0, *views in zip(self.starts(), *parts)]
 
 
 class _ForgetBlocks:
@@ -178,28 +196,49 @@ class _ForgetBlocks:
     ordered = False
 
     def __init__(self, c: Tensor, work: torch.dtype):
-        c = c.detach()
-        self.hi = c.to(work)
-        self.lo = (c - self.hi.to(c.dtype)).to(work) if c.dtype != work else None
+        # Every pass over c (B, H, N) runs in the worker of its batch element: on 2 threads a
+        # whole-c op (2^15 values at B4 H8 N1024) would wake an OpenMP team of its own.
+        self.c, self.work = c.detach(), work
+        self.halves: dict[int, tuple[Tensor, Tensor | None]] = {}         # b -> (hi, lo)
         self.dc: Tensor | None = None                                      # ∂L/∂c, (B, H, N)
+
+    def _halves(self, b: int) -> tuple[Tensor, Tensor | None]:
+        """Batch element b's c = hi + lo in the working precision (lo None when c is in it)."""
+        got = self.halves.get(b)
+        if got is None:
+            c = self.c[b]                                                  # (H, N)
+            hi = c.to(self.work)
+            lo = (c - hi.to(c.dtype)).to(self.work) if c.dtype != self.work else None
+            got = self.halves[b] = (hi, lo)
+        return got
 
     def start(self, b: int, like: Tensor) -> None:
         return None
 
-    def add(self, s: Tensor, b: int, i0: int, state: None) -> None:
-        """Add the block's c_i − c_j to s (H, r, n_k) in place."""
+    # Scratch buffers add() writes into beside the logits' (buffer 1: c_i − c_j).
+    temporaries = 1
+
+    def add(self, s: Tensor, b: int, i0: int, state: None, scratch: Scratch) -> None:
+        """Add the block's c_i − c_j to s (H, r, n_k) in place: (hi_i − hi_j + lo_i) − lo_j, the
+        first difference exact near the diagonal, in this thread's scratch buffer 1."""
         r, n_k = s.shape[-2], s.shape[-1]
-        t = self.hi[b, :, i0:i0 + r, None] - self.hi[b, :, None, :n_k]      # (H, r, n_k)
-        if self.lo is not None:
-            t.add_(self.lo[b, :, i0:i0 + r, None] - self.lo[b, :, None, :n_k])
+        hi, lo = self._halves(b)
+        t = torch.sub(hi[:, i0:i0 + r, None], hi[:, None, :n_k],
+                      out=scratch.block(1, s.shape))                          # (H, r, n_k)
+        if lo is not None:
+            t.add_(lo[:, i0:i0 + r, None]).sub_(lo[:, None, :n_k])
         s.add_(t)
 
     def prune(self, z: Tensor, state: None) -> Tensor:
         return z
 
     def begin_backward(self) -> None:
-        """∂L/∂c, zeros, before the batch elements' threads add their rows into it."""
-        self.dc = torch.zeros_like(self.hi)
+        """∂L/∂c in c's dtype, each batch element's rows zeroed by its worker (begin_element)."""
+        self.dc = torch.empty(self.c.shape, dtype=self.c.dtype, device=self.c.device)
+
+    def begin_element(self, b: int) -> None:
+        """Before batch element b's first block in the backward: its ∂L/∂c rows at 0."""
+        self.dc[b].zero_()
 
     def backward(self, dz: Tensor, b: int, i0: int) -> None:
         # c_m enters as + on row m and as − on column m: ∂L/∂c_m = Σ_j dZ_mj − Σ_i dZ_im.
@@ -215,20 +254,26 @@ class _SelectBlocks:
 
     def __init__(self, bias: SelectBias, n_k: int):
         self.budget = bias.budget
-        self.mask = None
+        self.hidden = None
         if bias.mask is not None:
             m = bias.mask.reshape((1,) * (4 - bias.mask.dim()) + tuple(bias.mask.shape))
-            self.mask = m[:, 0]                                              # (B|1, Nq|1, Nk|1)
+            self.hidden = ~m[:, 0]                                           # (B|1, Nq|1, Nk|1)
         self.n_k = n_k
         self.carries: dict[tuple[int, int], Tensor] = {}                     # (b, i0) -> carry
 
-    def _valid(self, b: int, i0: int, r: int, n_k: int, device) -> Tensor:
-        valid = SelectBias._valid(i0, r, n_k, device)
-        if self.mask is not None:
-            m = self.mask[b if self.mask.shape[0] > 1 else 0]
-            m = m[i0:i0 + r] if m.shape[0] > 1 else m
-            valid = valid & (m[:, :n_k] if m.shape[1] > 1 else m)
-        return valid
+    def selected(self, z0: Tensor, b: int, i0: int) -> Tensor:
+        """S of the block's first-head logits z0 (r, n_k): max(0, z⁰_kj) where 1 <= j < k (k =
+        i0 + row) and query k attends key j, else 0 (a NaN logit where S is not valid stays
+        out), as a new tensor.  A clamp and a fill above a diagonal: a boolean ``where`` takes
+        ten times as long on the CPU."""
+        r, n_k = z0.shape
+        sel = z0.clamp(min=0.0).tril_(i0 - 1)                                # j < k
+        sel[:, :1] = 0.0                                                     # j >= 1
+        if self.hidden is not None:
+            h = self.hidden[b if self.hidden.shape[0] > 1 else 0]
+            h = h[i0:i0 + r] if h.shape[0] > 1 else h
+            sel.masked_fill_(h[:, :n_k] if h.shape[1] > 1 else h, 0.0)
+        return sel
 
     def start(self, b: int, like: Tensor) -> tuple[Tensor, None]:
         """A batch element's state before its first block: the carry Σ_{k < i0} S_kj, zeros
@@ -236,19 +281,27 @@ class _SelectBlocks:
         own."""
         return like.new_zeros(self.n_k), None
 
-    def add(self, s: Tensor, b: int, i0: int,
-            state: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
+    temporaries = 0
+
+    def add(self, s: Tensor, b: int, i0: int, state: tuple[Tensor, Tensor | None],
+            scratch: Scratch) -> tuple[Tensor, Tensor]:
         """Subtract the block's F from s (H, r, n_k) in place; return the state for the next
         block: the carry, and this block's F (r, n_k)."""
         carry, _ = state
-        r, n_k = s.shape[-2], s.shape[-1]
+        n_k = s.shape[-1]
         self.carries[b, i0] = carry.clone()
-        sel = selection(s[0], self._valid(b, i0, r, n_k, s.device))          # (r, n_k)
-        cs = sel.cumsum(0)
-        f = (cs - sel).add_(carry[:n_k])                                     # F, exclusive
-        carry[:n_k] += cs[-1]
+        f, total = self._exclusive(self.selected(s[0], b, i0), carry[:n_k])
+        carry[:n_k] += total
         s.sub_(f)
         return carry, f
+
+    @staticmethod
+    def _exclusive(sel: Tensor, carry: Tensor) -> tuple[Tensor, Tensor]:
+        """F = Σ_{k' < k} S_k'j + carry over the block's rows k, and Σ_k S_kj (the next carry's
+        increment)."""
+        cs = sel.cumsum(0)
+        total = cs[-1].clone()
+        return cs.sub_(sel).add_(carry), total
 
     def prune(self, z: Tensor, state: tuple[Tensor | None, Tensor]) -> Tensor:
         """With a budget, the block's pruned keys at -inf, in place: z (H, r, n_k) masked, whose
@@ -257,41 +310,41 @@ class _SelectBlocks:
             z.masked_fill_(pruned(state[1], torch.isneginf(z[0]), self.budget), -math.inf)
         return z
 
-    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor, Tensor]:
-        """In the backward: subtract the block's F from s (H, r, n_k) in place; return the
-        first head's raw logits and where S is valid, for the gradient through max(0, ·)."""
-        r, n_k = s.shape[-2], s.shape[-1]
-        z0 = s[0].clone()
-        valid = self._valid(b, i0, r, n_k, s.device)
-        sel = selection(z0, valid)
-        cs = sel.cumsum(0)
-        f = (cs - sel).add_(self.carries[b, i0][:n_k])
+    def recompute(self, s: Tensor, b: int, i0: int) -> tuple[Tensor, Tensor]:
+        """In the backward: subtract the block's F from s (H, r, n_k) in place; return S
+        (r, n_k), whose positive entries pass the gradient through max(0, ·), and F."""
+        sel = self.selected(s[0], b, i0)
+        f, _ = self._exclusive(sel, self.carries[b, i0][:s.shape[-1]])
         s.sub_(f)
-        return z0, valid, f
+        return sel, f
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, b: int, i0: int, i1: int, n_k: int) -> Tensor:
-    """scale · q kᵀ of batch element b's queries i0..i1-1 and first n_k keys: (H, r, n_k), the
-    scale applied by the matmul itself (no scaled copy of q)."""
-    q_b = q[b, :, i0:i1]
-    return torch.baddbmm(q_b.new_empty(()).expand(q_b.shape[0], i1 - i0, n_k), q_b,
-                         k[b, :, :n_k].transpose(1, 2), beta=0.0, alpha=scale)
+def _softmax_(z: Tensor) -> Tensor:
+    """softmax over the last dimension of ``z``, in place (the same values as torch.softmax, in
+    about half its time on a 2 MiB block: no new block to fault in)."""
+    return torch.ops.aten._softmax.out(z, -1, False, out=z)
 
 
-def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int):
+def _biased_blocks(q: Tensor, k: Tensor, scale: float, blocks: _Blocks, bias, b: int,
+                   scratch: Scratch):
     """Batch element b's blocks in order, as ``(i0, i1, n_k, z)``: z (H, i1 − i0, n_k) the
-    biased, masked logits of queries i0..i1-1 against the keys they can see."""
+    biased, masked logits of queries i0..i1-1 against the keys they can see, in this thread's
+    scratch buffer 0 (the scale applied by the matmul itself)."""
     state = bias.start(b, q)
-    for i0 in blocks.starts():
-        i1 = min(i0 + blocks.rows, blocks.n_q)
-        n_k = blocks.n_keys(i0, i1)
-        s = _scores(q, k, scale, b, i0, i1, n_k)                              # (H, r, n_k)
-        state = bias.add(s, b, i0, state)
-        yield i0, i1, n_k, bias.prune(blocks.hide(s, b, i0), state)
+    k_b = k[b]
+    for i0, n_k, q_blk in blocks.row_blocks(b, q):
+        s = scratch.scores(0, q_blk, k_b[:, :n_k], scale)                   # (H, r, n_k)
+        state = bias.add(s, b, i0, state, scratch)
+        yield i0, i0 + q_blk.shape[1], n_k, bias.prune(blocks.hide(s, b, i0), state)
 
 
 class _BiasedAttention(torch.autograd.Function):
-    """softmax(scale q kᵀ + bias) v with ``strategy`` the bias's blocks; see the module doc."""
+    """softmax(scale q kᵀ + bias) v with ``strategy`` the bias's blocks; see the module doc.
+
+    Every pass over a whole (B, H, N, ·) tensor runs inside the batch elements' workers, block
+    by block (δ, the zero fill of dK and dV, the scale of dQ and dK in their matmuls): on 2
+    threads a torch op of its own would open an OpenMP team, which stalls whenever the other
+    core is taken (4-16 ms an op at load 4, against 0.4-1.5 ms on one thread)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
@@ -303,11 +356,11 @@ class _BiasedAttention(torch.autograd.Function):
         else:
             bias = _SelectBlocks(given, blocks.n_k)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])                        # (B, H, Nq, d_v)
+        scratch = Scratch(blocks.elements(), q.dtype, 1 + bias.temporaries, q.device)
 
         def element(b: int) -> None:
-            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b):
-                p = torch.softmax(z, dim=-1)
-                torch.bmm(p, v[b, :, :n_k], out=out[b, :, i0:i1])
+            for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b, scratch):
+                torch.bmm(_softmax_(z), v[b, :, :n_k], out=out[b, :, i0:i1])
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         ctx.save_for_backward(q, k, v, out, mask, c)
@@ -321,51 +374,54 @@ class _BiasedAttention(torch.autograd.Function):
         scale, causal, block_elements, bias = ctx.args
         blocks = _Blocks(q, k, mask, causal, block_elements)
         d_out = d_out.contiguous()
-        delta = torch.linalg.vecdot(d_out, out).unsqueeze(-1)             # δ_i = Σ_j P_ij dP_ij
         dq = torch.empty_like(q)
         # dK and dV accumulate transposed: dKᵀ += Qᵀ dZ reads dZ untransposed (a faster gemm).
-        dk_t = k.new_zeros(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
-        dv_t = v.new_zeros(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        dk_t = k.new_empty(*k.shape[:2], k.shape[-1], k.shape[-2])          # (B, H, d, Nk)
+        dv_t = v.new_empty(*v.shape[:2], v.shape[-1], v.shape[-2])          # (B, H, d_v, Nk)
+        scratch = Scratch(blocks.elements(), q.dtype, 2, q.device)
         if not bias.ordered:
             bias.begin_backward()
 
         def element(b: int) -> None:
+            k_b, v_b, dk_b, dv_b = k[b], v[b], dk_t[b].zero_(), dv_t[b].zero_()
+            if not bias.ordered:
+                bias.begin_element(b)
             after = None  # selective: Σ over the rows after the block of ∂L/∂F, per key
-            for i0 in reversed(blocks.starts()):
-                i1 = min(i0 + blocks.rows, blocks.n_q)
-                n_k = blocks.n_keys(i0, i1)
-                s = _scores(q, k, scale, b, i0, i1, n_k)                     # (H, r, n_k)
+            for i0, n_k, q_blk, do, out_blk, dq_blk in reversed(
+                    blocks.row_blocks(b, q, d_out, out, dq)):
+                k_p, v_p = k_b[:, :n_k], v_b[:, :n_k]                        # (H, n_k, ·)
+                s = scratch.scores(0, q_blk, k_p, scale)                     # (H, r, n_k)
                 if bias.ordered:
-                    z0, valid, f = bias.recompute(s, b, i0)
+                    sel, f = bias.recompute(s, b, i0)
                     state = (None, f)
                 else:
-                    state = bias.add(s, b, i0, None)
-                p = torch.softmax(bias.prune(blocks.hide(s, b, i0), state), dim=-1)
-                do = d_out[b, :, i0:i1]
-                dv_t[b, :, :, :n_k].baddbmm_(do.transpose(1, 2), p)          # dVᵀ += dOᵀ P
-                dz = torch.bmm(do, v[b, :, :n_k].transpose(1, 2))            # dP = dO Vᵀ
-                dz.sub_(delta[b, :, i0:i1]).mul_(p)                          # dZ = P ∘ (dP − δ)
+                    state = bias.add(s, b, i0, None, scratch)  # before dP takes buffer 1
+                p = _softmax_(bias.prune(blocks.hide(s, b, i0), state))
+                delta = torch.linalg.vecdot(do, out_blk).unsqueeze_(-1)     # δ = Σ_j P dP
+                dv_b[..., :n_k].baddbmm_(do.transpose(1, 2), p)             # dVᵀ += dOᵀ P
+                dz = scratch.scores(1, do, v_p)                              # dP = dO Vᵀ
+                dz.sub_(delta).mul_(p)                                       # dZ = P ∘ (dP − δ)
                 if bias.ordered:
-                    after = _select_backward(dz, z0, valid, after, blocks.n_k)
+                    after = _select_backward(dz, sel, after, blocks.n_k)
                 else:
                     bias.backward(dz, b, i0)
-                torch.bmm(dz, k[b, :, :n_k], out=dq[b, :, i0:i1])          # dQ = dZ K
-                dk_t[b, :, :, :n_k].baddbmm_(q[b, :, i0:i1].transpose(1, 2), dz)  # dKᵀ += Qᵀ dZ
+                torch.baddbmm(dq_blk, dz, k_p, beta=0.0, alpha=scale,
+                              out=dq_blk)                                    # dQ = s dZ K
+                dk_b[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz,
+                                         alpha=scale)                        # dKᵀ += s Qᵀ dZ
 
         parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
-        dq.mul_(scale)
-        dk_t.mul_(scale)
-        d_c = None if c is None else bias.dc.to(c.dtype)
+        d_c = None if c is None else bias.dc
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
                 None, d_c)
 
 
-def _select_backward(dz: Tensor, z0: Tensor, valid: Tensor, after: Tensor | None,
-                     n_keys: int) -> Tensor:
+def _select_backward(dz: Tensor, sel: Tensor, after: Tensor | None, n_keys: int) -> Tensor:
     """Selective attention's gradient in one block, rows processed last to first: F's gradient
     is −Σ_h dZ; the block's rows k pass it on to S_kj summed over the later rows i > k (those in
-    the block and ``after`` it), then through max(0, ·) into the first head's logits, added to
-    ``dz[0]`` in place.  Returns the new ``after`` (this block's rows included)."""
+    the block and ``after`` it), then through max(0, ·) (where S, ``sel``, is positive) into the
+    first head's logits, added to ``dz[0]`` in place.  Returns the new ``after`` (this block's
+    rows included)."""
     n_k = dz.shape[-1]
     if after is None:
         after = dz.new_zeros(n_keys)
@@ -373,7 +429,7 @@ def _select_backward(dz: Tensor, z0: Tensor, valid: Tensor, after: Tensor | None
     total = d_f.flip(0).cumsum(0).flip(0)                                    # Σ_{i ≥ k}
     d_s = (total - d_f).add_(after[:n_k])                                    # Σ_{i > k}
     after[:n_k] += total[0]
-    dz[0] += torch.where(valid & (z0 > 0), d_s, 0.0)
+    dz[0] += torch.where(sel > 0, d_s, 0.0)
     return after
 
 
@@ -390,9 +446,10 @@ def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor 
                     else _SelectBlocks(bias, blocks.n_k))
         workers = workers_for(q.device, blocks.n_b)
         threads = 1 if workers > 1 else None  # the row kernel inside a worker: one thread
+        scratch = Scratch(blocks.elements(), q.dtype, 1 + strategy.temporaries, q.device)
 
         def element(b: int) -> None:
-            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b):
+            for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b, scratch):
                 rows[b, :, i0:i1].copy_(row_stats(z, threads=threads))
 
         parallel_map(element, range(blocks.n_b), workers)

@@ -102,8 +102,11 @@ class Differential(Mechanism):
                 - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2)) + self.lambda_init)
 
     def normalise_output(self, o: Tensor) -> Tensor:
-        """(1 − λ_init) · RMSNorm(o) over each head's outputs: o (B, H, Nq, d_v)."""
-        return rms_rows(o, None, SUBLN_EPS) * (1.0 - self.lambda_init)
+        """(1 − λ_init) · RMSNorm(o) over each head's outputs: o (B, H, Nq, d_v).  The factor is
+        the norm's gain, so that no second (B, H, Nq, d_v) tensor is made either way (and float32
+        on the CPU runs on the compiled RMSNorm kernels, one pass each way)."""
+        gain = torch.full(o.shape[-1:], 1.0 - self.lambda_init, dtype=o.dtype, device=o.device)
+        return rms_rows(o, gain, SUBLN_EPS)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer={self.layer}, lambda_init={self.lambda_init:g}"
