@@ -189,6 +189,30 @@ def test_a_signal_as_the_staging_folder_is_made_leaves_nothing(tmp_path, monkeyp
     assert not out.exists()
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_signal_between_a_file_and_its_manifest_entry_waits_for_both(tmp_path, monkeypatch,
+                                                                      staged):
+    # Ctrl-C as the file lands: it is delivered once the manifest lists the file, so the file is
+    # attnscale's (a resume does not refuse it as changed by hand).
+    rename = os.replace
+
+    def interrupted(src, dst):
+        rename(src, dst)
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(io.os, "replace", interrupted)
+    target = tmp_path / "out" / "spec.json"
+    with pytest.raises(KeyboardInterrupt):
+        if staged:
+            with io.staged_dir(tmp_path / "out") as staging:
+                (staging / "spec.json").write_text("{}")
+        else:
+            io.atomic_write(target, "{}")
+    monkeypatch.setattr(io.os, "replace", rename)
+    assert target.read_text() == "{}" and io.owned(target)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt(), io.Terminated()])
 def test_staged_dir_leaves_nothing_on_failure(tmp_path, exc):
     out = tmp_path / "out"

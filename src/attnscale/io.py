@@ -298,11 +298,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def replace_atomically(path: Path, data: Data, *, durable: bool = False) -> None:
+def replace_atomically(path: Path, data: Data, *, durable: bool = False,
+                       record: Callable[[], None] | None = None) -> None:
     """Write ``data`` (text, bytes, or a callback given the temporary path) to a temporary file in
     ``path``'s folder, named as staging is (so a killed run's leftover is recognised and removed),
     then rename it onto ``path``.  ``durable``: the file is fsync'd before the rename and the
-    folder after it (text and bytes only)."""
+    folder after it (text and bytes only).  ``record``: called right after the rename, with Ctrl-C
+    and SIGTERM held until it returns (:func:`uninterrupted`): the manifest entry of the file."""
     tmp = path.parent / f"{_staging_name()}-{path.name}"  # keeps the extension (matplotlib)
     try:
         if callable(data):
@@ -314,12 +316,42 @@ def replace_atomically(path: Path, data: Data, *, durable: bool = False) -> None
                 if durable:
                     fh.flush()
                     os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with uninterrupted():
+            os.replace(tmp, path)
+            if record is not None:
+                record()
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     if durable:
         fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM for the block, then deliver the first that came: a file and its
+    manifest entry change together, so an interrupted write never leaves a file attnscale wrote
+    that its manifest does not list (a resume would refuse it as changed by hand).  For short
+    blocks only (a rename and a small JSON write); a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: h for s, h in previous.items() if h is not None}  # not set from Python
+    for s in previous:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            handler = previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), pending[0])
 
 
 def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
@@ -337,8 +369,7 @@ def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
         if path.exists() and not force:
             _refuse_foreign(param, path.parent, [path.name])
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomically(path, data)
-        _record(path.parent, [path.name])
+        replace_atomically(path, data, record=lambda: _record(path.parent, [path.name]))
         remove_stale_staging(path.parent)
     return path
 
@@ -367,10 +398,11 @@ def staged_dir(out: str | os.PathLike, *, param: str = "--out",
                            if p.is_file())
             if not force:
                 _refuse_foreign(param, out, [n for n in names if (out / n).exists()])
-            for name in names:
-                (out / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / name, out / name)
-            _record(out, names)
+            with uninterrupted():  # the files and their manifest entries together
+                for name in names:
+                    (out / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staging / name, out / name)
+                _record(out, names)
             done = True
         finally:
             shutil.rmtree(staging, ignore_errors=True)
