@@ -27,6 +27,7 @@ from attnscale.experiments.recall import RecallConfig, compare, train
 from attnscale.experiments.recall.config import expand_grid
 from attnscale.io import MANIFEST, STAGING_PREFIX
 from attnscale.mechanisms import MECHANISMS
+from children import sigint_default
 
 SRC = str(Path(cli_module.__file__).parents[2])
 # Small settings for options a command has, so that a check that fails on a regression fails fast.
@@ -332,7 +333,9 @@ def test_signal_during_reproduce_leaves_nothing(tmp_path, sig, code):
     """The real command in its own process, signalled once its staging folder exists."""
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": SRC}
-    proc = subprocess.Popen([sys.executable, "-c", MAIN, "reproduce", "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "reproduce", "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while not (out.is_dir() and any(p.name.startswith(STAGING_PREFIX) for p in out.iterdir())):

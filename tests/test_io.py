@@ -15,6 +15,7 @@ import pytest
 from attnscale import io
 from attnscale.errors import ConfigError
 from attnscale.io import MANIFEST, STAGING_PREFIX
+from children import sigint_default
 
 
 def _names(folder: Path) -> list[str]:
@@ -202,15 +203,20 @@ def test_a_signal_between_a_file_and_its_manifest_entry_waits_for_both(tmp_path,
 
     monkeypatch.setattr(io.os, "replace", interrupted)
     target = tmp_path / "out" / "spec.json"
-    with pytest.raises(KeyboardInterrupt):
-        if staged:
-            with io.staged_dir(tmp_path / "out") as staging:
-                (staging / "spec.json").write_text("{}")
-        else:
-            io.atomic_write(target, "{}")
+    # Ctrl-C raises KeyboardInterrupt here even where a background shell ignores it
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if staged:
+                with io.staged_dir(tmp_path / "out") as staging:
+                    (staging / "spec.json").write_text("{}")
+            else:
+                io.atomic_write(target, "{}")
+    finally:
+        restored = signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(io.os, "replace", rename)
     assert target.read_text() == "{}" and io.owned(target)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert restored is signal.default_int_handler
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt(), io.Terminated()])
@@ -298,7 +304,8 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig, code):
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(io.__file__).parents[1])}
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT, str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)

@@ -24,6 +24,7 @@ from attnscale.sweep.grid import SweepSpec, parse_fixed, parse_grid
 from attnscale.sweep.local import threads_per_worker
 from attnscale.sweep.store import RESULTS_FILE, SPEC_FILE
 from attnscale.sweep.trial import Task, canonical_json, run_trial, trial_id
+from children import sigint_default
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -302,7 +303,8 @@ def _driver(*argv: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
     code = "import sys, sweep_experiments; from attnscale.cli import main; sys.exit(main())"
     return subprocess.Popen([sys.executable, "-c", code, "sweep", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
 
 
 def _wait_for_lines(out: Path, count: int, proc: subprocess.Popen) -> None:

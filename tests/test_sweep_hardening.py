@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import sweep_batch_experiments
+from children import sigint_default
 from sweep_experiments import wait_until
 from attnscale import sweep
 from attnscale.errors import ConfigError
@@ -257,8 +258,7 @@ def _driver(*argv: str, **popen) -> subprocess.Popen:
             "from attnscale.cli import main; sys.exit(main())")
     return subprocess.Popen([sys.executable, "-c", code, "sweep", *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                                os.setpgrp()), **popen)
+                            preexec_fn=lambda: (sigint_default(), os.setpgrp()), **popen)
 
 
 def test_a_second_writer_is_refused_naming_the_pid(cli, tmp_path):
