@@ -334,7 +334,12 @@ def _stop(driver: subprocess.Popen, how: signal.Signals, marks: Path) -> None:
         # with the fork server, even while their trials wait at closed gates.
         driver.wait(timeout=60)
         _assert_all_gone({pid for pid, _ in sweep_experiments.held(marks).values()})
-    _, err = driver.communicate(timeout=60)
+    try:
+        _, err = driver.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # a driver deaf to the signal must not outlive the test
+        driver.kill()
+        driver.communicate()
+        raise
     if how == signal.SIGKILL:
         assert driver.returncode == -signal.SIGKILL
     elif how == signal.SIGTERM:
