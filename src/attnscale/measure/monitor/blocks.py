@@ -11,7 +11,6 @@ key is not counted; an additive float mask's entries at or below
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from torch import Tensor
 from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.kernels.biased import bias_row_stats
+from attnscale.kernels.tiles import Scratch
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import (MASKED_BIAS, Observation, Scale, key_mask, normalise,
                                 rule_logits)
@@ -263,7 +263,13 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         starts = range(0, q.shape[-2], block)
         workers = workers_for(q.device, len(starts))
-        scratch = _Scratch(q, kt, block)
+        # One reusable logits buffer per thread, (B, H, block, Nk) float32 at most: a fresh
+        # multi-MiB tensor per block costs its page faults every time (the allocator hands large
+        # blocks back to the system), about a quarter of the monitor's time on the tiny Llama of
+        # benchmarks/bench_monitor.py at N=2048.
+        lead = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
+        scratch = Scratch(math.prod(lead) * min(block, q.shape[-2]) * kt.shape[-1], q.dtype, 1,
+                          q.device)
         # Blocks are independent: with several threads, each computes the logits and statistics
         # of whole blocks side by side (the small matmuls and the row kernel parallelise poorly
         # on their own); results come back in block order, so they do not depend on threads.
@@ -277,32 +283,11 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
         return list(zip(starts, blocks))
 
 
-class _Scratch:
-    """One reusable logits buffer per thread for the blocks of one call, (B, H, block, Nk)
-    float32 at most: a fresh multi-MiB tensor per block costs its page faults every time (the
-    allocator hands large blocks back to the system), about a quarter of the monitor's time on
-    the tiny Llama of benchmarks/bench_monitor.py at N=2048."""
-
-    def __init__(self, q: Tensor, kt: Tensor, block: int):
-        self.lead = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
-        self.size = math.prod(self.lead) * min(block, q.shape[-2]) * kt.shape[-1]
-        self.dtype, self.device = q.dtype, q.device
-        self.buffers: dict[int, Tensor] = {}  # by thread
-
-    def take(self, rows: int, cols: int) -> Tensor:
-        """A (B, H, rows, cols) contiguous view of this thread's buffer."""
-        buf = self.buffers.get(threading.get_ident())
-        if buf is None:
-            buf = self.buffers[threading.get_ident()] = torch.empty(
-                self.size, dtype=self.dtype, device=self.device)
-        return buf[:math.prod(self.lead) * rows * cols].view(*self.lead, rows, cols)
-
-
 def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
                  bias: Tensor | None, causal: bool, causal_offset: int, i0: int, *,
                  threads: int | None = None, offset: float | Tensor = 0.0,
                  normaliser: str = "softmax", sink: Tensor | None = None,
-                 lam: Tensor | None = None, scratch: _Scratch | None = None):
+                 lam: Tensor | None = None, scratch: Scratch | None = None):
     """Per-row statistics of query rows ``i0 : i0 + Nb``: float64 (B, H, Nb, len(ROW_STATS_COLUMNS)) with the columns
     of :data:`attnscale.stats.ROW_STATS_COLUMNS`, or None when no row of the block has a key.
 
@@ -350,7 +335,8 @@ def _block_stats(q: Tensor, kt: Tensor, cap: float | None, keep: Tensor | None,
         z = torch.cat([scores(q[..., :half], kt[..., :half, :]),
                        scores(q[..., half:], kt[..., half:, :])], dim=-1)  # (B, H, Nb, 2W)
     else:
-        z = scores(q, kt, None if scratch is None else scratch.take(n_b, hi - lo))
+        z = scores(q, kt, None if scratch is None else scratch.block(
+            0, (*torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2]), n_b, hi - lo)))
     first_hidden = i0 + causal_offset + 1 - lo  # first block column that causality can hide
     # Causality as a per-row key count (no mask is written): query i0 + r sees the first
     # first_hidden + r columns of the block.
