@@ -29,16 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnscale.kernels import chunked
 from attnscale.precision import work_dtype
 
 # SDPA's fused CUDA kernels need the head size to be a multiple of 8.
 HEAD_MULTIPLE = 8
 
-
-# The CPU flash-attention op and its backward (None where this torch lacks them).
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
-                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _flash_fits(q: Tensor, k: Tensor, v: Tensor, offset: float | Tensor) -> bool:
@@ -46,8 +42,8 @@ def _flash_fits(q: Tensor, k: Tensor, v: Tensor, offset: float | Tensor) -> bool
     offset, one head size for q, k and v, at least one query and one key."""
     return (not isinstance(offset, Tensor) and offset == 0.0
             and q.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0
-            and q.device.type == "cpu" and _CPU_FLASH is not None
-            and _CPU_FLASH_BACKWARD is not None and type(q) is torch.Tensor
+            and q.device.type == "cpu" and chunked.flash_available()
+            and type(q) is torch.Tensor
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
 
 
@@ -78,7 +74,7 @@ class _SinkFlashCPU(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor, mask: Tensor | None,
                 scale: float, causal: bool) -> Tensor:
         bias, empty = _additive(mask, q.dtype)
-        o, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        o, lse = chunked.FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         work = work_dtype(o.dtype)                                           # float32 for halves
         w = torch.sigmoid(lse.to(work) - sink.detach().to(work).view(1, -1, 1)).unsqueeze(-1)
         if empty is not None:  # no key: all mass on the sink, whose value is zero
@@ -95,7 +91,7 @@ class _SinkFlashCPU(torch.autograd.Function):
         scale, causal, sink_dtype = ctx.args
         work = w.dtype
         g_w = (g.to(work) * w).to(g.dtype)
-        dq, dk, dv = _CPU_FLASH_BACKWARD(g_w, q, k, v, y, lse, 0.0, causal, attn_mask=bias,
+        dq, dk, dv = chunked.FLASH_BACKWARD(g_w, q, k, v, y, lse, 0.0, causal, attn_mask=bias,
                                          scale=scale)
         delta = torch.linalg.vecdot(g.to(work), y.to(work)).unsqueeze(-1)   # g·y, (B, H, Nq, 1)
         d_sink = -((1.0 - w) * delta).sum(dim=(0, 2, 3))                      # (H,)
