@@ -1,9 +1,9 @@
 /* attnscale's compiled kernels: fused per-row softmax statistics for attnscale.monitor, alone or
- * with the block's softmax weights (rowstats_kernel.h), the elementwise part of the soft-cap attention kernel (softcap_kernel.h),
- * the row entropy and log-sum-exp of adaptive temperature and its bfloat16 screen
- * (entropy_kernel.h), the bfloat16 row max of the S_max screen (peak_kernel.h), the per-row steps
- * of softpick and stick-breaking attention (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward
- * and backward (rownorm_kernel.h).
+ * with the block's softmax weights (rowstats_kernel.h), the elementwise part of the soft-cap
+ * attention kernel (softcap_kernel.h), the row entropy and log-sum-exp of adaptive temperature
+ * and its bfloat16 screen (entropy_kernel.h), the bfloat16 row max of the S_max screen
+ * (peak_kernel.h), the per-row steps of softpick and stick-breaking attention
+ * (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward and backward (rownorm_kernel.h).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
  * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row

@@ -19,11 +19,11 @@ caller uses its PyTorch formulation instead:
   :mod:`attnscale.kernels.stick_breaking`);
 * qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
 
-Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row_entropy`, :func:`bf16_row_entropy`,
-:func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`, the softpick and
-stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`, which check dtype,
-device, layout and shapes and pass pointers and strides on; nothing else in attnscale touches
-``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot products.  Each takes
+Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row_entropy`,
+:func:`bf16_row_entropy`, :func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`,
+the softpick and stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`,
+which check dtype, device, layout and shapes and pass pointers and strides on; nothing else in
+attnscale touches ``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot products.  Each takes
 ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
 """
