@@ -429,8 +429,10 @@ class OutputShapes(TorchDispatchMode):
 
 def test_no_op_forms_a_batch_heads_by_n_by_n_tensor(monkeypatch):
     n, block = 512, 32
-    # the blockwise softmax kernel (no_grad forwards) holds blocks of this many logits
+    # the blockwise softmax kernel (no_grad forwards) holds blocks of this many logits; its C
+    # loop, a block's logits and weights on each of up to 2 threads
     monkeypatch.setattr(softmax_rows, "ROWS_BLOCK_ELEMENTS", block * n)
+    monkeypatch.setattr(softmax_rows, "NATIVE_BLOCK_ROWS", block // 4)
     config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": n,
                                          "num_key_value_heads": 4})
     torch.manual_seed(0)

@@ -94,12 +94,27 @@ CASES = {  # (B, H, Nq, Nk, causal, mask shape or None)
 }
 
 
+# The block loop runs in C ("native": every call without a mask, where PyTorch exports its
+# sgemm) or in Python ("python": calls with a mask, or without that sgemm); each at its default
+# block and at a small one, so that blocks split rows, heads and the causal diagonal.
+PATHS = {"native": (softmax_rows, "NATIVE_BLOCK_ROWS", softmax_rows.NATIVE_BLOCK_ROWS, 7),
+         "python": (softmax_rows, "ROWS_BLOCK_ELEMENTS", softmax_rows.ROWS_BLOCK_ELEMENTS, 150)}
+
+
+def _python_loop(monkeypatch) -> None:
+    monkeypatch.setattr(native, "blas_sgemm", lambda: None)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("block_elements", [softmax_rows.ROWS_BLOCK_ELEMENTS, 150])
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("small", [False, True], ids=["default block", "small block"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_matches_float64(monkeypatch, case, block_elements, threads):
+def test_attention_matches_float64(monkeypatch, case, path, small, threads):
     b, h, n_q, n_k, causal, mask_shape = CASES[case]
-    monkeypatch.setattr(softmax_rows, "ROWS_BLOCK_ELEMENTS", block_elements)
+    module, name, default, little = PATHS[path]
+    monkeypatch.setattr(module, name, little if small else default)
+    if path == "python":
+        _python_loop(monkeypatch)
     g = torch.Generator().manual_seed(n_q * n_k)
     q, k, v = (torch.randn(b, h, n, 16, generator=g) for n in (n_q, n_k, n_k))
     mask = None if mask_shape is None else torch.rand(mask_shape, generator=g) > 0.3
@@ -118,6 +133,77 @@ def test_attention_matches_float64(monkeypatch, case, block_elements, threads):
     assert_close(out.double(), p @ v.double(), rtol=2e-5, atol=2e-6)
     z32 = ((q * 0.3) @ k.transpose(-2, -1)).masked_fill(~keep, -math.inf)
     assert_close(found, row_stats(z32), rtol=2e-5, atol=2e-6)
+
+
+def test_pytorch_exports_the_sgemm_the_block_loop_calls():
+    # The CPU wheels export MKL's sgemm_ from libtorch_cpu; without it every call takes the
+    # Python loop, which the speed figures of the monitor do not cover.
+    assert native.blas_sgemm() is not None
+
+
+@pytest.mark.parametrize("layout", ["model", "grouped", "narrow values", "one query"])
+def test_native_loop_reads_strided_inputs(monkeypatch, layout):
+    # A model's q is (B, N, H, d) transposed, a grouped-query model's k and v are expanded over
+    # the heads (stride 0), and the values may be narrower than the keys; the output follows q's
+    # order of dimensions, as SDPA's does.
+    monkeypatch.setattr(softmax_rows, "NATIVE_BLOCK_ROWS", 5)
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d, d_v = 2, 4, 23, 8, 8
+    if layout == "one query":
+        n = 1
+    q = torch.randn(b, n, h, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, n, h, d, generator=g).transpose(1, 2)
+    v = torch.randn(b, n, h, d_v, generator=g).transpose(1, 2)
+    if layout == "grouped":
+        k = torch.randn(b, 1, n, d, generator=g).expand(b, h, n, d)
+        v = torch.randn(b, 1, n, d_v, generator=g).expand(b, h, n, d_v)
+    if layout == "narrow values":
+        v = torch.randn(b, h, n, 3, generator=g)
+    found = torch.zeros(b, h, n, 7, dtype=torch.float64)
+    with torch.no_grad():
+        out = softmax_rows.softmax_rows_attention(q, k, v, 0.5, None, True, found)
+    z = (q.double() @ k.double().transpose(-2, -1)) * 0.5
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)
+    assert_close(out.double(), p @ v.double(), rtol=2e-5, atol=2e-6)
+    assert_close(found, row_stats(((q * 0.5) @ k.transpose(-2, -1)).masked_fill(~keep, -math.inf)),
+                 rtol=2e-5, atol=2e-6)
+    if layout == "model":
+        assert out.transpose(1, 2).is_contiguous()
+
+
+def test_native_loop_gives_the_same_bits_on_any_thread_count():
+    # Each block is one thread's from start to end, so the threads only change who runs it.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 150, 16, generator=g) for _ in range(3))
+    got = []
+    for threads in (1, 2):
+        found = torch.zeros(2, 3, 150, 7, dtype=torch.float64)
+        with num_threads(threads), torch.no_grad():
+            got.append((softmax_rows.softmax_rows_attention(q, k, v, 0.3, None, True, found),
+                        found))
+    assert_close(got[0], got[1], rtol=0, atol=0)
+
+
+def test_native_loop_refuses_bad_arguments():
+    q = torch.randn(1, 2, 4, 8)
+    rows = torch.zeros(1, 2, 4, 7, dtype=torch.float64)
+    blocks = torch.tensor([[0, 0, 0, 4]])
+    call = native.softmax_rows_attention
+    with pytest.raises(ValueError, match="threads"):
+        call(q, q, q, torch.empty_like(q), rows, 1.0, True, blocks, threads=0)
+    with pytest.raises(ValueError, match="^q must"):
+        call(q.double(), q, q, torch.empty_like(q), rows, 1.0, True, blocks, threads=1)
+    with pytest.raises(ValueError, match="^k must have unit stride"):
+        call(q, q.transpose(2, 3), q, torch.empty_like(q), rows, 1.0, True, blocks, threads=1)
+    with pytest.raises(ValueError, match="^rows"):
+        call(q, q, q, torch.empty_like(q), rows.float(), 1.0, True, blocks, threads=1)
+    with pytest.raises(ValueError, match="^blocks must lie"):
+        call(q, q, q, torch.empty_like(q), rows, 1.0, True, torch.tensor([[0, 2, 0, 4]]),
+             threads=1)
+    with pytest.raises(ValueError, match="^blocks must lie"):
+        call(q, q, q, torch.empty_like(q), rows, 1.0, True, torch.tensor([[0, 0, 2, 3]]),
+             threads=1)
 
 
 def test_forms_rows_only_without_gradients_on_float32_cpu():

@@ -34,6 +34,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #define CHUNK 512    /* keys per float partial sum */
 #define SUM_SCALE 0x1p-32f  /* exact scale of pass 1's float sums: 512 * FLT_MAX * 2^-32 is finite */
@@ -180,14 +183,111 @@ void attnscale_softmax_rows(const float *z, float *e, int64_t width, int64_t ld,
             e + r * ld, stats + 2 * r);
 }
 
+/* Fortran-interface sgemm (column-major), the one PyTorch's CPU library exports; its integer
+ * arguments are passed as pointers to int64_t holding values below 2^31, which an LP64 library
+ * (32-bit integers, the low half on little-endian x86-64 and arm64) and an ILP64 one read alike. */
+typedef void (*sgemm_fn)(const char *, const char *, const int64_t *, const int64_t *,
+                         const int64_t *, const float *, const float *, const int64_t *,
+                         const float *, const int64_t *, const float *, float *,
+                         const int64_t *);
+
+/* Whether this build spreads attnscale_softmax_rows_attention's blocks over OpenMP threads.  It
+ * is linked against libgomp by soname, so in a process where PyTorch (built with GNU OpenMP) has
+ * loaded its own libgomp.so.1, both share one runtime and one thread team: the team PyTorch's
+ * ops just ran on picks the blocks up while it would otherwise spin-wait (about 7 ms after each
+ * op with libgomp's default spin count, time that a second pool of threads loses on 2 cores). */
+int attnscale_openmp(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Softmax attention with every row's statistics, block by block, in one call: the whole loop of
+ * attnscale.kernels.softmax_rows, without a return to Python between blocks.  Block c of
+ * `blocks` is (batch, head, first query, queries), four int64; it sees keys [0, n_c) with
+ * n_c = n_k, or under top-left causality min(n_k, first query + queries), and query i of it keys
+ * [0, min(n_k, i + 1)).  Per block:
+ *     z = scale q kᵀ      (sgemm, into z: queries x n_c, row stride n_c)
+ *     e, stats, rows      (the softmax_row pass: e = exp(z - m), the row's statistics)
+ *     o = (e v) / sum e   (sgemm, then each row times stats[1]).
+ * q, k, v, o: float32 with unit stride along their last dimension and the given (batch, head,
+ * token) strides in elements; rows: float64, OUT_COLUMNS contiguous per query, strides likewise.
+ * scratch: `threads` x per_thread floats, per_thread >= 2 x queries x n_k + 2 x queries of the
+ * largest block.  threads: OpenMP threads to spread the blocks over, dynamically in the given
+ * order (largest first balances best); 1 without OpenMP.  gemm: a sgemm_fn. */
+void attnscale_softmax_rows_attention(const float *q, const float *k, const float *v, float *o,
+                                      double *rows, const int64_t *strides, int64_t d,
+                                      int64_t dv, int64_t n_k, int64_t causal, float scale,
+                                      const int64_t *blocks, int64_t count, float *scratch,
+                                      int64_t per_thread, int threads, void *gemm,
+                                      int portable) {
+    softmax_row_fn row = PICK(softmax_row, portable);
+    sgemm_fn sgemm = (sgemm_fn)gemm;
+    /* strides: q, k, v, o, rows, each (batch, head, token) */
+    const int64_t *qs = strides, *ks = strides + 3, *vs = strides + 6, *os = strides + 9,
+                  *rs = strides + 12;
+    int64_t largest = 0;
+    for (int64_t c = 0; c < count; c++)
+        if (blocks[4 * c + 3] > largest) largest = blocks[4 * c + 3];
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+#endif
+    for (int64_t c = 0; c < count; c++) {
+        const float one = 1.0f, zero = 0.0f;
+        float scale_ = scale;
+        int64_t d_ = d, dv_ = dv;
+#if defined(_OPENMP)
+        float *z = scratch + (int64_t)omp_get_thread_num() * per_thread;
+#else
+        float *z = scratch;
+#endif
+        float *e = z + largest * n_k, *stats = e + largest * n_k;
+        int64_t b = blocks[4 * c], h = blocks[4 * c + 1], i0 = blocks[4 * c + 2];
+        int64_t nr = blocks[4 * c + 3];
+        int64_t nb = causal ? (i0 + nr < n_k ? i0 + nr : n_k) : n_k;
+        const float *qb = q + b * qs[0] + h * qs[1] + i0 * qs[2];
+        const float *kb = k + b * ks[0] + h * ks[1];
+        const float *vb = v + b * vs[0] + h * vs[1];
+        float *ob = o + b * os[0] + h * os[1] + i0 * os[2];
+        double *rb = rows + b * rs[0] + h * rs[1] + i0 * rs[2];
+        int64_t ldq = qs[2], ldk = ks[2], ldv = vs[2], ldo = os[2];
+        if (nb > 0 && d_ > 0) {
+            /* row-major z (nr x nb) = q kᵀ is column-major zᵀ = kᵀ' q', k and q read as
+             * column-major (d x nb) and (d x nr) with their token strides */
+            sgemm("T", "N", &nb, &nr, &d_, &scale_, kb, &ldk, qb, &ldq, &zero, z, &nb);
+        } else {
+            for (int64_t i = 0; i < nr * nb; i++) z[i] = 0.0f;
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            int64_t n_r = causal ? (i0 + r + 1 < nb ? i0 + r + 1 : nb) : nb;
+            row(z + r * nb, n_r, nb, rb + r * rs[2], e + r * nb, stats + 2 * r);
+        }
+        if (nb > 0 && dv_ > 0) {
+            /* row-major o (nr x dv) = e v is column-major oᵀ = vᵀ eᵀ */
+            sgemm("N", "N", &dv_, &nr, &nb, &one, vb, &ldv, e, &nb, &zero, ob, &ldo);
+            for (int64_t r = 0; r < nr; r++) {
+                float w = stats[2 * r + 1];
+                float *orow = ob + r * ldo;
+                for (int64_t j = 0; j < dv_; j++) orow[j] *= w;
+            }
+        } else {
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t j = 0; j < dv_; j++) ob[r * ldo + j] = 0.0f;
+        }
+    }
+}
+
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
  * steps, 6 = the RMSNorm kernels, attnscale_cpu_bf16 and the soft-cap forward keeping each
  * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
  * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy, 7 = attnscale_softmax_rows
- * (the softmax forward with the row statistics). */
-int attnscale_kernels_version(void) { return 7; }
+ * (the softmax forward with the row statistics), 8 = attnscale_softmax_rows_attention (its whole
+ * block loop, with the caller's sgemm). */
+int attnscale_kernels_version(void) { return 8; }
 
 /* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap
  * tanh(s) - m) unnormalised, stats (m, 1 / sum) per row (two floats); e may be s. */

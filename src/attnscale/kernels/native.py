@@ -53,7 +53,10 @@ ISA_LEVELS = {"v128": 0, "avx2": 1, "avx512": 2}
 AVX2 = 2
 # The kernels' contract version (attnscale_kernels_version in _native/kernels.c); a build
 # reporting another one is stale and not loaded.
-KERNELS_VERSION = 7
+KERNELS_VERSION = 8
+# The BLAS entry point the block loops call for their matmuls: the Fortran-interface sgemm that
+# PyTorch's CPU library exports (MKL's on the x86-64 wheels), looked up in this library file.
+BLAS_LIBRARY, BLAS_SGEMM = "torch_cpu", "sgemm_"
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,6 +81,11 @@ def library() -> ctypes.CDLL | None:
     lib.attnscale_softmax_rows.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr,
                                            flag]
     lib.attnscale_softmax_rows.restype = None
+    lib.attnscale_softmax_rows_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                                                     i64, i64, ctypes.c_float, ptr, i64, ptr,
+                                                     i64, flag, ptr, flag]
+    lib.attnscale_softmax_rows_attention.restype = None
+    lib.attnscale_openmp.restype = ctypes.c_int
     lib.attnscale_softcap_exp.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_float,
                                           ptr, flag]
     lib.attnscale_softcap_exp.restype = None
@@ -293,6 +301,107 @@ def softmax_rows(z: Tensor, e: Tensor, stats: Tensor, rows_out: Tensor, *,
                                          int(portable))
     return e
 
+
+@functools.lru_cache(maxsize=1)
+def blas_sgemm() -> int | None:
+    """Address of the sgemm PyTorch's CPU library exports (:data:`BLAS_SGEMM`), or None where it
+    exports none or the one it exports fails a check on a small product (looked up once).
+
+    The block loops (:func:`softmax_rows_attention`) call it from C for their matmuls, so that
+    a worker runs all its blocks in one call; on each worker thread it runs on that thread's one
+    BLAS thread (:mod:`attnscale.workers`)."""
+    if library() is None:
+        return None
+    directory = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = [n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+             if n.split(".")[0] in (f"lib{BLAS_LIBRARY}", BLAS_LIBRARY)]
+    for name in names:
+        try:
+            address = ctypes.cast(getattr(ctypes.CDLL(os.path.join(directory, name)),
+                                          BLAS_SGEMM), ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        if address and _sgemm_works(address):
+            return address
+    return None
+
+
+def _sgemm_works(address: int) -> bool:
+    """Whether the sgemm at ``address`` computes a small row-major q kᵀ and e v right, called
+    through the kernel itself (an odd-sized causal block of one head)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 5, 3, generator=g) for _ in range(3))
+    rows = torch.zeros(1, 1, 5, len(ROW_STATS_COLUMNS), dtype=torch.float64)
+    out = torch.full((1, 1, 5, 3), float("nan"))
+    blocks = torch.tensor([[0, 0, 0, 5]], dtype=torch.int64)
+    softmax_rows_attention(q, k, v, out, rows, 0.5, True, blocks, threads=1, gemm=address)
+    z = (q[0, 0] @ k[0, 0].T).double() * 0.5
+    z = z.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(z, -1) @ v[0, 0].double()
+    return bool(((out[0, 0].double() - want).abs() <= 1e-5).all())
+
+
+def openmp() -> bool:
+    """Whether the kernels were built with OpenMP, so :func:`softmax_rows_attention` spreads its
+    blocks over threads itself (on the calling thread's OpenMP team, PyTorch's own where both
+    use libgomp)."""
+    lib = library()
+    return bool(lib is not None and lib.attnscale_openmp())
+
+
+def softmax_rows_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, rows: Tensor,
+                           scale: float, causal: bool, blocks: Tensor, *, threads: int,
+                           gemm: int | None = None, portable: int = False) -> Tensor:
+    """Softmax attention of the (batch, head, first query, queries) ``blocks`` (int64 (c, 4)),
+    each query's :func:`softmax_rows` statistics into ``rows``: out = softmax(scale q kᵀ) v,
+    under top-left causality when ``causal``, in one call (:mod:`attnscale.kernels.softmax_rows`),
+    spread over ``threads`` OpenMP threads (1 where :func:`openmp` is False), which take the blocks
+    in their order.
+
+    q (B, H, Nq, d), k (B, H, Nk, d), v (B, H, Nk, d_v), out (B, H, Nq, d_v): float32 CPU, each
+    with unit stride along its last dimension and a token stride of at least its width; rows
+    float64 (B, H, Nq, len(ROW_STATS_COLUMNS)) with a contiguous last dimension.  ``gemm``: the
+    sgemm to call (default :func:`blas_sgemm`).  Returns ``out``."""
+    gemm = blas_sgemm() if gemm is None else gemm
+    if gemm is None:
+        raise RuntimeError("softmax_rows_attention needs PyTorch's sgemm (blas_sgemm is None)")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    threads = threads if openmp() else 1
+    for name, t in {"q": q, "k": k, "v": v, "out": out}.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d float32 CPU tensor, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1 or t.stride(2) < max(t.shape[-1], 1):
+            raise ValueError(f"{name} must have unit stride along its last dimension and a "
+                             f"token stride of at least its width, got strides {t.stride()}")
+    n_b, n_h, n_q, d = q.shape
+    if (k.shape[:2] != (n_b, n_h) or k.shape[-1] != d or v.shape[:3] != k.shape[:3]
+            or out.shape != (n_b, n_h, n_q, v.shape[-1])):
+        raise ValueError(f"q, k, v and out shapes disagree: {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(out.shape)}")
+    if (rows.dtype != torch.float64 or rows.shape != (n_b, n_h, n_q, len(ROW_STATS_COLUMNS))
+            or rows.stride(-1) != 1):
+        raise ValueError(f"rows must be float64 {(n_b, n_h, n_q, len(ROW_STATS_COLUMNS))} with "
+                         f"a contiguous last dimension, got {rows.dtype} {tuple(rows.shape)}")
+    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[1] != 4 \
+            or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be contiguous int64 (c, 4), got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    if not len(blocks):
+        return out
+    low, high = blocks.amin(0).tolist(), blocks.amax(0).tolist()
+    if min(low) < 0 or high[0] >= n_b or high[1] >= n_h \
+            or int((blocks[:, 2] + blocks[:, 3]).max()) > n_q:
+        raise ValueError("blocks must lie inside (B, H, Nq)")
+    per_thread = high[3] * (2 * k.shape[2] + 2)
+    scratch = torch.empty(threads * per_thread)
+    strides = (ctypes.c_int64 * 15)(*(s for t in (q, k, v, out, rows) for s in t.stride()[:3]))
+    require().attnscale_softmax_rows_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), rows.data_ptr(), strides, d,
+        v.shape[-1], k.shape[2], int(causal), scale, blocks.data_ptr(), len(blocks),
+        scratch.data_ptr(), per_thread, threads, gemm, int(portable))
+    return out
 
 def softcap_exp(s: Tensor, cap: float, stats: Tensor, *, out: Tensor | None = None,
                 limit: Tensor | None = None, portable: int = False) -> Tensor:
