@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from attnscale import hf
 from attnscale.columns import RECORD_STATS
 from attnscale.errors import ConfigError
-from attnscale.kernels import softmax_rows
+from attnscale.kernels import native, softmax_rows
 from attnscale.inspect import FIELDS, inspect_checkpoint, inspect_model, redraw, render, write
 from attnscale.inspect.inputs import fresh_model
 from attnscale.inspect.measure import qk_totals
@@ -432,7 +432,7 @@ def test_no_op_forms_a_batch_heads_by_n_by_n_tensor(monkeypatch):
     # the blockwise softmax kernel (no_grad forwards) holds blocks of this many logits; its C
     # loop, a block's logits and weights on each of up to 2 threads
     monkeypatch.setattr(softmax_rows, "ROWS_BLOCK_ELEMENTS", block * n)
-    monkeypatch.setattr(softmax_rows, "NATIVE_BLOCK_ROWS", block // 4)
+    monkeypatch.setattr(native, "NATIVE_BLOCK_ROWS", block // 4)
     config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": n,
                                          "num_key_value_heads": 4})
     torch.manual_seed(0)

@@ -125,8 +125,13 @@ def test_automatic_mode_screens_large_calls_only_where_bfloat16_is_fast(screened
     monkeypatch.setattr(peak, "bf16_fast", lambda: True)
     peak.head_peaks(q[..., :8, :], k[..., :8, :], 1.0)       # 64 logits: below the threshold
     assert screened == []
+    peak.head_peaks(q, k, 1.0)                       # 2^20 logits: the C loop is faster here
+    assert screened == []
+    peak.head_peaks(q, k, 1.0, mask=torch.ones(1024, 1024, dtype=torch.bool))
+    assert screened == [True]                        # ... but a mask takes the Python pass
+    monkeypatch.setattr(peak, "SCREEN_OVER_NATIVE_ELEMENTS", 1 << 20)
     peak.head_peaks(q, k, 1.0)
-    assert screened == [True]
+    assert screened == [True, True]
 
 
 @pytest.mark.skipif(not native.available(), reason="attnscale's compiled kernels are not built")

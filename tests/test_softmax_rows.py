@@ -97,7 +97,7 @@ CASES = {  # (B, H, Nq, Nk, causal, mask shape or None)
 # The block loop runs in C ("native": every call without a mask, where PyTorch exports its
 # sgemm) or in Python ("python": calls with a mask, or without that sgemm); each at its default
 # block and at a small one, so that blocks split rows, heads and the causal diagonal.
-PATHS = {"native": (softmax_rows, "NATIVE_BLOCK_ROWS", softmax_rows.NATIVE_BLOCK_ROWS, 7),
+PATHS = {"native": (native, "NATIVE_BLOCK_ROWS", native.NATIVE_BLOCK_ROWS, 7),
          "python": (softmax_rows, "ROWS_BLOCK_ELEMENTS", softmax_rows.ROWS_BLOCK_ELEMENTS, 150)}
 
 
@@ -146,7 +146,7 @@ def test_native_loop_reads_strided_inputs(monkeypatch, layout):
     # A model's q is (B, N, H, d) transposed, a grouped-query model's k and v are expanded over
     # the heads (stride 0), and the values may be narrower than the keys; the output follows q's
     # order of dimensions, as SDPA's does.
-    monkeypatch.setattr(softmax_rows, "NATIVE_BLOCK_ROWS", 5)
+    monkeypatch.setattr(native, "NATIVE_BLOCK_ROWS", 5)
     g = torch.Generator().manual_seed(3)
     b, h, n, d, d_v = 2, 4, 23, 8, 8
     if layout == "one query":
@@ -288,3 +288,4 @@ def test_nan_reaches_the_outputs_sdpa_gives_it(where):
 def test_exact_outputs_must_be_a_bool():
     with pytest.raises(ConfigError, match="exact_outputs"):
         monitor(_model(), exact_outputs="yes")
+

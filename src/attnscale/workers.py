@@ -3,7 +3,9 @@ compiled kernels), and the start-up rules every worker process of attnscale shar
 engine's trial workers, the report's section workers).
 
 Used where a loop runs many small torch ops whose own intra-op parallelism is poor: running the
-pieces side by side on ``torch.get_num_threads()`` threads keeps every core busy.
+pieces side by side on ``torch.get_num_threads()`` threads keeps every core busy.  Where PyTorch
+runs on GNU OpenMP, attnscale's kernels run such pieces on PyTorch's own threads instead
+(:func:`attnscale.kernels.team.team_map`, which falls back to :func:`parallel_map` here).
 
 Each worker runs its torch ops on one intra-op thread.  Without that, every worker's ops would
 open their own OpenMP team of ``torch.get_num_threads()`` threads (the OpenMP thread count is

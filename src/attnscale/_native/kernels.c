@@ -204,6 +204,40 @@ int attnscale_openmp(void) {
 #endif
 }
 
+/* Calls fn(thread, threads) once on each thread of an OpenMP team of `threads` opened on the
+ * calling thread (once, fn(0, 1), without OpenMP): attnscale.kernels.team runs its Python
+ * workers on PyTorch's own threads this way, rather than on a second pool of threads that would
+ * compete with the team's spin-wait. */
+typedef void (*team_fn)(int, int);
+
+void attnscale_team(int threads, team_fn fn) {
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    fn(omp_get_thread_num(), omp_get_num_threads());
+#else
+    (void)threads;
+    fn(0, 1);
+#endif
+}
+
+/* The block loops below hand their blocks to `threads` OpenMP threads one at a time, in order
+ * (none without OpenMP); each thread works in its own part of the caller's scratch. */
+#if defined(_OPENMP)
+#define BLOCKS_PARALLEL(threads) \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)")
+#else
+#define BLOCKS_PARALLEL(threads)
+#endif
+
+static float *thread_scratch(float *scratch, int64_t per_thread) {
+#if defined(_OPENMP)
+    return scratch + (int64_t)omp_get_thread_num() * per_thread;
+#else
+    (void)per_thread;
+    return scratch;
+#endif
+}
+
 /* Softmax attention with every row's statistics, block by block, in one call: the whole loop of
  * attnscale.kernels.softmax_rows, without a return to Python between blocks.  Block c of
  * `blocks` is (batch, head, first query, queries), four int64; it sees keys [0, n_c) with
@@ -231,18 +265,12 @@ void attnscale_softmax_rows_attention(const float *q, const float *k, const floa
     int64_t largest = 0;
     for (int64_t c = 0; c < count; c++)
         if (blocks[4 * c + 3] > largest) largest = blocks[4 * c + 3];
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-#endif
+    BLOCKS_PARALLEL(threads)
     for (int64_t c = 0; c < count; c++) {
         const float one = 1.0f, zero = 0.0f;
         float scale_ = scale;
         int64_t d_ = d, dv_ = dv;
-#if defined(_OPENMP)
-        float *z = scratch + (int64_t)omp_get_thread_num() * per_thread;
-#else
-        float *z = scratch;
-#endif
+        float *z = thread_scratch(scratch, per_thread);
         float *e = z + largest * n_k, *stats = e + largest * n_k;
         int64_t b = blocks[4 * c], h = blocks[4 * c + 1], i0 = blocks[4 * c + 2];
         int64_t nr = blocks[4 * c + 3];
@@ -279,6 +307,59 @@ void attnscale_softmax_rows_attention(const float *q, const float *k, const floa
     }
 }
 
+/* The extremes of one row of n float32 logits: *top = max, *low = min, both NaN where a logit
+ * is NaN; -inf and +inf for a row without a key.  Written as compares and selects so that the
+ * compiler vectorises them. */
+static void row_extremes(const float *z, int64_t n, float *top, float *low) {
+    float hi = -INFINITY, lo = INFINITY;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float x = z[i];
+        hi = x > hi ? x : hi;
+        lo = x < lo ? x : lo;
+        nan |= x != x;
+    }
+    *top = nan ? NAN : hi;
+    *low = nan ? NAN : lo;
+}
+
+/* The largest and smallest raw logit q kᵀ of every query over the keys it attends (all n_k, or
+ * under top-left causality keys [0, min(n_k, i + 1)) for query i), block by block in one call,
+ * for attnscale.kernels.peak's S_max.  Blocks as for attnscale_softmax_rows_attention (batch,
+ * head, first query, queries); query head h reads key head h / group (grouped-query attention).
+ * q, k: float32, unit stride along d, (batch, head, token) strides in `strides` (q's three,
+ * then k's).  top, low: float32 (B, H, Nq) contiguous, n_h heads and n_q queries.  scratch:
+ * `threads` x per_thread floats, per_thread >= queries x n_k of the largest block. */
+void attnscale_peak_rows(const float *q, const float *k, const int64_t *strides, int64_t d,
+                         int64_t n_k, int64_t causal, int64_t group, const int64_t *blocks,
+                         int64_t count, float *top, float *low, int64_t n_h, int64_t n_q,
+                         float *scratch, int64_t per_thread, int threads, void *gemm) {
+    sgemm_fn sgemm = (sgemm_fn)gemm;
+    const int64_t *qs = strides, *ks = strides + 3;
+    BLOCKS_PARALLEL(threads)
+    for (int64_t c = 0; c < count; c++) {
+        const float one = 1.0f, zero = 0.0f;
+        int64_t d_ = d;
+        float *z = thread_scratch(scratch, per_thread);
+        int64_t b = blocks[4 * c], h = blocks[4 * c + 1], i0 = blocks[4 * c + 2];
+        int64_t nr = blocks[4 * c + 3];
+        int64_t nb = causal ? (i0 + nr < n_k ? i0 + nr : n_k) : n_k;
+        const float *qb = q + b * qs[0] + h * qs[1] + i0 * qs[2];
+        const float *kb = k + b * ks[0] + (h / group) * ks[1];
+        int64_t ldq = qs[2], ldk = ks[2];
+        if (nb > 0 && d_ > 0) {
+            sgemm("T", "N", &nb, &nr, &d_, &one, kb, &ldk, qb, &ldq, &zero, z, &nb);
+        } else {
+            for (int64_t i = 0; i < nr * nb; i++) z[i] = 0.0f;
+        }
+        float *tb = top + (b * n_h + h) * n_q + i0, *lb = low + (b * n_h + h) * n_q + i0;
+        for (int64_t r = 0; r < nr; r++) {
+            int64_t n_r = causal ? (i0 + r + 1 < nb ? i0 + r + 1 : nb) : nb;
+            row_extremes(z + r * nb, n_r, tb + r, lb + r);
+        }
+    }
+}
+
 /* Version of the kernels' contract, checked by the loader against a stale build: 2 = soft-cap
  * on tanh with NaN propagation (1 was 2c sigmoid(2x)), 3 = the signed top logit column,
  * 4 = attnscale_row_entropy and attnscale_bf16_row_max, 5 = the softpick and stick-breaking
@@ -286,7 +367,8 @@ void attnscale_softmax_rows_attention(const float *q, const float *k, const floa
  * row's max and 1 / sum, with a one-pass backward (attnscale_softcap_exp, _backward, in place
  * of attnscale_softcap_probs, _grad) and attnscale_bf16_row_entropy, 7 = attnscale_softmax_rows
  * (the softmax forward with the row statistics), 8 = attnscale_softmax_rows_attention (its whole
- * block loop, with the caller's sgemm). */
+ * block loop, with the caller's sgemm), attnscale_peak_rows, attnscale_openmp and
+ * attnscale_team. */
 int attnscale_kernels_version(void) { return 8; }
 
 /* Soft-cap forward of rows [row0, row1) (n_r keys as for attnscale_row_stats): e = exp(cap

@@ -34,9 +34,10 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.rowsubset import block_hidden
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Scratch
 from attnscale.precision import all_finite, upcast
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Logits in one block: 2^19 (2 MiB of float32), every head of a batch element by as many
 # queries as fit (64 at H = 8, Nk = 1024), as the soft-cap kernel's blocks.
@@ -362,7 +363,7 @@ class _BiasedAttention(torch.autograd.Function):
             for i0, i1, n_k, z in _biased_blocks(q, k, scale, blocks, bias, b, scratch):
                 torch.bmm(_softmax_(z), v[b, :, :n_k], out=out[b, :, i0:i1])
 
-        parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
+        team_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         ctx.save_for_backward(q, k, v, out, mask, c)
         ctx.args = (scale, causal, block_elements, bias)
         return out
@@ -410,7 +411,7 @@ class _BiasedAttention(torch.autograd.Function):
                 dk_b[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz,
                                          alpha=scale)                        # dKᵀ += s Qᵀ dZ
 
-        parallel_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
+        team_map(element, range(blocks.n_b), workers_for(q.device, blocks.n_b))
         d_c = None if c is None else bias.dc
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None,
                 None, d_c)
@@ -452,4 +453,4 @@ def bias_row_stats(q: Tensor, k: Tensor, scale: float, bias: Bias, mask: Tensor 
             for i0, i1, _, z in _biased_blocks(q, k, scale, blocks, strategy, b, scratch):
                 rows[b, :, i0:i1].copy_(row_stats(z, threads=threads))
 
-        parallel_map(element, range(blocks.n_b), workers)
+        team_map(element, range(blocks.n_b), workers)

@@ -8,7 +8,7 @@ buffer of its worker's (:class:`CallerScratch`, reused from chunk to chunk, stil
 the op reads it), and only the chunk's part of the op's outputs exists at a time.
 
 The chunks run side by side on worker threads of one intra-op thread each
-(:func:`attnscale.workers.parallel_map`), not one op call after another on torch's own threads:
+(:func:`attnscale.kernels.team.team_map`), not one op call after another on torch's own threads:
 the op's OpenMP team splits a call's (batch, head) pairs statically, and on the shared 2-core
 machine a call per batch element on 2 threads took 1.3x the time of one call on the whole input,
 while 4 chunks of B1 H8 N1024 (head size 68) on 2 single-threaded workers took 0.92x of it
@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Scratch
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # The CPU flash-attention op and its backward (None where this torch lacks them).
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -102,4 +103,4 @@ def run_chunks(fn: Callable[[int, slice], None], chunks: list[tuple[int, slice]]
                device: torch.device) -> None:
     """``fn(b, heads)`` for every chunk, on as many worker threads as torch has intra-op
     threads (fewer for fewer chunks)."""
-    parallel_map(lambda chunk: fn(*chunk), chunks, workers_for(device, len(chunks)))
+    team_map(lambda chunk: fn(*chunk), chunks, workers_for(device, len(chunks)))

@@ -33,9 +33,10 @@ from torch import Tensor
 
 from attnscale.kernels import native, peak
 from attnscale.kernels.rowsubset import RowSubset, block_hidden, hidden_rows, masked
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.precision import all_finite
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Which rows need their exact entropy, from bounds (lo, hi) on each (see entropy_forward).
 ExactWhere = Callable[[Tensor, Tensor], Tensor]
@@ -133,7 +134,7 @@ def entropy_forward(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, sca
                 lse_blk.copy_(l_blk)
 
     with torch.no_grad():
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        team_map(group, groups, workers_for(q.device, len(groups)))
     return ent, lse
 
 
@@ -212,7 +213,7 @@ def _screened(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: fl
                                 need_blk, tiles.causal_counts(i, q_blk.shape[1]), ent_blk,
                                 lse_blk, exact)
 
-    parallel_map(run, [r for r in runs if r], workers)
+    team_map(run, [r for r in runs if r], workers)
     return None if failed else (ent, lse)
 
 
@@ -302,7 +303,7 @@ def entropy_backward(q: Tensor, k: Tensor, ent: Tensor, lse: Tensor, g: Tensor,
                 dk_g[:, :n_k].baddbmm_(dz.transpose(1, 2), q_blk, alpha=scale)    # dK += s dZᵀ Q
 
     groups = list(tiles.groups())
-    parallel_map(group, groups, workers_for(q.device, len(groups)))
+    team_map(group, groups, workers_for(q.device, len(groups)))
     return dq, (dk_t.transpose(-2, -1) if into_k is None else into_k)
 
 

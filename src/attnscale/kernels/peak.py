@@ -42,8 +42,9 @@ from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.kernels.rowsubset import RowSubset, block_hidden, masked
+from attnscale.kernels.team import team_map, usable
 from attnscale.precision import work_dtype
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Logits scored per block: (B, H, rows, Nk) blocks of at most 2^22 entries (16 MiB in float32).
 PEAK_BLOCK_ELEMENTS = 1 << 22
@@ -51,8 +52,13 @@ PEAK_BLOCK_ELEMENTS = 1 << 22
 _MASKED_BIAS = -1e4
 # bfloat16's unit roundoff (8 significand bits, round to nearest).
 _BF16_U = 2.0**-8
-# The screen runs (in automatic mode) from this many logits on; below, conversions cost more.
+# The screen runs (in automatic mode) from this many logits on; below, conversions cost more
+# than the blockwise float32 pass in Python (masked calls, or no sgemm for the C loop).
 SCREEN_MIN_ELEMENTS = 1 << 20
+# ... and from this many against the C block loop (:func:`_native_peaks`): causal d64 on 2
+# threads of an AMD EPYC with AVX512_BF16, screen ÷ loop 1.2 at 4M logits (B1 H4 N1024), even at
+# 8M (B1 H8 N1024; B4 H8 N512), 0.63 at 16M (B1 H4 N2048), 0.46 at 32M (B4 H8 N1024, 1 thread).
+SCREEN_OVER_NATIVE_ELEMENTS = 1 << 23
 # Logits per block of the screen's bfloat16 pass (8 MiB).
 SCREEN_BLOCK_ELEMENTS = 1 << 22
 # The screen's second pass is given up for the one-pass float32 path when one (batch, head) has
@@ -111,8 +117,9 @@ def head_peaks(q: Tensor, k: Tensor, scale: float | Tensor, *, mask: Tensor | No
             above are logit biases, counted), broadcastable to (B, H, Nq, Nk).
         causal: query i attends keys j <= i (top-left, as SDPA's ``is_causal``), on top of mask.
         screen: score float32 CPU input through the bfloat16 screen (module docstring): None
-            (default) where the CPU has AMX and the call holds at least
-            :data:`SCREEN_MIN_ELEMENTS` logits, True wherever it applies (for tests), False never.
+            (default) where the CPU has AMX or AVX512_BF16 and the call holds at least
+            :data:`SCREEN_OVER_NATIVE_ELEMENTS` logits (:data:`SCREEN_MIN_ELEMENTS` with a mask,
+            or without the C block loop), True wherever it applies (for tests), False never.
             The answer is the float32 one either way.
     Returns:
         float64 (H,): -inf for a head with no attended key; NaN where a logit is NaN.
@@ -124,10 +131,17 @@ def head_peaks(q: Tensor, k: Tensor, scale: float | Tensor, *, mask: Tensor | No
             scale = scale.detach().to(work)
         b, h, n_q, _ = q.shape
         n_k = k.shape[-2]
-        if k.shape[-3] != h:  # GQA: an O(Nk d) copy, never O(N^2)
-            k = k.repeat_interleave(h // k.shape[-3], dim=-3)
         if b * h * n_q * n_k == 0:
             return torch.full((h,), -math.inf, dtype=torch.float64)
+        loop = (mask is None and q.dtype == torch.float32 and q.device.type == "cpu"
+                and native.blas_sgemm() is not None)
+        if screen is None:
+            screen = bf16_fast() and b * h * n_q * n_k >= (
+                SCREEN_OVER_NATIVE_ELEMENTS if loop else SCREEN_MIN_ELEMENTS)
+        if loop and not screen:
+            return _native_peaks(q, k, scale, causal)
+        if k.shape[-3] != h:  # GQA: an O(Nk d) copy, never O(N^2)
+            k = k.repeat_interleave(h // k.shape[-3], dim=-3)
         bias = None
         if mask is not None and mask.dtype != torch.bool:
             bias = mask.detach().to(work)
@@ -137,17 +151,42 @@ def head_peaks(q: Tensor, k: Tensor, scale: float | Tensor, *, mask: Tensor | No
                 bias = None
         kt = k.transpose(-2, -1)  # (B, H, d, Nk)
         rows = max(1, min(n_q, block_elements // max(1, b * h * n_k)))
-        if screen is None:
-            screen = bf16_fast() and b * h * n_q * n_k >= SCREEN_MIN_ELEMENTS
         if screen and q.dtype == torch.float32 and q.device.type == "cpu" and bias is None:
             peaks = _screened(q, k, kt, scale, mask, causal)
             if peaks is not None:
                 return peaks
+        if loop:
+            return _native_peaks(q, k, scale, causal)
         starts = range(0, n_q, rows)
-        peaks = parallel_map(lambda i0: _block_peak(q[..., i0:i0 + rows, :], kt, scale, mask,
-                                                    bias, causal, i0),
-                             starts, workers_for(q.device, len(starts)))
+        peaks = team_map(lambda i0: _block_peak(q[..., i0:i0 + rows, :], kt, scale, mask,
+                                                bias, causal, i0),
+                         starts, workers_for(q.device, len(starts)))
         return torch.stack(peaks).amax(dim=0).double().cpu()
+
+
+def _native_peaks(q: Tensor, k: Tensor, scale: float | Tensor, causal: bool) -> Tensor:
+    """head_peaks without a mask, through the C block loop (:func:`native.peak_rows`): every
+    row's largest and smallest raw logit, from float32 blocks of one head that stay in cache,
+    in one call on the calling thread's OpenMP team; then each row's extreme times its scale
+    (rounding is monotone, so fl(s · max z) = max fl(s · z) for s >= 0, and the min for s < 0)."""
+    q, k = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 and t.stride(2) >= t.shape[-1]
+            else t.contiguous() for t in (q, k))
+    b, h, n_q, _ = q.shape
+    rows = min(native.NATIVE_BLOCK_ROWS, n_q)
+    n_k = k.shape[-2]
+    starts = sorted(range(0, n_q, rows), key=lambda i0: -(min(n_k, i0 + rows) if causal else 0))
+    blocks = torch.tensor([(bi, hi, i0, min(rows, n_q - i0)) for i0 in starts for bi in range(b)
+                           for hi in range(h)], dtype=torch.int64)
+    top, low = torch.empty(b, h, n_q), torch.empty(b, h, n_q)
+    threads = workers_for(q.device, len(blocks)) if usable() else 1
+    native.peak_rows(q, k, top, low, causal, blocks, threads=threads)
+    if isinstance(scale, Tensor):
+        s_rows = scale.expand(b, h, n_q, 1).squeeze(-1)
+        rows_peak = torch.where(s_rows >= 0, top * s_rows, low * s_rows)
+        rows_peak = torch.where(torch.isneginf(top), -math.inf, rows_peak)  # a row with no key
+    else:
+        rows_peak = top * scale if scale >= 0 else low * scale
+    return rows_peak.amax(dim=(0, 2)).double()
 
 
 def _rows(t: Tensor | None, i0: int, i1: int) -> Tensor | None:
@@ -262,7 +301,7 @@ def _screened(q: Tensor, k: Tensor, kt: Tensor, scale: float | Tensor, mask: Ten
 
     items = [(bi, h0, i0) for bi in range(b) for h0 in range(0, h, heads)
              for i0 in range(0, n_q, rows)]
-    parallel_map(block, items, workers_for(q.device, len(items)))
+    team_map(block, items, workers_for(q.device, len(items)))
     q_norm = q_norm.double()
     err = screen_error(q_norm, k_norm, d)
     if not bool(torch.isfinite(err).all()):  # a NaN or inf in q (or a norm overflowing)

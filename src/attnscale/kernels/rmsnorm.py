@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import native
-from attnscale.workers import parallel_map, workers_for
+from attnscale.kernels.team import team_map
+from attnscale.workers import workers_for
 
 # Tokens per worker below which a call runs on fewer workers (a thread's start costs more).
 MIN_TOKENS_PER_WORKER = 256
@@ -75,9 +76,9 @@ def rms_forward(x: Tensor, gain: Tensor | None, m: float, eps: float,
     rho = torch.empty((a, c) if grouped else (a, h, c), dtype=torch.float32)
     w = None if gain is None else gain.detach().contiguous()
     y4 = _as_4d(y)
-    parallel_map(lambda span: native.rownorm_forward(x4, y4, rho, w, m=float(m), eps=eps,
-                                                     grouped=grouped, span=span),
-                 _spans(a * c), len(_spans(a * c)))
+    team_map(lambda span: native.rownorm_forward(x4, y4, rho, w, m=float(m), eps=eps,
+                                                 grouped=grouped, span=span),
+             _spans(a * c), len(_spans(a * c)))
     return y, rho
 
 
@@ -97,9 +98,9 @@ def rms_backward(x: Tensor, g: Tensor, rho: Tensor, gain: Tensor | None, m: floa
     spans = _spans(a * c)
     parts = [torch.zeros(w.shape, dtype=torch.float64) if need_gain and w is not None else None
              for _ in spans]
-    parallel_map(lambda i: native.rownorm_backward(x4, g4, dx4, rho, w, parts[i], m=float(m),
-                                                   grouped=grouped, span=spans[i]),
-                 range(len(spans)), len(spans))
+    team_map(lambda i: native.rownorm_backward(x4, g4, dx4, rho, w, parts[i], m=float(m),
+                                               grouped=grouped, span=spans[i]),
+             range(len(spans)), len(spans))
     d_gain = None
     if need_gain and w is not None:
         d_gain = torch.zeros(w.shape, dtype=torch.float64)   # no token: no gradient

@@ -19,7 +19,7 @@ import torch
 from attnscale.kernels import native
 from attnscale.errors import check_int
 from attnscale.kernels.native import ROW_STATS_COLUMNS
-from attnscale.workers import parallel_map
+from attnscale.kernels.team import team_map
 
 Tensor = torch.Tensor
 
@@ -73,7 +73,7 @@ def row_stats(z: Tensor, *, limit: Tensor | None = None, portable: int = False,
     if rows * n >= PARALLEL_MIN_ELEMENTS:
         workers = max(1, min(threads or torch.get_num_threads(), rows))
     bounds = [rows * w // workers for w in range(workers + 1)]
-    parallel_map(lambda span: native.row_stats_rows(flat, out, span, limit=limit,
-                                                    portable=portable),
-                 zip(bounds[:-1], bounds[1:]), workers)
+    team_map(lambda span: native.row_stats_rows(flat, out, span, limit=limit,
+                                                portable=portable),
+             zip(bounds[:-1], bounds[1:]), workers)
     return out.reshape(*z.shape[:-1], len(ROW_STATS_COLUMNS))

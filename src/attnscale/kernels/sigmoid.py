@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels.softcap import CAPPED_BLOCK_ELEMENTS
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Tiles
 from attnscale.precision import upcast
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 
 def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: float | Tensor,
@@ -64,7 +65,7 @@ class _SigmoidAttention(torch.autograd.Function):
                 torch.bmm(p, v_g[:, :p.shape[-1]], out=out_blk)
 
         groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        team_map(group, groups, workers_for(q.device, len(groups)))
         ctx.save_for_backward(q, k, v, offset, mask)
         ctx.args = (scale, causal, block_elements)
         return out
@@ -94,7 +95,7 @@ class _SigmoidAttention(torch.autograd.Function):
                 dk_g[..., :n_k].baddbmm_(q_blk.transpose(1, 2), dz)           # dKᵀ += Qᵀ dZ
 
         groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        team_map(group, groups, workers_for(q.device, len(groups)))
         dq.mul_(scale)
         dk_t.mul_(scale)
         return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1), None, None, None, None, None

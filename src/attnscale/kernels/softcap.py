@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from attnscale.kernels import flex, native
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.precision import upcast
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Logits in one block of the capped kernel: 2^19 float32 = 2 MiB, 512 queries of one head at
 # Nk = 1024; the backward pass keeps three blocks alive.  Between 2^17 and 2^19 the speed is flat
@@ -181,7 +182,7 @@ class _CappedAttention(torch.autograd.Function):
                     torch.bmm(torch.softmax(z, dim=-1), v_g[:, :n_k], out=out_blk)
 
         # Head groups write disjoint slices of out: several run side by side on the CPU.
-        parallel_map(group, groups, workers)
+        team_map(group, groups, workers)
         ctx.save_for_backward(q, k, v, out, mask, stats)
         ctx.args = (scale, cap, causal, block_elements)
         return out
@@ -238,7 +239,7 @@ class _CappedAttention(torch.autograd.Function):
 
         # Head groups write disjoint slices of dq, dK and dV: several run side by side.
         groups = list(tiles.groups())
-        parallel_map(group, groups, workers_for(q.device, len(groups)))
+        team_map(group, groups, workers_for(q.device, len(groups)))
         return (dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1),
                 None, None, None, None, None, None, None)
 

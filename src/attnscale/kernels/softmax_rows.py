@@ -26,19 +26,15 @@ from torch import Tensor
 
 from attnscale.columns import ROW_STATS_COLUMNS
 from attnscale.kernels import native
+from attnscale.kernels.team import team_map, usable
 from attnscale.kernels.tiles import Scratch, Tiles
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Logits per block: 2^19 float32 (2 MiB), e.g. 256 queries of one head at Nk = 2048; two such
 # blocks (logits and weights) per worker.  At B1 H4 N2048 d64 causal (the monitor benchmark's
 # layer) on an AMD EPYC: on 1 thread 2^18 and 2^19 are alike (35 ms, SDPA 33); on 2 threads 2^19
 # runs in 23.7 ms against 27.8 for 2^18 and 25.1 for 2^20 (fewer blocks, less of the GIL).
 ROWS_BLOCK_ELEMENTS = 2**19
-# Queries per block of the C block loop (one head each, no Python between blocks, so a block can
-# stay in a core's L2): at B1 H4 d64 causal on an AMD EPYC, 64 rows ran N = 512 and 2048 in the
-# time of SDPA or less on 1 and 2 threads (2048 on 2 threads: 20.7 ms, SDPA 19.5; 32 rows 28.2,
-# 256 rows 21.1); at N = 8192, 128 rows ran 8% faster on 1 thread and alike on 2.
-NATIVE_BLOCK_ROWS = 64
 
 
 def forms_rows(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -102,7 +98,7 @@ def softmax_rows_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: 
         out_blk = tiles.rows_of(out, b, heads, i)
         torch.bmm(e, v[b, heads, :n_k], out=out_blk).mul_(stats[..., 1:])
 
-    parallel_map(block, items, workers_for(q.device, len(items)))
+    team_map(block, items, workers_for(q.device, len(items)))
     return out
 
 
@@ -121,20 +117,20 @@ def _native_blocks(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     """The block loop in C (:func:`attnscale.kernels.native.softmax_rows_attention`), in one call
     on the calling thread's OpenMP team: no block returns to Python, and the threads are those
     PyTorch's own ops run on (a second pool of threads lost about 9 ms a layer on 2 cores to the
-    team's spin-wait after the projections).  Blocks are one head by :data:`NATIVE_BLOCK_ROWS`
-    queries, handed out largest first."""
+    team's spin-wait after the projections).  Blocks are one head by
+    :data:`attnscale.kernels.native.NATIVE_BLOCK_ROWS` queries, handed out largest first."""
     q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 and t.stride(2) >= t.shape[-1]
                else t.contiguous() for t in (q, k, v))
     found = rows if rows.stride(-1) == 1 else torch.empty(rows.shape, dtype=torch.float64)
     n_b, n_h, n_q, _ = q.shape
-    n_k, r = k.shape[2], min(NATIVE_BLOCK_ROWS, n_q)
+    n_k, r = k.shape[2], min(native.NATIVE_BLOCK_ROWS, n_q)
     starts = range(0, n_q, r)
     blocks = [(b, h, i0, min(n_q - i0, r)) for i0 in sorted(
         starts, key=lambda i0: -(min(n_k, i0 + r) if causal else 0)) for b in range(n_b)
         for h in range(n_h)]
+    threads = workers_for(q.device, len(blocks)) if usable() else 1
     native.softmax_rows_attention(q, k, v, out, found, scale, causal,
-                                  torch.tensor(blocks, dtype=torch.int64),
-                                  threads=workers_for(q.device, len(blocks)))
+                                  torch.tensor(blocks, dtype=torch.int64), threads=threads)
     if found is not rows:
         rows.copy_(found)
     return out

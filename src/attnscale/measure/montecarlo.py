@@ -43,6 +43,7 @@ from attnscale.constants import Z95
 from attnscale.errors import (
     ConfigError, check_int, check_int_list, check_int_or_list, check_name_list,
 )
+from attnscale.kernels.team import team_map
 from attnscale.memory import check_memory, memory_budget
 from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
 from attnscale.mechanisms.base import Mechanism
@@ -50,7 +51,7 @@ from attnscale.progress import progress
 from attnscale.rng import rng
 from attnscale.stats import (Moments, mean_se_from_sums, row_mass, row_stats, std_ci,
                              std_se)
-from attnscale.workers import num_threads, parallel_map
+from attnscale.workers import num_threads
 
 # Logits processed per chunk (trials x n).  Small enough to stay in cache and in malloc's arenas
 # (fresh multi-MB buffers cost a page fault per 4 KB), large enough to amortise Python overhead.
@@ -204,8 +205,8 @@ def variance(d_ks: Sequence[int] = ESSAY_D_KS, pairs: int = ESSAY_PAIRS, seed: i
     bar = progress(None, desc="variance", total=len(d_ks) * pairs, enabled=show_progress)
     with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
         advance = _locked(bar.update)
-        return parallel_map(lambda d_k: _variance_row(d_k, pairs, seed, advance), d_ks,
-                            _cell_workers(len(d_ks), 0))
+        return team_map(lambda d_k: _variance_row(d_k, pairs, seed, advance), d_ks,
+                        _cell_workers(len(d_ks), 0))
 
 
 def _variance_row(d_k: int, pairs: int, seed: int, advance) -> dict:
@@ -380,9 +381,9 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
     workers = _cell_workers(len(plan), need)
     with num_threads(MONTE_CARLO_THREADS), contextlib.closing(bar):
         advance = _locked(bar.update)
-        cells = parallel_map(lambda item: _saturation_cell(*item[0], trials, seed, mechanisms,
-                                                           item[1], advance),
-                             plan.items(), workers)
+        cells = team_map(lambda item: _saturation_cell(*item[0], trials, seed, mechanisms,
+                                                       item[1], advance),
+                         plan.items(), workers)
     return [row for cell in cells for row in cell]
 
 

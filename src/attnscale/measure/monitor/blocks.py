@@ -19,13 +19,14 @@ from torch import Tensor
 from attnscale.columns import MONITOR_SUMMARIES, ROW_STATS_COLUMNS, WEIGHT_DEFAULTS, Summary
 from attnscale.errors import check_int
 from attnscale.kernels.biased import bias_row_stats
+from attnscale.kernels.team import team_map
 from attnscale.kernels.tiles import Scratch
 from attnscale.mechanisms.base import inv_sqrt
 from attnscale.pipeline import (MASKED_BIAS, Observation, Scale, key_mask, normalise,
                                 rule_logits)
 from attnscale.precision import work_dtype
 from attnscale.stats import columns, row_mass, row_stats
-from attnscale.workers import parallel_map, workers_for
+from attnscale.workers import workers_for
 
 # Queries per statistics block: the monitor's extra memory is a few (B, H, DEFAULT_BLOCK, N)
 # float32 tensors, e.g. 4 MiB each at B=1, H=4, N=2048.
@@ -273,7 +274,7 @@ def _blocks(q: Tensor, k: Tensor, *, scale: Scale | None, cap: float | None,
         # Blocks are independent: with several threads, each computes the logits and statistics
         # of whole blocks side by side (the small matmuls and the row kernel parallelise poorly
         # on their own); results come back in block order, so they do not depend on threads.
-        blocks = parallel_map(
+        blocks = team_map(
             lambda i0: _block_stats(q[..., i0:i0 + block, :], kt, cap,
                                     _rows(mask, i0, i0 + block), _rows(bias, i0, i0 + block),
                                     causal, causal_offset, i0, threads=1 if workers > 1 else None,
