@@ -3,7 +3,9 @@
  * attention kernel (softcap_kernel.h), the row entropy and log-sum-exp of adaptive temperature
  * and its bfloat16 screen (entropy_kernel.h), the bfloat16 row max of the S_max screen
  * (peak_kernel.h), the per-row steps of softpick and stick-breaking attention
- * (rectified_kernel.h), and qk-rmsnorm's RMSNorm forward and backward (rownorm_kernel.h).
+ * (rectified_kernel.h), qk-rmsnorm's RMSNorm forward and backward (rownorm_kernel.h), and two
+ * whole block loops on OpenMP threads with the caller's sgemm: the monitor's softmax with its
+ * row statistics and the S_max rows (below, in this file).
  *
  * Row statistics: one call reduces a block of attention logits (rows x width, float32, row
  * stride ld) to the per-row statistics of attnscale.stats in two streaming passes over each row

@@ -17,7 +17,13 @@ caller uses its PyTorch formulation instead:
 * the bfloat16 row max of :mod:`attnscale.kernels.peak`'s screen;
 * the per-row steps of softpick and stick-breaking attention (:mod:`attnscale.kernels.softpick`,
   :mod:`attnscale.kernels.stick_breaking`);
-* qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`).
+* qk-rmsnorm's RMSNorm forward and backward (:mod:`attnscale.kernels.rmsnorm`);
+* two whole block loops, the monitor's softmax with its row statistics
+  (:func:`softmax_rows_attention`) and the extremes of every row's logits for S_max
+  (:func:`peak_rows`), which call PyTorch's own sgemm (:func:`blas_sgemm`) and spread their
+  blocks over OpenMP threads;
+* :func:`team`, which runs a Python function on each thread of an OpenMP team, for
+  :mod:`attnscale.kernels.team`.
 
 Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row_entropy`,
 :func:`bf16_row_entropy`, :func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`,
