@@ -141,12 +141,14 @@ def test_pytorch_exports_the_sgemm_the_block_loop_calls():
     assert native.blas_sgemm() is not None
 
 
-@pytest.mark.parametrize("layout", ["model", "grouped", "narrow values", "one query"])
-def test_native_loop_reads_strided_inputs(monkeypatch, layout):
+@pytest.mark.parametrize("layout", ["model", "grouped", "narrow values", "one query",
+                                    "model, masked"])
+def test_block_loops_read_strided_inputs(monkeypatch, layout):
     # A model's q is (B, N, H, d) transposed, a grouped-query model's k and v are expanded over
     # the heads (stride 0), and the values may be narrower than the keys; the output follows q's
-    # order of dimensions, as SDPA's does.
+    # order of dimensions, as SDPA's does.  With a mask the Python loop writes that output.
     monkeypatch.setattr(native, "NATIVE_BLOCK_ROWS", 5)
+    monkeypatch.setattr(softmax_rows, "ROWS_BLOCK_ELEMENTS", 60)
     g = torch.Generator().manual_seed(3)
     b, h, n, d, d_v = 2, 4, 23, 8, 8
     if layout == "one query":
@@ -159,16 +161,20 @@ def test_native_loop_reads_strided_inputs(monkeypatch, layout):
         v = torch.randn(b, 1, n, d_v, generator=g).expand(b, h, n, d_v)
     if layout == "narrow values":
         v = torch.randn(b, h, n, 3, generator=g)
+    mask, keep = None, torch.ones(n, n, dtype=torch.bool).tril()
+    if layout == "model, masked":
+        mask = torch.rand(b, 1, n, n, generator=g) > 0.3
+        mask[..., 0] = True
+        keep = keep & mask
     found = torch.zeros(b, h, n, 7, dtype=torch.float64)
     with torch.no_grad():
-        out = softmax_rows.softmax_rows_attention(q, k, v, 0.5, None, True, found)
+        out = softmax_rows.softmax_rows_attention(q, k, v, 0.5, mask, True, found)
     z = (q.double() @ k.double().transpose(-2, -1)) * 0.5
-    keep = torch.ones(n, n, dtype=torch.bool).tril()
     p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)
     assert_close(out.double(), p @ v.double(), rtol=2e-5, atol=2e-6)
     assert_close(found, row_stats(((q * 0.5) @ k.transpose(-2, -1)).masked_fill(~keep, -math.inf)),
                  rtol=2e-5, atol=2e-6)
-    if layout == "model":
+    if layout.startswith("model"):
         assert out.transpose(1, 2).is_contiguous()
 
 
