@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from attnscale.kernels import native, team
 from attnscale.kernels.team import team_map
@@ -51,7 +52,7 @@ def test_torch_ops_inside_match_the_calling_thread():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 300, 200, generator=g), torch.randn(8, 200, 100, generator=g)
     got = team_map(lambda i: a[i] @ b[i], range(8), 2)
-    torch.testing.assert_close(torch.stack(got), a @ b, rtol=1e-5, atol=1e-5)
+    assert_close(torch.stack(got), a @ b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_forked_child_uses_the_pool_of_python_threads():
@@ -66,3 +67,36 @@ def test_a_forked_child_uses_the_pool_of_python_threads():
 
 def _in_child():
     return team.usable(), team_map(lambda x: x + 1, range(6), 2)
+
+
+def test_without_openmp_the_c_loops_deal_their_blocks_to_the_pool(monkeypatch):
+    # A build without OpenMP runs each C block loop as one single-threaded call per worker, on
+    # the pool of Python threads; every block is one call's from start to end, so the bits match.
+    from attnscale.kernels import softmax_rows
+    from attnscale.kernels.peak import head_peaks
+    from attnscale.workers import num_threads
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 300, 16, generator=g) for _ in range(3))
+
+    def both():
+        found = torch.zeros(2, 3, 300, 7, dtype=torch.float64)
+        with torch.no_grad():
+            out = softmax_rows.softmax_rows_attention(q, k, v, 0.3, None, True, found)
+        return out, found, head_peaks(q, k, 0.3, causal=True, screen=False)
+
+    with num_threads(2):
+        want = both()
+        calls = []
+        real = native.softmax_rows_attention
+
+        def record(*args, threads, **kwargs):
+            calls.append((len(args[7]), threads))
+            return real(*args, threads=threads, **kwargs)
+
+        monkeypatch.setattr(native, "openmp", lambda: False)
+        monkeypatch.setattr(native, "softmax_rows_attention", record)
+        got = both()
+    assert_close(got, want, rtol=0, atol=0)
+    blocks = 2 * 3 * 5                      # 300 queries in blocks of 64
+    assert sorted(calls) == [(blocks // 2, 1), (blocks // 2, 1)]

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.kernels.rowsubset import RowSubset, block_hidden, masked
-from attnscale.kernels.team import team_map, usable
+from attnscale.kernels.team import run_blocks, team_map
 from attnscale.precision import work_dtype
 from attnscale.workers import workers_for
 
@@ -175,11 +175,12 @@ def _native_peaks(q: Tensor, k: Tensor, scale: float | Tensor, causal: bool) -> 
     rows = min(native.NATIVE_BLOCK_ROWS, n_q)
     n_k = k.shape[-2]
     starts = sorted(range(0, n_q, rows), key=lambda i0: -(min(n_k, i0 + rows) if causal else 0))
-    blocks = torch.tensor([(bi, hi, i0, min(rows, n_q - i0)) for i0 in starts for bi in range(b)
-                           for hi in range(h)], dtype=torch.int64)
+    blocks = [(bi, hi, i0, min(rows, n_q - i0)) for i0 in starts for bi in range(b)
+              for hi in range(h)]
     top, low = torch.empty(b, h, n_q), torch.empty(b, h, n_q)
-    threads = workers_for(q.device, len(blocks)) if usable() else 1
-    native.peak_rows(q, k, top, low, causal, blocks, threads=threads)
+    run_blocks(lambda chosen, threads: native.peak_rows(q, k, top, low, causal, chosen,
+                                                        threads=threads),
+               blocks, workers_for(q.device, len(blocks)))
     if isinstance(scale, Tensor):
         s_rows = scale.expand(b, h, n_q, 1).squeeze(-1)
         rows_peak = torch.where(s_rows >= 0, top * s_rows, low * s_rows)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from attnscale.columns import ROW_STATS_COLUMNS
 from attnscale.kernels import native
-from attnscale.kernels.team import team_map, usable
+from attnscale.kernels.team import run_blocks, team_map
 from attnscale.kernels.tiles import Scratch, Tiles
 from attnscale.workers import workers_for
 
@@ -128,9 +128,9 @@ def _native_blocks(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     blocks = [(b, h, i0, min(n_q - i0, r)) for i0 in sorted(
         starts, key=lambda i0: -(min(n_k, i0 + r) if causal else 0)) for b in range(n_b)
         for h in range(n_h)]
-    threads = workers_for(q.device, len(blocks)) if usable() else 1
-    native.softmax_rows_attention(q, k, v, out, found, scale, causal,
-                                  torch.tensor(blocks, dtype=torch.int64), threads=threads)
+    run_blocks(lambda chosen, threads: native.softmax_rows_attention(
+        q, k, v, out, found, scale, causal, chosen, threads=threads),
+        blocks, workers_for(q.device, len(blocks)))
     if found is not rows:
         rows.copy_(found)
     return out

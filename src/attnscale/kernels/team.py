@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
+from torch import Tensor
 
 from attnscale.kernels import native
 from attnscale.workers import parallel_map
@@ -80,3 +81,17 @@ def team_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
     if failed:
         raise failed[0]
     return results
+
+
+def run_blocks(run: Callable[[Tensor, int], None], blocks: list[tuple[int, int, int, int]],
+               workers: int) -> None:
+    """Run a C block loop (:func:`native.softmax_rows_attention`, :func:`native.peak_rows`) over
+    ``blocks``, largest first, on ``workers`` threads: ``run(blocks, threads)`` once, on this
+    thread's OpenMP team, where :func:`usable`; else the blocks dealt out in turn to ``workers``
+    calls of one thread each on the pool of Python threads."""
+    if workers <= 1 or usable():
+        run(torch.tensor(blocks, dtype=torch.int64), max(1, workers))
+        return
+    shares = [blocks[w::workers] for w in range(workers)]
+    team_map(lambda share: run(torch.tensor(share, dtype=torch.int64), 1),
+             [share for share in shares if share], workers)
