@@ -12,11 +12,15 @@ The pipeline runs it only for a call whose observer asked for the row statistics
 that (:attr:`attnscale.pipeline.Observation.rows_exact` is False then); an observer that needs
 SDPA's very bits leaves the rows alone and scores q kᵀ itself.
 
-A block is a few heads of one batch element by a run of queries against every key those queries
-can see (:class:`attnscale.kernels.tiles.Tiles`), so a row's maximum and sum are exact within it.
-Blocks are independent in the forward, so they are spread over the workers one by one (not by
-head group): at B = 1 and 4 heads a head group would leave a worker idle.  The forward only:
-with grad mode on, the call runs on SDPA (:func:`forms_rows`).
+Without a mask the whole block loop runs in C (``attnscale_softmax_rows_attention``): blocks of
+:data:`attnscale.kernels.native.NATIVE_BLOCK_ROWS` queries of one head, both products on
+PyTorch's sgemm, on PyTorch's own OpenMP threads (:mod:`attnscale.kernels.team`).  With a mask
+it runs in Python: a block is a few heads of one batch element by a run of queries against every
+key those queries can see (:class:`attnscale.kernels.tiles.Tiles`).  Either way a block holds
+whole rows, so a row's maximum and sum are exact within it, and blocks are independent, so they
+are spread over the threads one by one (not by head group: at B = 1 and 4 heads a head group
+would leave a thread idle).  The forward only: with grad mode on, the call runs on SDPA
+(:func:`forms_rows`).
 """
 
 from __future__ import annotations
