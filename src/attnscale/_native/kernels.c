@@ -196,8 +196,8 @@ typedef void (*sgemm_fn)(const char *, const char *, const int64_t *, const int6
 /* Whether this build spreads attnscale_softmax_rows_attention's blocks over OpenMP threads.  It
  * is linked against libgomp by soname, so in a process where PyTorch (built with GNU OpenMP) has
  * loaded its own libgomp.so.1, both share one runtime and one thread team: the team PyTorch's
- * ops just ran on picks the blocks up while it would otherwise spin-wait (about 7 ms after each
- * op with libgomp's default spin count, time that a second pool of threads loses on 2 cores). */
+ * ops just ran on picks the blocks up while it would otherwise spin-wait (libgomp's default spin
+ * count; on 2 cores a second pool of threads lost about 9 ms a layer of the monitor to it). */
 int attnscale_openmp(void) {
 #if defined(_OPENMP)
     return 1;

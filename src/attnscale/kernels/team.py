@@ -2,8 +2,8 @@
 
 :func:`attnscale.workers.parallel_map` runs pieces on a pool of Python threads.  On a CPU where
 PyTorch runs its ops on a GNU OpenMP team, that pool competes with the team: after each op the
-team's threads spin-wait (libgomp's default spin count, a few milliseconds) on the very cores the
-pool wants.  On the 2-core machine attnscale is measured on, the blockwise kernels lost about a
+team's threads spin-wait for a while (libgomp's default spin count) on the very cores the pool
+wants.  On the 2-core machine attnscale is measured on, the blockwise kernels lost about a
 tenth of their time to it (soft-cap attention, forward + backward at B4 H8 N1024 d64 on 2
 threads: 278 ms, against 244 ms with the team told not to spin, ``OMP_WAIT_POLICY=passive``).
 
