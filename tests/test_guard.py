@@ -644,13 +644,13 @@ def test_head_peaks_equals_a_float64_masked_max(monkeypatch, causal, mask, scale
                                                 path):
     # Calls without a mask take the C block loop where PyTorch exports its sgemm ("native"),
     # the blockwise Python pass otherwise ("python", as every masked call does).
-    from attnscale.kernels import native
+    from attnscale.kernels import native, peak
     from attnscale.kernels.peak import head_peaks
 
     if path == "python":
         monkeypatch.setattr(native, "blas_sgemm", lambda: None)
     else:
-        monkeypatch.setattr(native, "NATIVE_BLOCK_ROWS", 5)  # blocks across the diagonal
+        monkeypatch.setattr(peak, "PEAK_BLOCK_ROWS", 5)  # blocks across the diagonal
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 23, 8, generator=g), torch.randn(2, 2, 23, 8, generator=g)  # GQA

@@ -63,11 +63,12 @@ KERNELS_VERSION = 8
 # The BLAS entry point the block loops call for their matmuls: the Fortran-interface sgemm that
 # PyTorch's CPU library exports (MKL's on the x86-64 wheels), looked up in this library file.
 BLAS_LIBRARY, BLAS_SGEMM = "torch_cpu", "sgemm_"
-# Queries per block of the C block loops (softmax_rows_attention, peak_rows): one head each, no
-# Python between blocks, so a block's logits stay in a core's L2.  At B1 H4 d64 causal on an AMD
-# EPYC (the monitor's softmax), 64 rows ran N = 512 and 2048 in the time of SDPA or less on 1 and
-# 2 threads (2048 on 2 threads: 20.7 ms, SDPA 19.5; 32 rows 28.2, 256 rows 21.1); at N = 8192,
-# 128 rows ran 8% faster on 1 thread and alike on 2.
+# Queries per block of the softmax C block loop (softmax_rows_attention; peak_rows has its own,
+# attnscale.kernels.peak.PEAK_BLOCK_ROWS): one head each, no Python between blocks, so a block's
+# logits and weights stay in a core's L2.  At B1 H4 d64 causal on an AMD EPYC (the monitor's
+# softmax), 64 rows ran N = 512 and 2048 in the time of SDPA or less on 1 and 2 threads (2048 on
+# 2 threads: 20.7 ms, SDPA 19.5; 32 rows 28.2, 256 rows 21.1); at N = 8192, 128 rows ran 8%
+# faster on 1 thread and alike on 2.
 NATIVE_BLOCK_ROWS = 64
 # What attnscale_team calls on each thread of its team: fn(thread, threads).
 TEAM_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int)
