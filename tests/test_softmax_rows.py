@@ -295,3 +295,23 @@ def test_exact_outputs_must_be_a_bool():
     with pytest.raises(ConfigError, match="exact_outputs"):
         monitor(_model(), exact_outputs="yes")
 
+
+
+def test_block_loops_copy_what_they_cannot_read_in_place():
+    # A head size of 1 with the keys broadcast over the tokens (token stride 0): the C loops
+    # read it from a contiguous copy (they need a token stride of at least the width).
+    from attnscale.kernels.peak import head_peaks
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 7, 1, generator=g)
+    k = torch.randn(1, 2, 1, 1, generator=g).expand(1, 2, 7, 1)
+    v = torch.randn(1, 2, 7, 3, generator=g)
+    found = torch.zeros(1, 2, 7, 7, dtype=torch.float64)
+    with torch.no_grad():
+        out = softmax_rows.softmax_rows_attention(q, k, v, 0.5, None, True, found)
+    keep = torch.ones(7, 7, dtype=torch.bool).tril()
+    z = (q.double() @ k.double().transpose(-2, -1)) * 0.5
+    p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)
+    assert_close(out.double(), p @ v.double(), rtol=2e-5, atol=2e-6)
+    assert_close(head_peaks(q, k, 0.5, causal=True, screen=False),
+                 z.masked_fill(~keep, -math.inf).amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-7)

@@ -29,8 +29,8 @@ Callers pass tensors to :func:`row_stats_rows`, :func:`softmax_rows`, :func:`row
 :func:`bf16_row_entropy`, :func:`bf16_row_max`, :func:`softcap_exp`, :func:`softcap_backward`,
 the softpick and stick-breaking wrappers and :func:`rownorm_forward` / :func:`rownorm_backward`,
 which check dtype, device, layout and shapes and pass pointers and strides on; nothing else in
-attnscale touches ``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot products.  Each takes
-``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
+attnscale touches ``data_ptr``.  :func:`cpu_bf16` says whether the CPU has bfloat16 dot
+products.  Each takes ``portable``, the build to run: ``False`` (0) the best this CPU has, ``True`` (1) the portable
 128-bit one, :data:`AVX2` (2) AVX2 at most; the tests run every build the CPU has.
 """
 
@@ -327,9 +327,9 @@ def blas_sgemm() -> int | None:
     """Address of the sgemm PyTorch's CPU library exports (:data:`BLAS_SGEMM`), or None where it
     exports none or the one it exports fails a check on a small product (looked up once).
 
-    The block loops (:func:`softmax_rows_attention`) call it from C for their matmuls, so that
-    a worker runs all its blocks in one call; on each worker thread it runs on that thread's one
-    BLAS thread (:mod:`attnscale.workers`)."""
+    The block loops (:func:`softmax_rows_attention`, :func:`peak_rows`) call it from C for their
+    matmuls, so that no block returns to Python; inside their OpenMP region it runs on one
+    thread."""
     if library() is None:
         return None
     directory = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -362,8 +362,8 @@ def _sgemm_works(address: int) -> bool:
 
 
 def openmp() -> bool:
-    """Whether the kernels were built with OpenMP, so :func:`softmax_rows_attention` spreads its
-    blocks over threads itself (on the calling thread's OpenMP team, PyTorch's own where both
+    """Whether the kernels were built with OpenMP, so the block loops spread their blocks over
+    threads themselves (on the calling thread's OpenMP team, PyTorch's own where both
     use libgomp)."""
     lib = library()
     return bool(lib is not None and lib.attnscale_openmp())
@@ -380,6 +380,18 @@ def team(threads: int, fn) -> None:
     require().attnscale_team(threads, callback)
 
 
+def _in_place(t: Tensor) -> bool:
+    """Whether the C block loops read (B, H, N, width) ``t`` as it is: unit stride along its last
+    dimension and a token stride of at least its width."""
+    return (t.shape[-1] <= 1 or t.stride(-1) == 1) and t.stride(2) >= max(t.shape[-1], 1)
+
+
+def block_operand(t: Tensor) -> Tensor:
+    """``t`` as the C block loops read it: itself where they can (see :func:`_in_place`), else a
+    contiguous copy."""
+    return t if _in_place(t) else t.contiguous()
+
+
 def _block_operands(tensors: dict[str, Tensor]) -> None:
     """The C block loops read 4-d float32 CPU tensors of unit stride along the last dimension
     and a token stride of at least its width; ValueError naming the first that is not."""
@@ -387,7 +399,7 @@ def _block_operands(tensors: dict[str, Tensor]) -> None:
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-d float32 CPU tensor, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
-        if t.shape[-1] > 1 and t.stride(-1) != 1 or t.stride(2) < max(t.shape[-1], 1):
+        if not _in_place(t):
             raise ValueError(f"{name} must have unit stride along its last dimension and a "
                              f"token stride of at least its width, got strides {t.stride()}")
 

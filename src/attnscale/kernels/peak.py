@@ -174,18 +174,13 @@ def _native_peaks(q: Tensor, k: Tensor, scale: float | Tensor, causal: bool) -> 
     row's largest and smallest raw logit, from float32 blocks of one head that stay in cache,
     in one call on the calling thread's OpenMP team; then each row's extreme times its scale
     (rounding is monotone, so fl(s · max z) = max fl(s · z) for s >= 0, and the min for s < 0)."""
-    q, k = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 and t.stride(2) >= t.shape[-1]
-            else t.contiguous() for t in (q, k))
+    q, k = native.block_operand(q), native.block_operand(k)
     b, h, n_q, _ = q.shape
-    rows = min(PEAK_BLOCK_ROWS, n_q)
-    n_k = k.shape[-2]
-    starts = sorted(range(0, n_q, rows), key=lambda i0: -(min(n_k, i0 + rows) if causal else 0))
-    blocks = [(bi, hi, i0, min(rows, n_q - i0)) for i0 in starts for bi in range(b)
-              for hi in range(h)]
     top, low = torch.empty(b, h, n_q), torch.empty(b, h, n_q)
-    run_blocks(lambda chosen, threads: native.peak_rows(q, k, top, low, causal, chosen,
+    run_blocks(lambda blocks, threads: native.peak_rows(q, k, top, low, causal, blocks,
                                                         threads=threads),
-               blocks, workers_for(q.device, len(blocks)))
+               (b, h, n_q, k.shape[2]), min(PEAK_BLOCK_ROWS, n_q), causal,
+               workers_for(q.device, b * h * n_q))
     if isinstance(scale, Tensor):
         s_rows = scale.expand(b, h, n_q, 1).squeeze(-1)
         rows_peak = torch.where(s_rows >= 0, top * s_rows, low * s_rows)

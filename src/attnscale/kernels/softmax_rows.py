@@ -123,18 +123,13 @@ def _native_blocks(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     PyTorch's own ops run on (a second pool of threads lost about 9 ms a layer on 2 cores to the
     team's spin-wait after the projections).  Blocks are one head by
     :data:`attnscale.kernels.native.NATIVE_BLOCK_ROWS` queries, handed out largest first."""
-    q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 and t.stride(2) >= t.shape[-1]
-               else t.contiguous() for t in (q, k, v))
+    q, k, v = (native.block_operand(t) for t in (q, k, v))
     found = rows if rows.stride(-1) == 1 else torch.empty(rows.shape, dtype=torch.float64)
-    n_b, n_h, n_q, _ = q.shape
-    n_k, r = k.shape[2], min(native.NATIVE_BLOCK_ROWS, n_q)
-    starts = range(0, n_q, r)
-    blocks = [(b, h, i0, min(n_q - i0, r)) for i0 in sorted(
-        starts, key=lambda i0: -(min(n_k, i0 + r) if causal else 0)) for b in range(n_b)
-        for h in range(n_h)]
-    run_blocks(lambda chosen, threads: native.softmax_rows_attention(
-        q, k, v, out, found, scale, causal, chosen, threads=threads),
-        blocks, workers_for(q.device, len(blocks)))
+    n_q = q.shape[2]
+    run_blocks(lambda blocks, threads: native.softmax_rows_attention(
+        q, k, v, out, found, scale, causal, blocks, threads=threads),
+        (*q.shape[:3], k.shape[2]), min(native.NATIVE_BLOCK_ROWS, n_q), causal,
+        workers_for(q.device, q.shape[0] * q.shape[1] * n_q))
     if found is not rows:
         rows.copy_(found)
     return out

@@ -83,15 +83,21 @@ def team_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
     return results
 
 
-def run_blocks(run: Callable[[Tensor, int], None], blocks: list[tuple[int, int, int, int]],
-               workers: int) -> None:
+def run_blocks(run: Callable[[Tensor, int], None], shape: tuple[int, int, int, int], rows: int,
+               causal: bool, workers: int) -> None:
     """Run a C block loop (:func:`native.softmax_rows_attention`, :func:`native.peak_rows`) over
-    ``blocks``, largest first, on ``workers`` threads: ``run(blocks, threads)`` once, on this
-    thread's OpenMP team, where :func:`usable`; else the blocks dealt out in turn to ``workers``
-    calls of one thread each on the pool of Python threads."""
+    (B, H, Nq) of ``shape`` (B, H, Nq, Nk) in blocks of ``rows`` queries of one head, listed
+    largest first (under causality a block sees the keys up to its last query), on ``workers``
+    threads: ``run(blocks, threads)`` once, on this thread's OpenMP team, where :func:`usable`;
+    else the blocks dealt out in turn to ``workers`` calls of one thread each on the pool of
+    Python threads."""
+    n_b, n_h, n_q, n_k = shape
+    starts = sorted(range(0, n_q, rows), key=lambda i0: -(min(n_k, i0 + rows) if causal else 0))
+    blocks = [(b, h, i0, min(rows, n_q - i0)) for i0 in starts for b in range(n_b)
+              for h in range(n_h)]
+    workers = min(workers, len(blocks))
     if workers <= 1 or usable():
         run(torch.tensor(blocks, dtype=torch.int64), max(1, workers))
         return
     shares = [blocks[w::workers] for w in range(workers)]
-    team_map(lambda share: run(torch.tensor(share, dtype=torch.int64), 1),
-             [share for share in shares if share], workers)
+    team_map(lambda share: run(torch.tensor(share, dtype=torch.int64), 1), shares, workers)
