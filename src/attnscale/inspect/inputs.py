@@ -167,10 +167,17 @@ def resolve_device(device: str | None, param: str = "device") -> torch.device:
 
 
 def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | None = None,
-               param: str = "model_dir"):
+               param: str = "model_dir", gguf_file: str | None = None,
+               auto_class: str = "AutoModel", device_map: str | None = None):
     """The model (``attn_implementation="attnscale"``, eval mode, with the mechanism it was saved
     with) and its tokenizer (None when the folder has none); transformers' own progress bars and
-    load reports are silenced."""
+    load reports are silenced.
+
+    ``gguf_file``: the name of a ``.gguf`` file in ``model_dir``, read by transformers' GGUF loader
+    (dequantised; the tokenizer comes from the file).  ``auto_class``: the transformers Auto class
+    to build (``"AutoModelForCausalLM"`` for a language-model head).  ``device_map``: passed to
+    ``from_pretrained`` (``"auto"`` places the layers with accelerate); ``device`` is then not
+    applied."""
     transformers = _transformers()
     from safetensors import SafetensorError
 
@@ -181,17 +188,26 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
-        model = hf.from_pretrained(transformers.AutoModel, model_dir, local_files_only=True,
-                                   dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+        if device_map is not None:
+            extra["device_map"] = device_map
+        model = hf.from_pretrained(getattr(transformers, auto_class), model_dir,
+                                   local_files_only=True,
+                                   dtype=dtype if dtype == "auto" else getattr(torch, dtype), **extra)
     except ConfigError:
         raise
     except (ValueError, KeyError, OSError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load {param} {str(model_dir)!r}: {first}") from None
     tokenizer = None
-    if any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+    if gguf_file is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file,
+                                                               local_files_only=True)
+    elif any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model.to(device or "cpu").eval(), tokenizer
+    if device_map is None:
+        model = model.to(device or "cpu")
+    return model.eval(), tokenizer
 
 
 def fresh_model(model: nn.Module, seed: int) -> nn.Module:
