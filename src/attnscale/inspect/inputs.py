@@ -192,8 +192,8 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
         if device_map is not None:
             extra["device_map"] = device_map
         model = hf.from_pretrained(getattr(transformers, auto_class), model_dir,
-                                   local_files_only=True,
-                                   dtype=dtype if dtype == "auto" else getattr(torch, dtype), **extra)
+                                   local_files_only=True, **extra,
+                                   dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     except ConfigError:
         raise
     except (ValueError, KeyError, OSError, SafetensorError) as err:
