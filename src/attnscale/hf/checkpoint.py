@@ -43,7 +43,8 @@ def from_pretrained(model_class, path: str | Path, **kwargs) -> nn.Module:
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"path {str(path)!r} is not a local folder written by save_pretrained.")
-    spec = saved_mechanism(path)
+    # A GGUF (kwargs gguf_file) carries its config in its metadata, and no mechanism.
+    spec = None if kwargs.get("gguf_file") else saved_mechanism(path)
     implementation = kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
     if implementation != ATTN_IMPLEMENTATION:
         raise ConfigError(f"attn_implementation must be {ATTN_IMPLEMENTATION!r} here, got "

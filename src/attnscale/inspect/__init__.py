@@ -25,15 +25,17 @@ Needs transformers (``pip install 'attnscale[hf]'``); it is imported when a mode
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from attnscale import __version__, families
 from attnscale.errors import ConfigError, check_int
-from attnscale.inspect.inputs import (DTYPES, Tokens, check_model_dir, check_seq_len,
-                                      fresh_model, load_model, model_inputs, resolve_device,
+from attnscale.inspect.inputs import (DTYPES, Tokens, check_lengths, check_model_dir,
+                                      check_seq_len,
+                                      fresh_model, load_model, model_inputs, reinitialise,
+                                      resolve_device,
                                       token_ids)
 from attnscale.inspect.measure import Measured, measure
 from attnscale.inspect.owner import owner_sentence, owners
@@ -44,7 +46,8 @@ from attnscale.measure.monitor import DEFAULT_BLOCK
 from attnscale.progress import progress
 
 __all__ = ["DTYPES", "FIELDS", "OUT_FILES", "SATURATED_ENTROPY_FRACTION", "SATURATED_MAX_WEIGHT",
-           "inspect_checkpoint", "inspect_model", "load", "redraw", "render", "write"]
+           "inspect_checkpoint", "inspect_lengths", "inspect_model", "load", "redraw", "render",
+           "write"]
 
 
 def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = True, seed: int = 0,
@@ -70,8 +73,27 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
         ``{"meta", "summary", "owner", "layers", "fields", "records"}``: the contents of
         records.json (:func:`write` writes them with report.md and the figures).
     """
-    from attnscale import hf
+    return inspect_lengths(model, input_ids, [int(input_ids.shape[-1])], init=init, seed=seed,
+                           whatif=whatif, block=block, saturated_weight=saturated_weight,
+                           saturated_entropy=saturated_entropy, meta=meta,
+                           show_progress=show_progress)[0]
 
+
+def inspect_lengths(model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], *,
+                    init: bool = True, seed: int = 0, whatif: str | None = None,
+                    block: int = DEFAULT_BLOCK, saturated_weight: float = SATURATED_MAX_WEIGHT,
+                    saturated_entropy: float = SATURATED_ENTROPY_FRACTION,
+                    meta: dict | None = None, show_progress: bool | None = None,
+                    reinit_in_place: bool = False) -> list[dict]:
+    """:func:`inspect_model` at each length n of ``lengths``, on the first n tokens of
+    ``input_ids`` (the same text prefix): one payload per length, in the order given.
+
+    ``reinit_in_place``: measure the init on ``model`` itself, re-initialised by its own
+    ``_init_weights`` once every trained pass is done, so that one copy of the weights is held;
+    ``model``'s trained weights are then lost (for a model loaded only to be inspected).
+    Otherwise a second, fresh model is built and the caller's is left as it was.
+    """
+    lengths = check_lengths(lengths, int(input_ids.shape[-1]))
     weight, entropy = check_thresholds(saturated_weight, saturated_entropy)
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     n_layers = sum(families.is_attention_layer(m) for m in model.modules())
@@ -80,67 +102,100 @@ def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = Tru
                           "attention through transformers' AttentionInterface, which attnscale "
                           "observes.")
     if whatif is not None:
-        hf.check_swappable(whatif)
-    inputs = model_inputs(model, input_ids)
-    passes = 1 + bool(init) + (whatif is not None)
+        from attnscale.inspect.owner import parse_whatif
+        parse_whatif(whatif)  # NAME or NAME(KEY=VALUE, ...), as the report spells it
+    return _inspect(model, input_ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
+                    max_weight=weight, entropy_fraction=entropy, meta=meta,
+                    show_progress=show_progress, family=family, n_layers=n_layers,
+                    reinit_in_place=reinit_in_place)
+
+
+def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, init: bool,
+             seed: int, whatif: str | None, block: int, max_weight: float,
+             entropy_fraction: float, meta: dict | None, show_progress: bool | None, family: str,
+             n_layers: int, reinit_in_place: bool = False) -> list[dict]:
+    """One payload per length n in ``lengths``: every pass on the first n tokens of
+    ``input_ids``.  The checkpoint (and the what-if) is measured at every length first; then the
+    init, either on a second model or, with ``reinit_in_place``, on ``model`` itself,
+    re-initialised once (its trained weights are then gone: one copy of the weights is held)."""
+    ids = {n: input_ids[..., :n] for n in lengths}
+    passes = (1 + bool(init) + (whatif is not None)) * len(lengths)
     bar = progress(None, desc="inspect: layers", total=passes * n_layers, enabled=show_progress)
 
     def tick() -> None:
         bar.update(1)
 
+    trained, what, fresh = {}, {}, {}
     try:
-        trained = measure(model, inputs, block=block, on_layer=tick)
-        if not trained.records:
-            raise ConfigError(f"model family {family!r} cannot be inspected: no attention call "
-                              "of it was observed on attn_implementation='attnscale'.")
-        bar.total = passes * sum(trained.counts.values())  # calls, where a layer makes several
-        bar.refresh()
-        layers = owners(model, trained.calls, trained.records)
-        what = _whatif(model, inputs, whatif, block, tick) if whatif is not None else None
-        fresh = None
+        for n in lengths:
+            trained[n] = measure(model, model_inputs(model, ids[n]), block=block, on_layer=tick)
+            if not trained[n].records:
+                raise ConfigError(f"model family {family!r} cannot be inspected: no attention "
+                                  "call of it was observed on attn_implementation='attnscale'.")
+            bar.total = passes * sum(trained[n].counts.values())  # calls per layer may be > 1
+            bar.refresh()
+        layers = {n: owners(model, trained[n].calls, trained[n].records) for n in lengths}
+        if whatif is not None:
+            for n in lengths:
+                what[n] = _whatif(model, model_inputs(model, ids[n]), whatif, block, tick)
         if init:
-            fresh_net = fresh_model(model, seed)
-            fresh = measure(fresh_net, model_inputs(fresh_net, input_ids), block=block,
-                            on_layer=tick)
-            del fresh_net
+            if reinit_in_place:
+                reinitialise(model, seed)
+                net = model
+            else:
+                net = fresh_model(model, seed)
+            for n in lengths:
+                fresh[n] = measure(net, model_inputs(net, ids[n]), block=block, on_layer=tick)
+            del net
     finally:
         bar.close()
-    rows = join(trained.records, None if fresh is None else fresh.records,
-                None if what is None else what.records,
-                max_weight=weight, entropy_fraction=entropy)
     model_type = getattr(model.config, "model_type", type(model).__name__)
     weight_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    info = {"name": model_type, "model_type": model_type, "seq_len": int(input_ids.shape[-1]),
-            "batch": int(input_ids.shape[0]), "input": "the given token ids",
-            "dtype": str(weight_dtype).removeprefix("torch."),
-            "device": str(next(model.parameters()).device), "seed": seed, "init": bool(init),
-            "whatif": whatif, "block": block, "attnscale": __version__,
-            "token_ids": input_ids.tolist(),  # the exact input, so a report can be re-measured
-            **(meta or {})}
-    return {"meta": info, "summary": summary(rows, max_weight=weight, entropy_fraction=entropy),
-            "owner": owner_sentence(layers, model_type), "layers": layers,
-            "fields": dict(FIELDS), "records": rows}
+    payloads = []
+    for n in lengths:
+        rows = join(trained[n].records, None if n not in fresh else fresh[n].records,
+                    None if n not in what else what[n].records,
+                    max_weight=max_weight, entropy_fraction=entropy_fraction)
+        info = {"name": model_type, "model_type": model_type, "seq_len": n,
+                "batch": int(input_ids.shape[0]), "input": "the given token ids",
+                "dtype": str(weight_dtype).removeprefix("torch."),
+                "device": str(next(model.parameters()).device), "seed": seed,
+                "init": bool(init), "whatif": whatif, "block": block,
+                "attnscale": __version__,
+                "token_ids": ids[n].tolist(),  # the exact input, so a report can be re-measured
+                **(meta or {})}
+        if meta and "input" in meta and len(lengths) > 1:
+            info["input"] = _at_length(meta["input"], n)
+        payloads.append({"meta": info,
+                         "summary": summary(rows, max_weight=max_weight,
+                                            entropy_fraction=entropy_fraction),
+                         "owner": owner_sentence(layers[n], model_type), "layers": layers[n],
+                         "fields": dict(FIELDS), "records": rows})
+    return payloads
 
 
-def _whatif(model: nn.Module, inputs: dict, name: str, block: int,
+def _at_length(source: str, n: int) -> str:
+    """The input's description at length n (the given one names the longest length's count)."""
+    import re
+    return re.sub(r"\(first \d+ tokens\)", f"(first {n} tokens)", source)
+
+
+def _whatif(model: nn.Module, inputs: dict, spec: str, block: int,
             tick: Callable[[], None]) -> Measured:
-    """The model measured with ``name`` in place of its temperature; the temperature it had is
-    put back afterwards (the native one, or the mechanism it was saved with, with its tensors)."""
+    """The model measured with the mechanism ``spec`` (``NAME`` or ``NAME(KEY=VALUE, ...)``,
+    :func:`~attnscale.inspect.owner.parse_whatif`), built with seed 0, in place of its
+    temperature; the model is left exactly as it was (:func:`~attnscale.inspect.measure.kept`:
+    its configs, hooks and submodules, the mechanism it held included)."""
     from attnscale import hf
+    from attnscale.inspect.measure import kept
+    from attnscale.inspect.owner import parse_whatif
 
-    saved = getattr(model.config, hf.MECHANISM_ATTR, None)
-    state = {k: v.clone() for k, v in model.state_dict().items() if hf.MECHANISM_ATTR in k}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        hf.set_mechanism(model, name)
-    try:
+    name, options = parse_whatif(spec)
+    with kept(model):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            hf.set_mechanism(model, name, **options)
         return measure(model, inputs, block=block, on_layer=tick)
-    finally:
-        if saved is None:
-            hf.set_mechanism(model, None)
-        else:
-            hf.set_mechanism(model, saved["name"], **saved.get("options", {}))
-            model.load_state_dict(state, strict=False)
 
 
 def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
@@ -171,8 +226,8 @@ def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
     seq_len = check_int("seq_len", seq_len, minimum=1)
     check_thresholds(saturated_weight, saturated_entropy)
     if whatif is not None:
-        from attnscale.mechanisms import check_mechanism
-        check_mechanism(whatif, param="whatif")
+        from attnscale.inspect.owner import parse_whatif
+        parse_whatif(whatif)  # NAME or NAME(KEY=VALUE, ...), as the report spells it
     where = resolve_device(device)
     model, tokenizer = load_model(path, dtype=dtype, device=where)
     check_seq_len(model, seq_len)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnscale.errors import ConfigError, check_choice, check_int, parse_json
+from attnscale.errors import ConfigError, check_choice, check_int, check_int_list, parse_json
 from attnscale.rng import rng
 from attnscale.workers import check_device
 
@@ -201,8 +201,9 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
         raise ConfigError(f"cannot load {param} {str(model_dir)!r}: {first}") from None
     tokenizer = None
     if gguf_file is not None:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file,
-                                                               local_files_only=True)
+        if gguf_has_tokenizer(Path(model_dir) / gguf_file):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                model_dir, gguf_file=gguf_file, local_files_only=True)
     elif any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if device_map is None:
@@ -257,3 +258,61 @@ def _transformers():
         raise ConfigError("attnscale inspect needs transformers: pip install 'attnscale[hf]'") \
             from None
     return transformers
+
+
+# The GGUF metadata key holding a tokenizer's vocabulary (the GGUF specification, ggml's
+# docs/gguf.md): a file without it carries no tokenizer.
+GGUF_TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+def gguf_has_tokenizer(path: Path) -> bool:
+    """Whether the GGUF file ``path`` stores a tokenizer (its vocabulary)."""
+    import gguf
+    return GGUF_TOKENS_KEY in gguf.GGUFReader(path).fields
+
+
+def check_lengths(lengths, available: int | None = None, param: str = "lengths") -> list[int]:
+    """``lengths`` as distinct positive token counts in increasing order, none beyond
+    ``available`` (the tokens there are to read)."""
+    out = sorted(check_int_list(param, lengths, minimum=1))
+    if available is not None and out[-1] > available:
+        raise ConfigError(f"{param}: {out[-1]} exceeds the {available} tokens given.")
+    return out
+
+
+def reinitialise(model: nn.Module, seed: int) -> nn.Module:
+    """Re-initialise ``model`` in place, as :func:`fresh_model` initialises a new one: every
+    module's own ``reset_parameters`` and then the family's ``_init_weights``, under
+    ``torch.manual_seed(seed)`` (the global generator is restored afterwards).  Its trained
+    weights are overwritten, so one copy of the weights is held; the mechanism it runs stays."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+    devices = [weight.device] if weight is not None and weight.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        _initialise(model)
+    return model.eval()
+
+
+def _initialise(model: nn.Module) -> None:
+    """Draw ``model``'s weights as ``AutoModel.from_config`` draws a new one's: each module's
+    ``reset_parameters`` in construction order (the modules' pre-order), then the family's
+    ``_init_weights`` over every module (transformers' ``init_weights``), with transformers'
+    "already initialised" marks that a load leaves cleared first; a swapped mechanism is built
+    afresh afterwards, as :func:`fresh_model` does."""
+    from attnscale import hf
+
+    swapped = getattr(model.config, hf.MECHANISM_ATTR, None)
+    if swapped is not None:
+        hf.set_mechanism(model, None)
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if "_is_hf_initialized" in tensor.__dict__:
+                del tensor._is_hf_initialized
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if module is not model and callable(reset):
+            reset()
+    model.init_weights()
+    if swapped is not None:
+        hf.set_mechanism(model, swapped["name"], **swapped.get("options", {}))
