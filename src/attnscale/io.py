@@ -15,7 +15,10 @@ The output-folder policy
     SHA-256 of the content attnscale wrote.  A file counts as attnscale's only while it still has
     that content, so a report the user edited is theirs.  Any other file in the way, or a
     non-empty folder without a manifest, is refused with a :class:`~attnscale.errors.ConfigError`
-    (exit 2) unless ``force=True`` (``--force``).
+    (exit 2) unless ``force=True`` (``--force``).  Each entry also names the writer of the file
+    where one is known (``"writer": "attnscale monitor"``: the command, set by the CLI with
+    :func:`writing_as`, or the writer a function passes), so a command that names itself
+    (``writer=``) does not replace a file of the same name that another command wrote.
 
 Staged, atomic writes
     :func:`atomic_write` writes one file under a temporary name in its destination folder and
@@ -36,6 +39,7 @@ One writer per folder
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import math
@@ -54,7 +58,7 @@ from attnscale.errors import ConfigError, spelled
 __all__ = ["LOCK", "MANIFEST", "STAGING_PREFIX", "Terminated", "atomic_write",
            "check_output_path", "exclusive", "figure_suffixes", "folder_marks", "fsync_dir",
            "mark_folder", "owned", "remove_stale_staging", "replace_atomically",
-           "sigterm_as_exit", "staged_dir"]
+           "sigterm_as_exit", "staged_dir", "writing_as", "written_by"]
 
 MANIFEST = ".attnscale-manifest.json"
 STAGING_PREFIX = ".attnscale-staging-"
@@ -65,6 +69,22 @@ _MANIFEST_DEPTH = 3
 _STAGING_PID = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-")
 
 Data = str | bytes | Callable[[Path], object]
+
+# The writer recorded with each file written in the block of writing_as (the CLI's command).
+_WRITER: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnscale_writer",
+                                                                    default=None)
+
+
+@contextlib.contextmanager
+def writing_as(writer: str) -> Iterator[None]:
+    """Record ``writer`` (``"attnscale monitor"``) in the manifest entry of every file written in
+    the block that names no writer of its own; ``attnscale``'s ``main`` runs each command in
+    it."""
+    token = _WRITER.set(writer)
+    try:
+        yield
+    finally:
+        _WRITER.reset(token)
 
 
 def _force() -> str:
@@ -126,7 +146,7 @@ def _writable_folder(param: str, path: Path, shown: str) -> None:
 
 def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str = "file",
                       suffixes: Sequence[str] | None = None, files: Iterable[str] = (),
-                      force: bool = False) -> Path:
+                      force: bool = False, writer: str | None = None) -> Path:
     """Check an output path before any work and return it as a :class:`Path`; creates nothing.
 
     ``kind="file"``: ``path`` is a file to write; it must not be a directory, its folder must be
@@ -135,7 +155,8 @@ def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str =
 
     ``kind="dir"``: ``path`` is a folder to write into; it must not be a file, and it must be new,
     empty, or hold a manifest (a folder attnscale wrote), unless ``force``.  ``files`` are the names
-    the command will write there: each existing one must be attnscale's, unless ``force``.
+    the command will write there: each existing one must be attnscale's, unless ``force``, and,
+    with ``writer``, not one that another writer wrote (:func:`written_by`).
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be 'file' or 'dir', got {kind!r}")
@@ -163,17 +184,24 @@ def check_output_path(param: str, path: str | os.PathLike | None, *, kind: str =
             raise ConfigError(f"{param} {shown!r} holds files attnscale did not write ({listed}); "
                               f"choose an empty or new folder, or pass {_force()} to write into "
                               "it.")
-        _refuse_foreign(param, out, [n for n in files if (out / n).exists()])
+        _refuse_foreign(param, out, [n for n in files if (out / n).exists()], writer)
     return out
 
 
-def _refuse_foreign(param: str, folder: Path, names: Iterable[str]) -> None:
-    """ConfigError for the first of ``names`` (existing in ``folder``) that is not attnscale's."""
+def _refuse_foreign(param: str, folder: Path, names: Iterable[str],
+                    writer: str | None = None) -> None:
+    """ConfigError for the first of ``names`` (existing in ``folder``) that is not attnscale's,
+    or, with ``writer``, that another writer wrote."""
     for name in names:
         if (folder / name).is_dir() or not owned(folder / name):
             raise ConfigError(f"{param}: {str(folder / name)!r} exists and attnscale did not "
                               f"write it; choose another folder, or pass {_force()} to overwrite "
                               "it.")
+        other = written_by(folder / name)
+        if writer is not None and other not in (None, writer):
+            raise ConfigError(f"{param}: {str(folder / name)!r} was written by {other}, not "
+                              f"{writer}; choose another folder, or pass {_force()} to "
+                              "overwrite it.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,13 +239,30 @@ def owned(path: str | os.PathLike) -> bool:
     return False
 
 
-def _record(folder: Path, names: Iterable[str], marks: dict | None = None) -> None:
-    """Add ``names`` (files now in ``folder``) to its manifest, and ``marks`` (what wrote the
-    folder, see :func:`mark_folder`) to the marks it holds; written atomically."""
+def written_by(path: str | os.PathLike) -> str | None:
+    """The writer the manifest names for ``path`` (``"attnscale monitor"``), or None: a file
+    attnscale did not write, or one written where no writer was named."""
+    path = Path(path)
+    if not owned(path):
+        return None
+    for folder in [path.parent, *path.parent.parents][:_MANIFEST_DEPTH]:
+        entry = _read_manifest(folder).get(path.relative_to(folder).as_posix())
+        if isinstance(entry, dict):
+            writer = entry.get("writer")
+            return writer if isinstance(writer, str) else None
+    return None
+
+
+def _record(folder: Path, names: Iterable[str], marks: dict | None = None,
+            writer: str | None = None) -> None:
+    """Add ``names`` (files now in ``folder``) to its manifest, each with its writer (``writer``,
+    else the one of :func:`writing_as`, if any), and ``marks`` (what wrote the folder, see
+    :func:`mark_folder`) to the marks it holds; written atomically."""
     from attnscale import __version__
     files = _read_manifest(folder)
+    writer = writer or _WRITER.get()
     for name in names:
-        files[name] = {"sha256": _sha256(folder / name)}
+        files[name] = {"sha256": _sha256(folder / name), **({"writer": writer} if writer else {})}
     files = {n: e for n, e in sorted(files.items()) if (folder / n).is_file()}
     obj = {"written_by": "attnscale", "version": __version__, "files": files}
     kept = {**folder_marks(folder), **(marks or {})}
@@ -375,10 +420,14 @@ def atomic_write(path: str | os.PathLike, data: Data, *, param: str = "output",
 
 
 @contextlib.contextmanager
-def staged_dir(out: str | os.PathLike, *, param: str = "--out",
-               force: bool = False) -> Iterator[Path]:
+def staged_dir(out: str | os.PathLike, *, param: str = "--out", force: bool = False,
+               writer: str | None = None, replaces: Iterable[str] = ()) -> Iterator[Path]:
     """Yield a fresh staging folder inside ``out``; when the block succeeds, move every file written
-    there into ``out`` (same relative paths), record them in the manifest and remove stale staging.
+    there into ``out`` (same relative paths), record them in the manifest (with ``writer``, see
+    :func:`check_output_path`) and remove stale staging.  ``replaces``: the names a write of
+    this kind produces; those this one did not write are removed from ``out`` where attnscale
+    wrote them (and, with ``writer``, that writer or none), so no figure of an earlier run is
+    left beside the new results.
 
     On an exception, Ctrl-C or SIGTERM the staging folder is removed, and so is ``out`` itself
     when this call created it and it is still empty.  A file in the way that attnscale did not
@@ -397,12 +446,16 @@ def staged_dir(out: str | os.PathLike, *, param: str = "--out",
             names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
                            if p.is_file())
             if not force:
-                _refuse_foreign(param, out, [n for n in names if (out / n).exists()])
+                _refuse_foreign(param, out, [n for n in names if (out / n).exists()], writer)
+            stale = [n for n in replaces if n not in names and owned(out / n)
+                     and (writer is None or written_by(out / n) in (None, writer))]
             with uninterrupted():  # the files and their manifest entries together
                 for name in names:
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staging / name, out / name)
-                _record(out, names)
+                for name in stale:
+                    (out / name).unlink()
+                _record(out, names, writer=writer)
             done = True
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -16,7 +16,7 @@ import sys
 from attnscale import __version__
 from attnscale.cli._common import check_outputs
 from attnscale.errors import ConfigError, command_line
-from attnscale.io import Terminated, sigterm_as_exit
+from attnscale.io import Terminated, sigterm_as_exit, writing_as
 
 # Explicit list, in the order ``attnscale --help`` shows them.
 COMMAND_MODULES = (
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with sigterm_as_exit(), command_line():  # errors spell options as the CLI does
+        # errors spell options as the CLI does; each file written is recorded as the command's
+        with sigterm_as_exit(), command_line(), writing_as(f"attnscale {args.command}"):
             check_outputs(args)
             return int(args.func(args) or 0)
     except ConfigError as err:

@@ -17,6 +17,7 @@ EXAMPLES = """
   attnscale inspect ./my-model                          # text that ships with Python, 256 tokens
   attnscale inspect ./my-model --text essay.txt --seq-len 512 --out runs/report
   attnscale inspect ./my-model --mechanism qk-rmsnorm   # what if qk-rmsnorm owned the temperature
+  attnscale inspect ./my-model --mechanism 'yarn(factor=4)' --out runs/yarn4  # with its options
   attnscale inspect ./my-model --device cuda --dtype bfloat16 --no-init
   attnscale inspect --from runs/report                   # redraw report.md and the figures
 """
@@ -52,9 +53,9 @@ def _check_inputs(args) -> tuple[Path | None, str | None]:
     check_thresholds(args.saturated_weight, args.saturated_entropy,
                      weight_param="--saturated-weight", entropy_param="--saturated-entropy")
     text = None if args.text is None else read_text(args.text, param="--text")
-    if args.mechanism is not None:
-        from attnscale.mechanisms import check_mechanism
-        check_mechanism(args.mechanism, param="--mechanism")
+    if args.mechanism is not None:  # canonical: the spelling the report prints
+        from attnscale.inspect.owner import parse_whatif, whatif_text
+        args.mechanism = whatif_text(*parse_whatif(args.mechanism, param="--mechanism"))
     return model_dir, text
 
 
@@ -69,13 +70,17 @@ def _run(args) -> int:
     model_dir, text = _check_inputs(args)
     if model_dir is None:
         return _redraw(args)
-    from attnscale import hf
+    from attnscale.inspect.report import writing
+    with writing(args.out, force=args.force, param="--out"):  # one writer, before any load
+        return _measure(args, model_dir, text)
+
+
+def _measure(args, model_dir: Path, text: str | None) -> int:
+    """Load, measure and write, holding --out's writer lock."""
     from attnscale.inspect import checkpoint_meta, inspect_model, write
     from attnscale.inspect.inputs import check_seq_len, load_model, token_ids
 
     device = args.device  # checked by argparse (_device)
-    if args.mechanism is not None:
-        hf.check_swappable(args.mechanism)  # before the (slow) load
     model, tokenizer = load_model(model_dir, dtype=args.dtype, device=device, param="MODEL_DIR")
     check_seq_len(model, args.seq_len, param="--seq-len")
     tokens = token_ids(tokenizer, text, args.seq_len, vocab_size=model.config.vocab_size,
@@ -139,9 +144,11 @@ def register(sub) -> None:
                         "with Python: the standard library's LICENSE.txt, then its source)")
     p.add_argument("--seq-len", metavar="N", type=int, default=256,
                    help="tokens in each forward pass (default: %(default)s)")
-    p.add_argument("--mechanism", metavar="NAME", default=None,
+    p.add_argument("--mechanism", metavar="SPEC", default=None,
                    help="what if: also measure the checkpoint with this registered mechanism, "
-                        "freshly built, in place of its temperature, side by side")
+                        "freshly built, in place of its temperature, side by side; NAME or "
+                        "NAME(KEY=VALUE, ...) as the report spells it, e.g. "
+                        "'qk-rmsnorm(over=head)' (an unknown name lists those that can run)")
     add_output(p, "--out", kind="dir", files=OUT_FILES, metavar="DIR", default=None,
                help="output directory for report.md, records.json and the figures "
                     f"(default: {DEFAULT_OUT})")

@@ -20,9 +20,10 @@ a bias: ``logit_std = scale · √d · q_rms · k_rms · coherence``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -200,3 +201,37 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
                            for key in ("mean_ln_keys", "q_rms", "k_rms", "coherence",
                                        "coherent_rows")}})
     return Measured(records, calls, counts)
+
+
+@contextlib.contextmanager
+def kept(model: nn.Module) -> Iterator[None]:
+    """Leave ``model`` exactly as it was before the block, whatever the block swapped in
+    (:func:`attnscale.hf.set_mechanism`: a mechanism submodule per layer, forward pre-hooks,
+    ``config._attn_implementation`` and ``config.attnscale_mechanism``): the attributes of every
+    module and of every config it holds (sub-configs included) are put back, the containers among
+    them (submodules, parameters, hooks) emptied and refilled in place, so the very objects the
+    caller holds (a mechanism and its parameters, hook handles) are the model's again."""
+    def configs() -> list:
+        seen, todo = {}, [getattr(m, "config", None) for m in model.modules()]
+        while todo:
+            c = todo.pop()
+            if c is None or not hasattr(c, "sub_configs") or id(c) in seen:
+                continue
+            seen[id(c)] = c
+            todo += [getattr(c, key, None) for key in c.sub_configs]
+        return list(seen.values())
+
+    objects = [*model.modules(), *configs()]
+    saved = [(obj, {k: (v, dict(v) if isinstance(v, dict) else None)
+                    for k, v in vars(obj).items()}) for obj in objects]
+    try:
+        yield
+    finally:
+        for obj, attrs in saved:
+            for key in [k for k in vars(obj) if k not in attrs]:
+                del obj.__dict__[key]
+            for key, (value, content) in attrs.items():
+                obj.__dict__[key] = value
+                if content is not None:
+                    value.clear()
+                    value.update(content)

@@ -12,7 +12,8 @@ Two sources, each for what it knows best:
 
 A family missing from the table is still measured (its calls say its scale, cap and sinks); its
 layers say that the rest is unknown.  From both, :func:`owners` gives one row per attention layer
-and :func:`owner_sentence` one plain sentence naming the owner, with the registry mechanism(s).
+and :func:`owner_sentence` one plain sentence naming the owner, with the registry mechanism(s),
+each spelled as the what-if takes it (:func:`parse_whatif`): ``qk-rmsnorm(over=head)``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from attnscale import families
-from attnscale.errors import ConfigError
+from attnscale.errors import ConfigError, did_you_mean
 from attnscale.inspect.measure import Call
 
 # Relative tolerance for naming a measured scale by a rule (float32 rounding of a config value).
@@ -82,15 +83,81 @@ def _gain(module: nn.Module | None, facts: families.LayerFacts, side: str) -> di
     return {"min": float(w.min()), "median": float(w.median()), "max": float(w.max())}
 
 
+def whatif_choices() -> tuple[str, ...]:
+    """The registry mechanisms a what-if can swap in (those :func:`attnscale.hf.set_mechanism`
+    installs), in registry order."""
+    from attnscale.hf.layers import check_swappable
+    from attnscale.mechanisms import MECHANISMS
+
+    out = []
+    for name in MECHANISMS:
+        try:
+            check_swappable(name)
+        except ConfigError:
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def parse_whatif(spec: str, param: str = "whatif") -> tuple[str, dict]:
+    """A what-if mechanism as the report spells it, ``NAME`` or ``NAME(KEY=VALUE, ...)``
+    (``qk-rmsnorm(over=head)``; the sweep grid's variant text,
+    :func:`attnscale.experiments.lm.study.parse_variant`), as ``(name, options)``.
+
+    Raises:
+        ConfigError: one line naming ``param``: an unknown name (with the choices a what-if can
+            run), one set_mechanism refuses (and why), an unknown option or a bad value (the
+            mechanism is built once to check them), all before any model is loaded.
+    """
+    from attnscale.inspect.inputs import _transformers
+    from attnscale.mechanisms import MECHANISMS, build_mechanism
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{param} must name a mechanism, NAME or NAME(KEY=VALUE, ...), got "
+                          f"{spec!r}.")
+    _transformers()  # attnscale.hf needs it: a one-line error without
+    from attnscale.experiments.lm.study import parse_variant
+    from attnscale.hf.layers import check_swappable_options
+
+    name = spec.partition("(")[0].strip()
+    choices = whatif_choices()
+    if name not in choices:
+        if name in MECHANISMS:  # registered, but set_mechanism cannot install it: why
+            try:
+                check_swappable_options(name, {}, param)
+            except ConfigError as err:
+                raise ConfigError(_named(param, err)) from None
+        raise ConfigError(f"{param}: Unknown mechanism {name!r}.{did_you_mean(name, choices)} "
+                          f"Choices: {', '.join(choices)}.")
+    name, options = parse_variant(spec, param=param)
+    try:  # option values are checked where the mechanism is built: once here, up front
+        build_mechanism(name, 64, 1, **options)
+    except ConfigError as err:
+        raise ConfigError(_named(param, err)) from None
+    return name, options
+
+
+def whatif_text(name: str, options: Mapping | None = None) -> str:
+    """``name`` or ``name(key=value, ...)``, the one spelling of a mechanism with its options
+    (:func:`attnscale.experiments.lm.study.variant_text`), which :func:`parse_whatif` reads."""
+    from attnscale.experiments.lm.study import variant_text
+    return variant_text(name, dict(options or {}))
+
+
+def _named(param: str, err: Exception) -> str:
+    """An error's message, prefixed by ``param`` unless it already starts with it."""
+    text = str(err)
+    return text if text.startswith(param) else f"{param}: {text}"
+
+
 def mechanisms_of(call: Call, facts: families.LayerFacts | None, equals: str) -> list[str]:
-    """The registry mechanisms a layer's temperature corresponds to."""
+    """The registry mechanisms a layer's temperature corresponds to, spelled as
+    :func:`parse_whatif` reads them."""
     if call.mechanism != "native":
         return [call.mechanism]
     out = []
     if facts is not None and facts.qk_norm is not None:
-        name, options = facts.qk_norm.mechanism
-        out.append(name + "(" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
-                   if options else name)
+        out.append(whatif_text(*facts.qk_norm.mechanism))
     elif equals.startswith("1/d_head"):
         out.append("mup")
     elif equals.startswith("1 ("):

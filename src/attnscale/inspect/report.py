@@ -3,22 +3,30 @@ all drawn from the store, so :func:`redraw` rewrites them byte for byte without 
 
 Figures: ``heatmaps.png`` (per layer × head: logit std, entropy ÷ ln n, max weight, coherence),
 ``drift.png`` (trained vs freshly initialised, one panel per statistic) and, with a what-if
-mechanism, ``whatif.png`` (the checkpoint's temperature vs the swapped one).
+mechanism, ``whatif.png`` (the checkpoint's temperature vs the swapped one).  A figure this report
+does not draw is removed where an earlier report left it.
+
+One writer per folder: :func:`writing` holds the folder's lock (:func:`attnscale.io.exclusive`)
+for a whole run, so a second run into the same folder is refused before it loads a model, and the
+files are recorded in the folder's manifest as :data:`WRITER`'s, so a file of the same name that
+another command wrote (``attnscale monitor``'s ``records.json``) is refused unless forced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from attnscale.errors import ConfigError
 from attnscale.formatting import cell, number
 from attnscale.inspect.owner import QK_NORM_WORDS
 from attnscale.inspect.records import COMPARED, median
-from attnscale.io import check_output_path, staged_dir
+from attnscale.io import check_output_path, exclusive, staged_dir
 
 RECORDS = "records.json"
 REPORT = "report.md"
@@ -26,6 +34,8 @@ HEATMAPS = "heatmaps.png"
 DRIFT = "drift.png"
 WHATIF = "whatif.png"
 OUT_FILES = (RECORDS, REPORT, HEATMAPS, DRIFT, WHATIF)
+# The writer the folder's manifest names for these files (attnscale.io.written_by).
+WRITER = "attnscale inspect"
 
 # The heatmaps: statistic, its label and its fixed colour scale (None: from 0 to the data's max;
 # "sqrt_d": from 0 to sqrt(d_head), so 1 is independence and the top is full alignment).
@@ -377,11 +387,44 @@ def dumps(payload: Mapping) -> str:
     return json.dumps(json_safe(dict(payload)), indent=1, allow_nan=False) + "\n"
 
 
+# The folders this process holds the writer lock of, each with the holding thread.
+_HELD: dict[Path, int] = {}
+
+
+def check_out(out: str | os.PathLike, *, force: bool = False, param: str = "out") -> Path:
+    """``out`` checked as a report folder (attnscale.io.check_output_path): every one of
+    :data:`OUT_FILES` in it must be one that attnscale inspect wrote, unless ``force``."""
+    return check_output_path(param, out, kind="dir", files=OUT_FILES, force=force, writer=WRITER)
+
+
+@contextlib.contextmanager
+def writing(out: str | os.PathLike, *, force: bool = False, param: str = "out") -> Iterator[Path]:
+    """Hold the writer lock of the report folder ``out`` for the block (a whole run: load,
+    measure, write), so a second writer of it, in this process or another, is refused up front
+    with a ConfigError naming the holder's PID; the folder is checked (:func:`check_out`) before
+    and again under the lock.  :func:`write` and :func:`redraw` inside the block (same thread)
+    use the lock held; outside one they take it themselves."""
+    out = check_out(out, force=force, param=param)
+    key = out.resolve()
+    if _HELD.get(key) == threading.get_ident():
+        yield out
+        return
+    with exclusive(out, param=param):
+        _HELD[key] = threading.get_ident()
+        try:
+            yield check_out(out, force=force, param=param)
+        finally:
+            del _HELD[key]
+
+
 def write(payload: Mapping, out: str | os.PathLike, *, force: bool = False,
           param: str = "out") -> Path:
-    """Write records.json, report.md and the figures into ``out``, all or nothing."""
-    out = check_output_path(param, out, kind="dir", files=OUT_FILES, force=force)
-    with staged_dir(out, param=param, force=force) as staging:
+    """Write records.json, report.md and the figures into ``out``, all or nothing, under the
+    folder's writer lock (:func:`writing`); a figure of an earlier report that this one does not
+    draw is removed."""
+    with writing(out, force=force, param=param) as out, \
+            staged_dir(out, param=param, force=force, writer=WRITER,
+                       replaces=OUT_FILES) as staging:
         (staging / RECORDS).write_text(dumps(payload), encoding="utf-8")
         _draw(json.loads(dumps(payload)), staging)  # drawn from what the store holds
     return Path(out)
@@ -406,9 +449,12 @@ def load(folder: str | os.PathLike, param: str = "from") -> dict:
 
 
 def redraw(folder: str | os.PathLike, *, force: bool = False, param: str = "from") -> Path:
-    """Redraw report.md and the figures in ``folder`` from its records.json alone."""
-    payload = load(folder, param)
-    check_output_path(param, folder, kind="dir", files=OUT_FILES, force=force)
-    with staged_dir(folder, param=param, force=force) as staging:
-        _draw(payload, staging)
+    """Redraw report.md and the figures in ``folder`` from its records.json alone, under the
+    folder's writer lock (:func:`writing`)."""
+    load(folder, param)  # a folder without a report is refused before anything is made
+    with writing(folder, force=force, param=param):
+        payload = load(folder, param)  # as it is under the lock
+        with staged_dir(folder, param=param, force=force, writer=WRITER,
+                        replaces=[n for n in OUT_FILES if n != RECORDS]) as staging:
+            _draw(payload, staging)
     return Path(folder)

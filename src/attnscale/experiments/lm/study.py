@@ -71,18 +71,20 @@ def variant_text(mechanism: str, options: dict | None = None) -> str:
     return mechanism + "(" + ", ".join(f"{k}={options[k]}" for k in sorted(options)) + ")"
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
+def parse_variant(text: str, param: str = "mechanisms") -> tuple[str, dict]:
     """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
-    :func:`variant`; values read as ``--option`` reads them, by each option's declared type."""
+    :func:`variant`; values read as ``--option`` reads them, by each option's declared type.
+    Errors name ``param``, where the text came from."""
     from attnscale.errors import ConfigError
     from attnscale.mechanisms import check_mechanism, parse_options
     name, sep, rest = text.strip().partition("(")
     if sep and not rest.endswith(")"):
-        raise ConfigError(f"mechanism variant {text!r} must look like name(key=value, ...).")
+        raise ConfigError(f"{param}: mechanism variant {text!r} must look like "
+                          "name(key=value, ...).")
     items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
-    check_mechanism(name.strip(), param="mechanisms")
-    options = parse_options(items, name.strip(), param=f"mechanism variant {text!r}")
-    check_mechanism(name.strip(), options, param="mechanisms")
+    check_mechanism(name.strip(), param=param)
+    options = parse_options(items, name.strip(), param=f"{param}: mechanism variant {text!r}")
+    check_mechanism(name.strip(), options, param=param)
     return name.strip(), canonical_options(name.strip(), options)
 
 
