@@ -94,6 +94,19 @@ def inspect_lengths(model: nn.Module, input_ids: torch.Tensor, lengths: Sequence
     Otherwise a second, fresh model is built and the caller's is left as it was.
     """
     lengths = check_lengths(lengths, int(input_ids.shape[-1]))
+    weight, entropy, family, n_layers = check_model(model, whatif, saturated_weight,
+                                                    saturated_entropy)
+    return _inspect(model, input_ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
+                    max_weight=weight, entropy_fraction=entropy, meta=meta,
+                    show_progress=show_progress, family=family, n_layers=n_layers,
+                    reinit_in_place=reinit_in_place)[0]
+
+
+def check_model(model: nn.Module, whatif: str | None, saturated_weight: float,
+                saturated_entropy: float) -> tuple[float, float, str, int]:
+    """The checks every inspection of a loaded model makes before its first pass: the
+    thresholds, the model (its family's attention routed through attnscale) and the what-if.
+    Returns the two thresholds, the family and the number of attention layers."""
     weight, entropy = check_thresholds(saturated_weight, saturated_entropy)
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     n_layers = sum(families.is_attention_layer(m) for m in model.modules())
@@ -104,28 +117,29 @@ def inspect_lengths(model: nn.Module, input_ids: torch.Tensor, lengths: Sequence
     if whatif is not None:
         from attnscale.inspect.owner import parse_whatif
         parse_whatif(whatif)  # NAME or NAME(KEY=VALUE, ...), as the report spells it
-    return _inspect(model, input_ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
-                    max_weight=weight, entropy_fraction=entropy, meta=meta,
-                    show_progress=show_progress, family=family, n_layers=n_layers,
-                    reinit_in_place=reinit_in_place)
+    return weight, entropy, family, n_layers
 
 
 def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, init: bool,
              seed: int, whatif: str | None, block: int, max_weight: float,
              entropy_fraction: float, meta: dict | None, show_progress: bool | None, family: str,
-             n_layers: int, reinit_in_place: bool = False) -> list[dict]:
+             n_layers: int, reinit_in_place: bool = False,
+             init_from: dict[int, Measured] | None = None
+             ) -> tuple[list[dict], dict[int, Measured]]:
     """One payload per length n in ``lengths``: every pass on the first n tokens of
-    ``input_ids``.  The checkpoint (and the what-if) is measured at every length first; then the
-    init, either on a second model or, with ``reinit_in_place``, on ``model`` itself,
-    re-initialised once (its trained weights are then gone: one copy of the weights is held)."""
+    ``input_ids``, and the init pass measured per length.  The checkpoint (and the what-if) is
+    measured at every length first; then the init, either on a second model or, with
+    ``reinit_in_place``, on ``model`` itself, re-initialised once (its trained weights are then
+    gone: one copy of the weights is held).  ``init_from``: the init pass already measured on
+    the same architecture, seed and tokens (another checkpoint of one run), used as it is."""
     ids = {n: input_ids[..., :n] for n in lengths}
-    passes = (1 + bool(init) + (whatif is not None)) * len(lengths)
+    passes = (1 + bool(init and init_from is None) + (whatif is not None)) * len(lengths)
     bar = progress(None, desc="inspect: layers", total=passes * n_layers, enabled=show_progress)
 
     def tick() -> None:
         bar.update(1)
 
-    trained, what, fresh = {}, {}, {}
+    trained, what, fresh = {}, {}, dict(init_from or {})
     try:
         for n in lengths:
             trained[n] = measure(model, model_inputs(model, ids[n]), block=block, on_layer=tick)
@@ -138,7 +152,7 @@ def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, i
         if whatif is not None:
             for n in lengths:
                 what[n] = _whatif(model, model_inputs(model, ids[n]), whatif, block, tick)
-        if init:
+        if init and init_from is None:
             if reinit_in_place:
                 reinitialise(model, seed)
                 net = model
@@ -171,7 +185,7 @@ def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, i
                                             entropy_fraction=entropy_fraction),
                          "owner": owner_sentence(layers[n], model_type), "layers": layers[n],
                          "fields": dict(FIELDS), "records": rows})
-    return payloads
+    return payloads, fresh
 
 
 def _at_length(source: str, n: int) -> str:
