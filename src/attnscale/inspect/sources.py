@@ -123,12 +123,16 @@ def _source(path: Path, shown: str, param: str) -> Source:
 
 
 def _unique_names(sources: list[Source]) -> None:
-    """Two sources with one name (``a/model`` and ``b/model``) take their parent's name too."""
-    names = [s.name for s in sources]
-    for i, source in enumerate(sources):
-        if names.count(source.name) > 1:
-            parent = Path(source.given).resolve().parent.name
-            object.__setattr__(source, "name", f"{parent}-{source.name}")
+    """Names that clash are told apart: a GGUF by its file name (``model.gguf`` beside the
+    folder ``model``), then each by its parent folder's name too (``a-model``, ``b-model``)."""
+    def rename(how) -> None:
+        names = [s.name for s in sources]
+        for source in sources:
+            if names.count(source.name) > 1:
+                object.__setattr__(source, "name", how(source))
+
+    rename(lambda s: Path(s.given).name if Path(s.given).is_file() else s.name)
+    rename(lambda s: f"{Path(s.given).resolve().parent.name}-{s.name}")
     names = [s.name for s in sources]
     clash = next((n for n in names if names.count(n) > 1), None)
     if clash is not None:
