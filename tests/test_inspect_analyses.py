@@ -203,6 +203,22 @@ def test_the_factors_log_ratios_sum_to_the_logit_std_log_growth_per_head(run):
     json.dumps(json_safe(rows), allow_nan=False)
 
 
+def test_a_scale_that_changes_takes_its_part_of_the_split(run):
+    learned = copy.deepcopy(run[-1][1])
+    for layer in learned["layers"]:   # a learned temperature that doubled by the last step
+        layer["scale"] *= 2.0
+    rows = [r for r in trajectory_rows([*run[:-1], (STEPS[-1], learned)])
+            if r["step"] == STEPS[-1]]
+    plain = [r for r in trajectory_rows(run) if r["step"] == STEPS[-1]]
+    for r, p in zip(rows, plain):
+        torch.testing.assert_close(r["log_scale"], math.log(2.0), rtol=1e-12, atol=0.0)
+        assert r["log_growth"] == p["log_growth"]  # the records did not change, the split did
+        torch.testing.assert_close(r["log_coherence"], p["log_coherence"] - math.log(2.0),
+                                   rtol=0.0, atol=1e-12)
+        torch.testing.assert_close(sum(r[f"log_{f}"] for f in FACTORS), r["log_growth"],
+                                   rtol=0.0, atol=1e-12)
+
+
 def test_trajectory_verdict_states_the_medians_and_redraws_from_the_stores(run, tmp_path):
     page = render_trajectory(run)
     rows = trajectory_rows(run)

@@ -23,6 +23,8 @@ from attnscale.inspect.report import _fmt as fmt
 from attnscale.inspect.trajectory import (check_payload, head_stats, layer_scales, num,
                                           scale_axis, split_growth)
 
+# The files this analysis gives beside the reports it reads: its page and its figure.
+PAGE, FIGURE = "compare.md", "compare.png"
 PARAM = "payloads"
 # The statistics compared, in the table's and the figure's order: (record key, label).
 COMPARE_STATS = (("logit_std", "logit std"), ("init_logit_std", "logit std at init"),
@@ -181,7 +183,7 @@ def _shape(r: Mapping) -> str:
     return f"{r['layers']} × {r['heads_per_layer']}"
 
 
-def render_compare(payloads: Sequence[Mapping], *, figure: str | None = "compare.png") -> str:
+def render_compare(payloads: Sequence[Mapping], *, figure: str | None = FIGURE) -> str:
     """The comparison page (markdown): the table, what it shows, the split of each model's drift
     from its initialisation, and ``figure`` (:func:`draw_compare`'s file beside the page, or
     None)."""

@@ -37,6 +37,8 @@ from attnscale.inspect.records import median
 from attnscale.inspect.report import _fmt as fmt
 from attnscale.inspect.trajectory import architecture, check_payload, num
 
+# The files this analysis gives beside the reports it reads: its page and its figure.
+PAGE, FIGURE = "lengths.md", "lengths.png"
 # A head disperses when its entropy grows at least half as fast as ln n: e^H, its effective number
 # of keys, then grows at least like √n, the geometric midpoint between a head that holds its keys
 # (slope 0) and uniform or fixed-temperature attention (slope 1).  A fixed fraction, not the
@@ -222,7 +224,7 @@ def _peak_label(key: str) -> str:
 
 
 def render_lengths(payloads_by_length: Mapping[int, Mapping], *, name: str | None = None,
-                   figure: str | None = "lengths.png") -> str:
+                   figure: str | None = FIGURE) -> str:
     """The length study's page (markdown): the verdict, the rule, a table per layer with what its
     keys did, the dispersing and the holding heads by name, and ``figure``
     (:func:`draw_lengths`'s file beside the page, or None)."""

@@ -45,6 +45,8 @@ from attnscale.inspect.records import COMPARED, median
 from attnscale.inspect.report import LABELS
 from attnscale.inspect.report import _fmt as fmt
 
+# The files this analysis gives beside the reports it reads: its page and its figure.
+PAGE, FIGURE = "trajectory.md", "trajectory.png"
 # The keys of a report's payload, as inspect_model returns it and records.json stores it.
 PAYLOAD_KEYS = ("meta", "summary", "owner", "layers", "fields", "records")
 # The factors of a head's logit std that change in training, in the split's order (√d is fixed).
@@ -308,7 +310,7 @@ def _table(head: Sequence[str], lines: Sequence[Sequence[str]]) -> list[str]:
 
 
 def render_trajectory(steps_and_payloads: Sequence[tuple[int, Mapping]], *,
-                      name: str | None = None, figure: str | None = "trajectory.png") -> str:
+                      name: str | None = None, figure: str | None = FIGURE) -> str:
     """The run's page (markdown): the verdict, the medians per step, the split per step and per
     head at the last step.  ``name``: the title (default: the first checkpoint's model type);
     ``figure``: the file name of :func:`draw_trajectory`'s figure beside the page, or None."""
