@@ -13,10 +13,12 @@ dequantised to the run dtype, with the tokenizer stored in the file; that loader
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,10 +215,32 @@ def load_checkpoint(path: str | os.PathLike | Checkpoint, *, dtype: str = "auto"
     if path.is_gguf:
         _gguf_reader()
         dtype = "float32" if dtype == "auto" else dtype
-        return load_model(path.path.parent, dtype=dtype, device=where, param=param,
-                          gguf_file=path.path.name, auto_class=auto_class, device_map=device_map)
+        with _quiet_gguf_loader():
+            return load_model(path.path.parent, dtype=dtype, device=where, param=param,
+                              gguf_file=path.path.name, auto_class=auto_class,
+                              device_map=device_map)
     return load_model(path.path, dtype=dtype, device=where, param=param, auto_class=auto_class,
                       device_map=device_map)
+
+
+@contextlib.contextmanager
+def _quiet_gguf_loader() -> Iterator[None]:
+    """transformers' GGUF loader draws a tqdm bar of its own that its progress-bar switch does
+    not reach; it is silenced for the load, as every other bar of a load is."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as loader
+    except ImportError:
+        yield
+        return
+    bar = getattr(loader, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = bar
 
 
 def describe(checkpoint: Checkpoint) -> dict:
