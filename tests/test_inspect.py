@@ -140,6 +140,7 @@ def reference(call: dict) -> dict[str, torch.Tensor]:
     if cap:
         z = cap * torch.tanh(z / cap)
     count = keep.sum(-1).double()                                    # (B, H, N)
+    outcomes = count + ("s_aux" in call["kwargs"])                   # a sink: one outcome more
 
     def masked_std(x):
         mean = torch.where(keep, x, 0).sum(-1) / count
@@ -162,8 +163,9 @@ def reference(call: dict) -> dict[str, torch.Tensor]:
             # the monitor's logit std: 0 for a row with one key, as attnscale.stats.logit_std
             "jacobian_fro_mean": mean(jac), "logit_std": mean(torch.where(two, masked_std(z), 0)),
             "logit_absmax": torch.where(keep, z.abs(), 0).amax((0, 2, 3)),
-            "mean_ln_keys": mean(count.log()),
-            "entropy_ratio": mean(entropy) / mean(count.log()),
+            # ln of the outcomes the entropy covers: the keys, and the sink where there is one
+            "mean_ln_keys": mean(outcomes.log()),
+            "entropy_ratio": mean(entropy) / mean(outcomes.log()),
             "q_rms": mean(q.norm(dim=-1) / math.sqrt(d)), "k_rms": mean((k_ms / d).sqrt()),
             "coherence": mean(coh, coherent)}
 

@@ -4,7 +4,10 @@ Each subcommand lives in ``attnscale.cli.<name>`` and exposes ``register(subpars
 adds its parser and sets ``func(args) -> int``.  Bad input raises :class:`~attnscale.errors.ConfigError`
 anywhere below; it is printed here as one line and the exit code is 2.  Output paths registered
 with :func:`attnscale.cli._common.add_output` are checked here before the command runs.  Ctrl-C
-exits 130 and SIGTERM 143, both after the staged writes of :mod:`attnscale.io` are cleaned up.
+exits 130 and SIGTERM 143, both after the staged writes of :mod:`attnscale.io` are cleaned up;
+Ctrl-C while the parser is built (it imports every command) is the same one line.  Each file a
+command writes is recorded in its folder's manifest as that command's
+(:func:`attnscale.io.writing_as`).
 """
 
 from __future__ import annotations
@@ -58,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # building the parser imports every command: Ctrl-C there is one line too
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("attnscale: interrupted", file=sys.stderr)
+        return 130
     try:
         # errors spell options as the CLI does; each file written is recorded as the command's
         with sigterm_as_exit(), command_line(), writing_as(f"attnscale {args.command}"):

@@ -20,14 +20,15 @@ Public API
     ``n_kv_heads``, ``d_head``, ``d_value`` (read off the projections, before any forward);
     ``scaling`` (the softmax scale the layer passes) and ``scaling_rule`` (``"d^-1/2"``, Gemma's
     ``"query_pre_attn_scalar^-1/2"``, T5's ``"1 (in the initialisation)"``, latent attention's
-    YaRN rule) with ``mscale`` (YaRN's factor on the scale, scaling · √d, latent attention);
+    YaRN rule) with ``mscale`` (YaRN's mscale, scaling = mscale² / √d, latent attention);
     ``softcap``; ``sinks``; ``sliding_window``; ``position_bias`` (``"t5-relative"``,
     ``"alibi"`` or None); ``qk_norm_over`` (``"none"``, ``"head"``: one norm over each head's d
     channels, Qwen3 and Gemma 3; ``"model"``: one over all H · d channels before the head split,
     OLMo 2) with ``qk_norm`` (a :class:`QKNorm`: kind, gain, and ``.mechanism``, the registry
     mechanism it corresponds to, e.g. ``("qk-rmsnorm", {"over": "head"})``);
     ``temperature_tuning`` (Llama 4's, on its NoPE layers); ``mask``; ``calls`` (attention calls
-    per forward: DiffLlama's two); ``refusal`` / ``clip_refusal`` (why set_mechanism / QK-Clip
+    per forward: DiffLlama's two, on the same q and k); ``normaliser`` (``"differential"`` for
+    DiffLlama's head pairs); ``refusal`` / ``clip_refusal`` (why set_mechanism / QK-Clip
     cannot serve the layer, or None).
 ``is_attention_layer(module)``
     Whether a module's forward dispatches through transformers' AttentionInterface.

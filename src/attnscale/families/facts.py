@@ -79,7 +79,7 @@ class LayerFacts:
     d_value: int | None         # d_v of each v head
     scaling: float | None       # the softmax scale the layer passes (its ``scaling``), or None
     scaling_rule: str           # where that scale comes from ("d^-1/2", Gemma's, T5's 1...)
-    mscale: float | None        # YaRN's factor on the softmax scale (scaling · √d), MLA rows
+    mscale: float | None        # YaRN's mscale, scaling = mscale² / √d (MLA rows; 1 without YaRN)
     softcap: float | None       # logit soft-cap c in c · tanh(z / c) the layer passes
     sinks: bool                 # learned per-head sink logits (gpt-oss)
     sliding_window: int | None  # keys each query sees back, where the layer is windowed
@@ -89,6 +89,7 @@ class LayerFacts:
     temperature_tuning: TemperatureTuning | None  # Llama 4, on its NoPE layers
     mask: str                   # "boolean", or "additive" (the model edits eager's float mask)
     calls: int                  # attention calls per forward
+    normaliser: str             # "softmax", or "differential" (DiffLlama's head pairs)
     refusal: str | None         # why set_mechanism and QK-Clip cannot serve it, or None
     clip_refusal: str | None    # why QK-Clip cannot (set_mechanism can), or None
 
@@ -113,6 +114,21 @@ def facts(layer_or_model: nn.Module) -> LayerFacts | dict[str, LayerFacts]:
             if is_attention_layer(m)}
 
 
+def _config_window(layer: nn.Module, config) -> int | None:
+    """The sliding window of a layer that keeps none itself: Mistral, Mixtral, Starcoder2 and
+    Phi-3 read ``config.sliding_window`` where they build the mask (a windowed one for every
+    layer when it is set) and pass it to the attention call.  None where the config turns it
+    off (``use_sliding_window=False``) or its ``layer_types`` make this layer a full one."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    types, index = getattr(config, "layer_types", None), getattr(layer, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) \
+            and types[index] != "sliding_attention":
+        return None
+    return window
+
+
 def _layer_facts(layer: nn.Module) -> LayerFacts:
     row, family = family_of(layer), family_name(layer)
     config = getattr(layer, "config", None)
@@ -121,9 +137,12 @@ def _layer_facts(layer: nn.Module) -> LayerFacts:
     scaling = float(scaling) if isinstance(scaling, (int, float)) else None
     mscale = None
     if row.layout is not None and row.layout.name == "latent" and scaling is not None:
-        mscale = scaling * math.sqrt(heads.d_head)
+        mscale = math.sqrt(scaling * math.sqrt(heads.d_head)) if scaling > 0 else None
     softcap = getattr(config, row.softcap, None) if row.softcap else None
-    window = getattr(layer, row.window, None) if row.window else None
+    window = None
+    if row.window:
+        window = getattr(layer, row.window) if hasattr(layer, row.window) else \
+            _config_window(layer, config)
     norm = row.qk_norm
     if norm is not None and not isinstance(getattr(layer, norm.q, None), nn.Module):
         norm = None  # a layer of the family built without its norm (Llama 4's NoPE layers...)
@@ -144,7 +163,7 @@ def _layer_facts(layer: nn.Module) -> LayerFacts:
         sliding_window=window if isinstance(window, int) and window > 0 else None,
         position_bias=row.position_bias,
         qk_norm_over="none" if norm is None else norm.over, qk_norm=norm,
-        temperature_tuning=tuning, mask=row.mask, calls=row.calls,
+        temperature_tuning=tuning, mask=row.mask, calls=row.calls, normaliser=row.normaliser,
         refusal=row.refusal if row.layout is not None else (
             row.refusal or f"attnscale cannot tell where {family}'s W_Q and W_K are."),
         clip_refusal=row.clip_refusal)

@@ -72,6 +72,10 @@ class Family:
     mask: str = "boolean"                # one of MASK_KINDS
     temperature_tuning: bool = False     # Llama 4's query scaling on its NoPE layers
     calls: int = 1                       # attention calls per forward (DiffLlama: 2)
+    # How its heads' maps become the output, as attnscale.stats.NORMALISERS names it:
+    # "differential" for DiffLlama (two calls on the same q and k, the outputs of head pairs
+    # subtracted with a learned λ, Ye et al. 2024, arXiv 2410.05258).
+    normaliser: str = "softmax"
     own_attention: tuple[str, ...] = ()  # classes of its attention that bypass the interface
     refusal: str | None = None           # why set_mechanism and the clip cannot serve it
     clip_refusal: str | None = None      # why only QK-Clip cannot
@@ -164,7 +168,7 @@ _TABLE: dict[str, Family] = {
     # Llama 4: one parameter-free L2 norm (after RoPE) on its RoPE layers, none on the others.
     "llama4_text": LLAMA.with_(qk_norm=QKNorm("head", "l2", None, "qk_norm", "qk_norm"),
                                temperature_tuning=True),
-    "diffllama": LLAMA.with_(calls=2),
+    "diffllama": LLAMA.with_(calls=2, normaliser="differential"),
     **_rows(LLAMA,
             "canary_decoder", "cosmos3_edge_text", "cosmos3_edge_vision",
             "csm_depth_decoder_model", "emu3_text_model", "eurobert", "glm", "glm4",

@@ -38,7 +38,7 @@ from attnscale.inspect.inputs import (DTYPES, Tokens, check_lengths, check_model
                                       resolve_device,
                                       token_ids)
 from attnscale.inspect.measure import Measured, measure
-from attnscale.inspect.owner import owner_sentence, owners
+from attnscale.inspect.owner import owner_sentence, owners, unmeasured_layers
 from attnscale.inspect.records import (FIELDS, SATURATED_ENTROPY_FRACTION, SATURATED_MAX_WEIGHT,
                                        check_thresholds, join, summary)
 from attnscale.inspect.report import OUT_FILES, load, redraw, render, write  # noqa: F401
@@ -183,7 +183,9 @@ def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, i
         payloads.append({"meta": info,
                          "summary": summary(rows, max_weight=max_weight,
                                             entropy_fraction=entropy_fraction),
-                         "owner": owner_sentence(layers[n], model_type), "layers": layers[n],
+                         "owner": owner_sentence(layers[n], model_type,
+                                                 unmeasured_layers(model, layers[n])),
+                         "layers": layers[n],
                          "fields": dict(FIELDS), "records": rows})
     return payloads, fresh
 

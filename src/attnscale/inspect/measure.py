@@ -29,52 +29,64 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from attnscale import families, pipeline
+from attnscale.errors import ConfigError
 from attnscale.measure.monitor import DEFAULT_BLOCK, monitor
 from attnscale.pipeline import MASKED_BIAS, Observation
 from attnscale.precision import work_dtype
 from attnscale.stats import qk_row_stats
 
 # Per-head sums kept for each attention site, merged exactly over blocks and calls (float64).
-QK_SUMS = ("rows", "ln_keys", "q_rms", "k_rms", "coherent_rows", "coherence")
+QK_SUMS = ("rows", "ln_keys", "inv_keys", "q_rms", "k_rms", "coherent_rows", "coherence")
 
 
 @dataclass
 class QKTotals:
     """Per-head sums over the query rows of one site, each (H,) float64 (see :data:`QK_SUMS`):
-    ``rows`` with at least one key and their ``ln_keys``, ``q_rms`` and ``k_rms``;
+    ``rows`` with at least one key and their ``ln_keys``, ``inv_keys`` (1/n: the max weight of
+    uniform attention over the row's n keys), ``q_rms`` and ``k_rms``;
     ``coherent_rows`` where coherence is defined (two keys or more) and their ``coherence``.
-    ``d_head`` and ``n_keys`` (the most keys a row attends) are the site's."""
+    ``d_head``, ``n_keys`` (the most keys a row attends, as its mask says: a sliding window's
+    width, not the sequence length, on a windowed layer) and ``key_len`` (the keys the call
+    was handed) are the site's."""
 
     sums: dict[str, Tensor]
     d_head: int
     n_keys: int
+    key_len: int
 
     def merge(self, other: QKTotals) -> QKTotals:
         return QKTotals({k: self.sums[k] + other.sums[k] for k in QK_SUMS},
-                        self.d_head, max(self.n_keys, other.n_keys))
+                        self.d_head, max(self.n_keys, other.n_keys),
+                        max(self.key_len, other.key_len))
 
     def means(self) -> dict[str, list[float]]:
-        """Per head: ``mean_ln_keys``, ``q_rms``, ``k_rms`` and ``coherence`` (means over their
-        rows; NaN where a head has none), ``coherent_rows``."""
+        """Per head: ``mean_ln_keys``, ``uniform_max_weight`` (the mean max weight uniform
+        attention over the same keys would have: the floor of ``max_weight_mean``), ``q_rms``,
+        ``k_rms`` and ``coherence`` (means over their rows; NaN where a head has none),
+        ``coherent_rows``."""
         s = self.sums
 
         def mean(total: Tensor, n: Tensor) -> list[float]:
             return torch.where(n > 0, total / n.clamp(min=1), math.nan).tolist()
 
         return {"mean_ln_keys": mean(s["ln_keys"], s["rows"]),
+                "uniform_max_weight": mean(s["inv_keys"], s["rows"]),
                 "q_rms": mean(s["q_rms"], s["rows"]), "k_rms": mean(s["k_rms"], s["rows"]),
                 "coherence": mean(s["coherence"], s["coherent_rows"]),
                 "coherent_rows": [int(x) for x in s["coherent_rows"].tolist()]}
 
 
 def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool = False,
-              block: int = DEFAULT_BLOCK) -> QKTotals:
+              block: int = DEFAULT_BLOCK, sink: bool = False) -> QKTotals:
     """:class:`QKTotals` of queries q (B, H, Nq, d) against keys k (B, Hk, Nk, d), ``H % Hk == 0``.
 
     ``mask``: broadcastable to (B, H, Nq, Nk): bool, True = attend, or additive float, where
     entries at or below :data:`~attnscale.pipeline.MASKED_BIAS` mark masked keys (its finite
     values, position biases, are part of the logits, not of q·k, so coherence leaves them out);
-    ``causal``: query i attends keys 0..i (top-left, as the pipeline's).  Computed ``block``
+    ``causal``: query i attends keys 0..i (top-left, as the pipeline's); ``sink``: the head has
+    an attention sink, one more outcome of its softmax, so ``ln_keys`` and ``inv_keys`` count
+    n + 1 (the entropy the monitor reports covers the sink).  Computed ``block``
     queries at a time by :func:`attnscale.stats.qk_row_stats`, in float32 or better, over only
     the key columns some query of the block attends: the largest tensor is (B, H, block, Nk).
     """
@@ -89,6 +101,7 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
             mask = mask.detach() > MASKED_BIAS
         sums = {name: torch.zeros(n_heads, dtype=torch.float64, device=q.device)
                 for name in QK_SUMS}
+        most = 0  # the most keys a row attends
         for i0 in range(0, n_q, block):
             qb = q[..., i0:i0 + block, :]                              # (B, H, b, d)
             rows = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
@@ -113,17 +126,69 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
 
             count = got["count"].expand(*qb.shape[:-1])
             has = count > 0                                            # (B, H, b)
+            most = max(most, int(count.max()))
             # Rows where coherence is undefined (one key, a zero query such as a padding
             # token's, zero keys) are left out; a NaN query or key is not (x != 0 holds for
             # NaN), so NaN reaches the head's mean, as in every other statistic.
             defined = (count >= 2) & (got["q_rms"] != 0) & (got["k_rms"] != 0)
             sums["rows"] += head_sum(torch.ones_like(count), has)
-            sums["ln_keys"] += head_sum(count.clamp(min=1).log(), has)
+            outcomes = (count + int(sink)).clamp(min=1)
+            sums["ln_keys"] += head_sum(outcomes.log(), has)
+            sums["inv_keys"] += head_sum(1.0 / outcomes, has)
             sums["q_rms"] += head_sum(got["q_rms"], has)
             sums["k_rms"] += head_sum(got["k_rms"], has)
             sums["coherent_rows"] += head_sum(torch.ones_like(count), defined)
             sums["coherence"] += head_sum(got["coherence"], defined)
-        return QKTotals(sums, d, n_k)
+        return QKTotals(sums, d, most, n_k)
+
+
+def sink_key_weight(seen: Observation, block: int = DEFAULT_BLOCK) -> tuple[Tensor, Tensor]:
+    """Per head, the sum over query rows with a key of the largest weight a key (not the sink)
+    takes, and the number of those rows, ((H,), (H,)) float64, for a call with an attention sink:
+    the monitor's max weight covers the sink, so a head resting on its sink would read as
+    saturated on a key.  The logits are the call's own (``scale``, ``offset``, ``cap``, the
+    additive bias and mask, causality), with the sink logit as one more outcome, ``block``
+    queries at a time."""
+    with torch.no_grad():
+        q, k = seen.q.detach(), seen.k.detach()
+        work = work_dtype(q.dtype)
+        q, k = q.to(work), k.to(work)
+        n_heads, n_q, n_k = q.shape[-3], q.shape[-2], k.shape[-2]
+        if k.shape[-3] != n_heads:
+            k = k.repeat_interleave(n_heads // k.shape[-3], dim=-3)
+        b = seen.sink.detach().to(torch.float64).view(1, -1, 1, 1)     # (1, H, 1, 1)
+        total = torch.zeros(n_heads, dtype=torch.float64, device=q.device)
+        rows = torch.zeros(n_heads, dtype=torch.float64, device=q.device)
+
+        def rows_of(x, i0: int, i1: int):  # a scale or offset, cut to the block's query rows
+            if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[-2] == n_q:
+                return x[..., i0:i1, :]
+            return x
+
+        for i0 in range(0, n_q, block):
+            i1 = min(n_q, i0 + block)
+            z = pipeline.logits(q[..., i0:i1, :], k, rows_of(seen.scale, i0, i1), seen.cap,
+                                rows_of(seen.offset, i0, i1)).double()
+            keep = torch.ones_like(z, dtype=torch.bool)
+            if seen.mask is not None:
+                m = seen.mask.detach()
+                m = m[..., i0:i1, :] if m.shape[-2] > 1 else m
+                if m.dtype == torch.bool:
+                    keep = keep & m
+                else:  # additive: masked at or below MASKED_BIAS, a bias above it
+                    keep = keep & (m > MASKED_BIAS)
+                    z = z + torch.where(m > MASKED_BIAS, m.double(), 0.0)
+            if seen.causal:
+                keep = keep & (torch.arange(n_k, device=q.device)
+                               <= torch.arange(i0, i1, device=q.device).unsqueeze(-1))
+            z = z.masked_fill(~keep, -math.inf)
+            top = z.amax(dim=-1)                                          # (B, H, b)
+            lse = torch.logaddexp(torch.logsumexp(z, dim=-1), b.squeeze(-1))
+            has = keep.any(dim=-1)
+            weight = torch.where(has, (top - lse).exp(), 0.0)
+            total += weight.sum(dim=(0, 2))
+            rows += has.expand_as(weight).sum(dim=(0, 2)).double()
+        return total, rows
 
 
 @dataclass(frozen=True)
@@ -136,6 +201,8 @@ class Call:
     normaliser: str         # one of attnscale.stats.NORMALISERS
     sinks: bool             # whether the call had per-head sink logits
     offset: bool            # whether a logit offset was added (sigmoid's bias)
+    bias: bool = False      # whether the caller added a logit bias (T5's position bias): an
+                            # additive mask with finite values other than 0
 
 
 def describe_call(seen: Observation) -> Call:
@@ -148,16 +215,18 @@ def describe_call(seen: Observation) -> Call:
             else None
     else:
         mean = fixed = None if scale is None else float(scale)
+    bias = seen.bias
+    carries = bias is not None and bool(((bias > MASKED_BIAS) & (bias != 0)).any())
     return Call(name, fixed, math.nan if mean is None else mean, seen.cap, seen.normaliser,
                 seen.sink is not None,
-                isinstance(seen.offset, Tensor) or float(seen.offset) != 0.0)
+                isinstance(seen.offset, Tensor) or float(seen.offset) != 0.0, carries)
 
 
 @dataclass
 class Measured:
     """One forward pass, measured: per (layer, head) ``records`` (the monitor's keys plus
-    ``d_head``, ``n_keys``, ``mean_ln_keys``, ``q_rms``, ``k_rms``, ``coherence``,
-    ``coherent_rows``) and each site's :class:`Call`, by module name."""
+    ``d_head``, ``n_keys``, ``key_len``, ``mean_ln_keys``, ``uniform_max_weight``, ``q_rms``, ``k_rms``,
+    ``coherence``, ``coherent_rows``) and each site's :class:`Call`, by module name."""
     records: list[dict]
     calls: dict[str, Call]
     counts: dict[str, int]  # attention calls per site in the pass
@@ -167,19 +236,33 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
             on_layer: Callable[[], None] | None = None) -> Measured:
     """Run ``model(**inputs)`` once under the monitor and :func:`qk_totals`.
 
-    ``on_layer`` is called after each attention call (a progress bar over layers).  Calls the
-    monitor attributes to one module (a second call of one module in a forward pass is
-    ``module#1``) are merged as its records are.
+    ``on_layer`` is called after each attention call (a progress bar over layers).  A second
+    call of one module in a forward pass is the monitor's ``module#1``, measured as one more
+    layer, except where the family calls attention several times with the same q and k
+    (``LayerFacts.calls``: DiffLlama, whose two calls differ only in v): those repeat one
+    attention map and are left out, so each layer counts once.
     """
     totals: dict[str, QKTotals] = {}
     calls: dict[str, Call] = {}
     counts: dict[str, int] = {}
+    key_weight: dict[str, tuple[Tensor, Tensor]] = {}
+    modules = dict(model.named_modules())
+    repeats: set[str] = set()
 
     def on_call(site: str, seen: Observation) -> None:
+        if _repeat(site, modules):
+            repeats.add(site)
+            return
         if seen.q is not None:  # None: a model that handed its logits (observe_logits)
-            got = qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block)
+            got = qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
+                            sink=seen.sink is not None)
             totals[site] = totals[site].merge(got) if site in totals else got
-        calls.setdefault(site, describe_call(seen))
+            if seen.sink is not None:
+                new = sink_key_weight(seen, block)
+                old = key_weight.get(site)
+                key_weight[site] = new if old is None else (old[0] + new[0], old[1] + new[1])
+        if site not in calls:
+            calls[site] = describe_call(seen)
         counts[site] = counts.get(site, 0) + 1
         if on_layer is not None:
             on_layer()
@@ -192,15 +275,37 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
             model(**inputs)
     records = []
     means = {site: t.means() for site, t in totals.items()}
-    for r in mon.records:
+    kept_records = [r for r in mon.records if r["module"] not in repeats]
+    layer_index = {layer: i for i, layer in enumerate(sorted({r["layer"] for r in kept_records}))}
+    for r in kept_records:
         got, t = means.get(r["module"]), totals.get(r["module"])
         h = r["head"]
-        records.append({**r, "d_head": None if t is None else t.d_head,
+        weight = key_weight.get(r["module"])
+        records.append({**r, "layer": layer_index[r["layer"]],
+                        "key_max_weight_mean": math.nan if weight is None else
+                        float(weight[0][h] / weight[1][h]) if weight[1][h] > 0 else math.nan,
+                        "d_head": None if t is None else t.d_head,
                         "n_keys": None if t is None else t.n_keys,
+                        "key_len": None if t is None else t.key_len,
                         **{key: math.nan if got is None else got[key][h]
-                           for key in ("mean_ln_keys", "q_rms", "k_rms", "coherence",
-                                       "coherent_rows")}})
+                           for key in ("mean_ln_keys", "uniform_max_weight", "q_rms", "k_rms",
+                                       "coherence", "coherent_rows")}})
     return Measured(records, calls, counts)
+
+
+def _repeat(site: str, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``site`` (``module#k``) is a repeated call of an attention layer whose family
+    calls attention ``calls`` times per forward on the same q and k (DiffLlama)."""
+    name, sep, index = site.rpartition("#")
+    if not sep or not index.isdigit() or name not in modules:
+        return False
+    layer = modules[name]
+    if not families.is_attention_layer(layer):
+        return False
+    try:
+        return int(index) < families.facts(layer).calls
+    except ConfigError:  # a family outside the table: every call is a layer
+        return False
 
 
 @contextlib.contextmanager

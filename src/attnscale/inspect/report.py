@@ -18,14 +18,15 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from attnscale.errors import ConfigError
 from attnscale.formatting import cell, number
-from attnscale.inspect.owner import QK_NORM_WORDS
-from attnscale.inspect.records import COMPARED, median
+from attnscale.inspect.owner import QK_NORM_WORDS, option_defaults, whatif_identity
+from attnscale.inspect.records import COMPARED, check_store, median
 from attnscale.io import check_output_path, exclusive, staged_dir
 
 RECORDS = "records.json"
@@ -184,7 +185,49 @@ def verdict(payload: Mapping) -> list[str]:
                      f"×{_fmt(s['median_drift_coherence'])}.")
         lines.append(premise_sentence(s))
     lines.append(calibration_sentence(s))
+    same = whatif_sentence(payload)
+    if same:
+        lines.append(same)
     return lines
+
+
+# Relative difference of the what-if's logit std from the checkpoint's, per head, up to which the
+# two passes count as the same numbers (float32 statistics of one forward pass, run twice).
+SAME_RTOL = 1e-5
+
+
+def whatif_sentence(payload: Mapping) -> str | None:
+    """Why a what-if changes nothing, where it is the identity at this length
+    (:func:`attnscale.inspect.owner.whatif_identity`: yarn at factor 1, logn below its training
+    length...): what it applies, its options where they are its defaults, and whether its
+    numbers equal the checkpoint's.  None for a what-if that acts (or none)."""
+    meta, rows = payload["meta"], payload["records"]
+    spec = meta.get("whatif")
+    if not spec or not any(r.get("whatif_logit_std") is not None for r in rows):
+        return None
+    n_keys = max((r["n_keys"] for r in rows if r.get("n_keys")), default=meta["seq_len"])
+    shapes = {(r["d_head"], sum(x["layer"] == r["layer"] for x in rows)) for r in rows
+              if r.get("d_head")}
+    if not shapes or not all(whatif_identity(spec, d, h, n_keys) for d, h in shapes):
+        return None
+    name = spec.partition("(")[0].strip()
+    defaults = option_defaults(name)
+    given = "(" in spec
+    options = ("" if given or not defaults else
+               f" with its default options ({', '.join(f'{k}={v}' for k, v in defaults.items())}"
+               f"; give others as `--mechanism '{name}({next(iter(defaults))}=...)'`)")
+    text = (f"At N = {meta['seq_len']} the what-if `{spec}`{options} gives every query (each "
+            f"attends at most {n_keys} keys) the plain scale 1/√d, as `scaled` does: at this "
+            "length it is the identity on a 1/√d model")
+    gaps = [abs(r["whatif_logit_std"] / r["logit_std"] - 1) for r in rows
+            if _finite(r.get("whatif_logit_std")) and _finite(r.get("logit_std"))
+            and r["logit_std"] != 0]
+    if gaps and max(gaps) <= SAME_RTOL:
+        within = ("the same logit std on every head" if max(gaps) == 0 else
+                  f"logit std within {max(gaps):.1g} relative on every head")
+        return (text + f", and its numbers are the checkpoint's ({within}): this checkpoint's "
+                "temperature is 1/√d already.")
+    return text + ", which this checkpoint's temperature is not."
 
 
 def premise_sentence(s: Mapping) -> str:
@@ -328,8 +371,8 @@ def _reproduce(meta: Mapping) -> list[str]:
     if not meta.get("init", True):
         argv.append("--no-init")
     if meta.get("whatif"):
-        argv.append(f"--mechanism {meta['whatif']}")
-    argv.append(f"--name {meta['name']}")
+        argv.append(f"--mechanism {shlex.quote(meta['whatif'])}")
+    argv.append(f"--name {shlex.quote(meta['name'])}")
     return [f"Measured with `{' '.join(argv)}`.", ""]
 
 
@@ -359,9 +402,11 @@ def render(payload: Mapping) -> str:
                   f"{meta['seed']}), on the same tokens.", "", premise_sentence(s), "",
                   *_compare_table(payload, "init_", "init", ratio=True), "", f"![checkpoint vs initialisation]({DRIFT})", ""]
     if "median_whatif_logit_std" in s:
+        same = whatif_sentence(payload)
         lines += [f"## What if: `{meta['whatif']}`", "",
                   f"The checkpoint with its temperature swapped for a freshly built "
                   f"`{meta['whatif']}` (attnscale.hf.set_mechanism), on the same tokens.", "",
+                  *([same, ""] if same else []),
                   *_compare_table(payload, "whatif_", "what-if", ratio=False), "", f"![checkpoint vs what-if]({WHATIF})", ""]
     lines += ["## The essay's claims on this checkpoint", "", *essay_claims(payload), "",
               "## Fields", "", f"One record per (layer, head) in [{RECORDS}]({RECORDS}):", "",
@@ -431,21 +476,22 @@ def write(payload: Mapping, out: str | os.PathLike, *, force: bool = False,
 
 
 def load(folder: str | os.PathLike, param: str = "from") -> dict:
-    """The contents of ``folder/records.json``, checked to be a report's store."""
+    """The contents of ``folder/records.json``, checked field by field to be a report's store
+    (:func:`attnscale.inspect.records.check_store`)."""
     path = Path(folder) / RECORDS
     if not path.is_file():
         raise ConfigError(f"{param} {str(folder)!r} holds no {RECORDS} (a folder written by "
                           "attnscale inspect).")
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
+        payload = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ConfigError(f"{param} {str(path)!r} is not valid JSON ({err}).") from None
-    missing = [k for k in ("meta", "summary", "owner", "layers", "fields", "records")
-               if not isinstance(payload, dict) or k not in payload]
-    if missing:
-        raise ConfigError(f"{param} {str(path)!r} lacks {', '.join(missing)}: not written by "
-                          "attnscale inspect.")
-    return payload
+    return check_store(payload, f"{param} {str(path)!r}")
+
+
+def _no_constant(name: str):
+    """records.json is strict JSON (NaN is written as null): NaN and Infinity are refused."""
+    raise ValueError(f"{name} is not JSON; attnscale writes NaN as null")
 
 
 def redraw(folder: str | os.PathLike, *, force: bool = False, param: str = "from") -> Path:
