@@ -490,7 +490,7 @@ def test_cli_writes_the_report_and_prints_the_verdict(cli, saved, tmp_path):
 
 
 @pytest.mark.parametrize("case, fragment", [
-    ("missing-folder", "is not a directory"),
+    ("missing-folder", "does not exist"),
     ("no-weights", "has no weights"),
     ("seq-len-0", "--seq-len must be >= 1"),
     ("empty-text", "is empty"),
@@ -499,7 +499,7 @@ def test_cli_writes_the_report_and_prints_the_verdict(cli, saved, tmp_path):
     ("seq-len-too-long", "--seq-len 41 exceeds the model's maximum of 40"),
     ("unknown-mechanism", "--mechanism: Unknown mechanism 'qknrom'"),
     ("from-and-model", "--from DIR redraws"),
-    ("nothing", "give MODEL_DIR"),
+    ("nothing", "give PATH"),
     ("bad-threshold", "--saturated-weight must be in (0, 1)"),
     ("text-without-tokenizer", "--text was given, but the model folder has no tokenizer"),
     ("bad-device", "argument --device: 'nope' is not a torch device"),

@@ -32,11 +32,9 @@ from torch import nn
 
 from attnscale import __version__, families
 from attnscale.errors import ConfigError, check_int
-from attnscale.inspect.inputs import (DTYPES, Tokens, check_lengths, check_model_dir,
-                                      check_seq_len,
-                                      fresh_model, load_model, model_inputs, reinitialise,
-                                      resolve_device,
-                                      token_ids)
+from attnscale.inspect.inputs import (DTYPES, Tokens, check_input_ids, check_inspectable,
+                                      check_lengths, check_seed, check_seq_len, fresh_model,
+                                      model_inputs, reinitialise, resolve_device, token_ids)
 from attnscale.inspect.measure import Measured, measure
 from attnscale.inspect.owner import owner_sentence, owners, unmeasured_layers
 from attnscale.inspect.records import (FIELDS, SATURATED_ENTROPY_FRACTION, SATURATED_MAX_WEIGHT,
@@ -46,8 +44,8 @@ from attnscale.measure.monitor import DEFAULT_BLOCK
 from attnscale.progress import progress
 
 __all__ = ["DTYPES", "FIELDS", "OUT_FILES", "SATURATED_ENTROPY_FRACTION", "SATURATED_MAX_WEIGHT",
-           "inspect_checkpoint", "inspect_lengths", "inspect_model", "load", "redraw", "render",
-           "write"]
+           "inspect_checkpoint", "inspect_lengths", "inspect_model", "inspect_paths", "load",
+           "redraw", "render", "write"]
 
 
 def inspect_model(model: nn.Module, input_ids: torch.Tensor, *, init: bool = True, seed: int = 0,
@@ -93,6 +91,8 @@ def inspect_lengths(model: nn.Module, input_ids: torch.Tensor, lengths: Sequence
     ``model``'s trained weights are then lost (for a model loaded only to be inspected).
     Otherwise a second, fresh model is built and the caller's is left as it was.
     """
+    check_inspectable(model)  # the model as loaded, its ids and the seed first; nothing changed
+    input_ids, seed = check_input_ids(model, input_ids), check_seed(seed)
     lengths = check_lengths(lengths, int(input_ids.shape[-1]))
     weight, entropy, family, n_layers = check_model(model, whatif, saturated_weight,
                                                     saturated_entropy)
@@ -221,36 +221,76 @@ def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
                        saturated_weight: float = SATURATED_MAX_WEIGHT,
                        saturated_entropy: float = SATURATED_ENTROPY_FRACTION,
                        show_progress: bool | None = None) -> dict:
-    """The temperature report of a local ``save_pretrained`` folder (nothing is downloaded).
+    """The temperature report of a local ``save_pretrained`` folder or ``.gguf`` file (nothing
+    is downloaded), holding one copy of its weights (the init is measured on the loaded model,
+    re-initialised in place).  Several paths, run folders and lengths: :func:`inspect_paths`.
 
     Args:
-        model_dir: the folder; loaded with ``attn_implementation="attnscale"`` (and the mechanism
-            it was saved with, if :func:`attnscale.hf.set_mechanism` swapped one in).
+        model_dir: the folder or GGUF file; loaded with ``attn_implementation="attnscale"`` (and
+            the mechanism it was saved with, if :func:`attnscale.hf.set_mechanism` swapped one
+            in); a GGUF through transformers' GGUF loader, dequantised, with its own tokenizer.
         text: the text to read (its first ``seq_len`` tokens); None: text that ships with Python
             (the standard library's LICENSE.txt, then its source).  A folder without a tokenizer
             reads ``seq_len`` seeded random ids instead, and refuses a text.
         seq_len: tokens per forward pass.
         device: ``"auto"`` (CUDA where available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
-        dtype: ``"auto"`` (as saved), ``"float32"``, ``"bfloat16"``, ``"float16"`` or
-            ``"float64"``.
-        name: the report's title (default: the folder's name).
+        dtype: ``"auto"`` (as saved; float32 for a GGUF), ``"float32"``, ``"bfloat16"``,
+            ``"float16"`` or ``"float64"``.
+        name: the report's title (default: the folder's or file's name).
         others: as :func:`inspect_model`.
     Raises:
-        ConfigError: a bad folder, text or option, before any model is loaded where it can be.
+        ConfigError: a bad path, text or option, before any model is loaded where it can be.
     """
-    path, _ = check_model_dir(model_dir)
+    from attnscale.inspect.sources import describe, load_checkpoint, resolve
+
+    source = resolve([model_dir], param="model_dir")[0]
+    if source.is_run:
+        raise ConfigError(f"model_dir {str(model_dir)!r} is a run folder of checkpoints; "
+                          "inspect it with inspect_paths.")
     seq_len = check_int("seq_len", seq_len, minimum=1)
     check_thresholds(saturated_weight, saturated_entropy)
     if whatif is not None:
         from attnscale.inspect.owner import parse_whatif
         parse_whatif(whatif)  # NAME or NAME(KEY=VALUE, ...), as the report spells it
     where = resolve_device(device)
-    model, tokenizer = load_model(path, dtype=dtype, device=where)
+    (ckpt,) = source.checkpoints
+    model, tokenizer = load_checkpoint(ckpt, dtype=dtype, device=where, param="model_dir")
     check_seq_len(model, seq_len)
     tokens = token_ids(tokenizer, text, seq_len, vocab_size=model.config.vocab_size, seed=seed)
-    return inspect_model(model, tokens.ids, init=init, seed=seed, whatif=whatif, block=block,
-                         saturated_weight=saturated_weight, saturated_entropy=saturated_entropy,
-                         meta=checkpoint_meta(path, tokens, name), show_progress=show_progress)
+    meta = {**checkpoint_meta(ckpt.path, tokens, name), **describe(ckpt)}
+    meta["name"] = name or ckpt.name
+    return inspect_lengths(model, tokens.ids, [seq_len], init=init, seed=seed, whatif=whatif,
+                           block=block, saturated_weight=saturated_weight,
+                           saturated_entropy=saturated_entropy, meta=meta,
+                           show_progress=show_progress, reinit_in_place=True)[0]
+
+
+def inspect_paths(paths, out: str | os.PathLike, *, lengths: Sequence[int] = (256,),
+                  text: str | None = None, init: bool = True, seed: int = 0,
+                  whatif: str | None = None, device: str | None = None, dtype: str = "auto",
+                  block: int = DEFAULT_BLOCK, name: str | None = None,
+                  saturated_weight: float = SATURATED_MAX_WEIGHT,
+                  saturated_entropy: float = SATURATED_ENTROPY_FRACTION, force: bool = False,
+                  show_progress: bool | None = None) -> list[dict]:
+    """Inspect every path (``save_pretrained`` folders, ``.gguf`` files, run folders of
+    ``checkpoint-N``) at every length in ``lengths`` (one text prefix) and write the report
+    folders, the comparison, trajectory and length pages under ``out``
+    (:mod:`attnscale.inspect.multi`); returns the payloads, model by model, checkpoint by
+    checkpoint (in step order), length by length.  A stopped call resumes: reports already
+    stored for the same request are not measured again."""
+    from attnscale.inspect.multi import inspect_paths as run
+    from attnscale.inspect.sources import resolve
+
+    sources = resolve(paths, param="paths")
+    lengths = check_lengths(lengths)
+    check_int("block", block, minimum=1)
+    check_seed(seed, param="seed")
+    check_thresholds(saturated_weight, saturated_entropy)
+    return run(sources, out, lengths=lengths, text=text, init=init, seed=seed, whatif=whatif,
+               block=block, dtype=dtype, device=resolve_device(device),
+               saturated_weight=saturated_weight, saturated_entropy=saturated_entropy,
+               name=name, force=force, show_progress=show_progress, param="out",
+               params={"text": "text", "seq_len": "lengths", "path": "paths"})
 
 
 def checkpoint_meta(path: os.PathLike, tokens: Tokens, name: str | None,
