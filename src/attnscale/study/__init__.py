@@ -10,8 +10,9 @@ and ``attnscale study NAME`` is its command line.
 * :mod:`~attnscale.study.fragment`: the study folder's report (``reproduce --include``);
 * :mod:`~attnscale.study.claims`, :mod:`~attnscale.study.seeds`: claims over seeds, one wording,
   and one seed aggregation;
-* :mod:`~attnscale.study.recall`, :mod:`~attnscale.study.lm`, :mod:`~attnscale.study.length`:
-  the studies attnscale ships, one file each (importing one registers it);
+* :mod:`~attnscale.study.recall`, :mod:`~attnscale.study.lm`, :mod:`~attnscale.study.length`,
+  :mod:`~attnscale.study.extend`: the studies attnscale ships, one file each (importing one
+  registers it);
 * :mod:`~attnscale.study.page`: the results page over their folders (``attnscale results``).
 
 A new study is one more file in this folder, imported below: importing it runs its
@@ -23,6 +24,6 @@ the same way from any module one imports.
 from attnscale import sweep  # noqa: F401  (registers the experiments the studies run)
 from attnscale.study.registry import STUDIES, get, register
 from attnscale.study.spec import Analysis, Option, Study, Trials
-from attnscale.study import recall, lm, length  # noqa: F401,E402  (registers the studies)
+from attnscale.study import recall, lm, length, extend  # noqa: F401,E402  (registers the studies)
 
 __all__ = ["STUDIES", "Analysis", "Option", "Study", "Trials", "get", "register"]

@@ -27,6 +27,8 @@ RECALL_PAIRS = 512
 LM_CONTEXT_FACTOR = 8
 # The folder of `attnscale inspect`'s report on a real pretrained checkpoint, linked when present.
 CHECKPOINTS = "checkpoints"
+# The folder of the extension study on a real checkpoint, linked when present.
+EXTENSION = "extension"
 # Held-out recall accuracy at which the page calls the task solved by a mechanism (every seed,
 # every d_k), so that the recall study's column compares speed alone.
 RECALL_SOLVED = 0.95
@@ -196,6 +198,13 @@ def _checkpoints(root: Path) -> list[str]:
             f"{s['saturated_heads']} of {s['heads']} heads {verb} saturated. The report measures "
             "each head against the same architecture freshly initialised and asks the essay's "
             "questions of it.", ""]
+
+
+def _extension(root: Path) -> list[str]:
+    """A link to the extension study of a real checkpoint (``attnscale study extension``) with
+    its claims, read from its store; nothing when the folder has none."""
+    from attnscale.study.extend import page_section
+    return page_section(root / EXTENSION)
 
 
 def _steps_text(row: dict | None) -> str:
@@ -377,7 +386,8 @@ def render(root: str | os.PathLike) -> str:
              "Measured by attnscale's studies, every number read from the stores in this folder "
              "by `attnscale results` (redraw any study with `attnscale study NAME --from NAME`). "
              "Numbers are the mean over seeds with the seed-to-seed [min, max].", "",
-             "## The studies", "", *_evidence(loaded), "", *_checkpoints(Path(root))]
+             "## The studies", "", *_evidence(loaded), "", *_checkpoints(Path(root)),
+             *_extension(Path(root))]
     answer = _answer(lm, length)
     if answer:
         lines += ["## The short answer", "", *answer, "",

@@ -10,3 +10,4 @@ from attnscale.experiments import saturation  # noqa: F401                      
 from attnscale.experiments.lm import trial as lm_trial  # noqa: F401            "lm"
 from attnscale.experiments.length import lm as lm_length  # noqa: F401,E402         "lm-length"
 from attnscale.experiments.length import recall as recall_length  # noqa: F401,E402 "recall-length"
+from attnscale.experiments import extend  # noqa: F401,E402                     "extend"

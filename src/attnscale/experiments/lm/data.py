@@ -160,6 +160,13 @@ def fingerprint(data: str | os.PathLike) -> dict:
     ``{"files", "bytes", "blake2b"}``, the hash over each file's relative name, size and
     contents in order.  Missing or empty data is a ConfigError naming ``data``."""
     root, files = user_files(data)
+    return files_fingerprint(root, files)
+
+
+def files_fingerprint(root: Path, files: list[Path]) -> dict:
+    """``{"files", "bytes", "blake2b"}`` of ``files`` under ``root``: the hash over each file's
+    name relative to ``root``, size and contents in order; computed once per process for the
+    same names, sizes and modification times."""
     key = _cache_key("fingerprint", root, files)
     if key not in _FINGERPRINTS:
         h = hashlib.blake2b(digest_size=16)
