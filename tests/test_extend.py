@@ -253,3 +253,23 @@ def test_bad_treatments_from_the_api():
         extend.parse_treatment("logn(cap=3)")
     assert extend.canonical_treatment("hf-yarn(attention_factor=12e-1)") == \
         "hf-yarn(attention_factor=1.2)"
+
+
+@pytest.mark.parametrize("text", ["native", "hf-yarn", "logn", "ssmax"])
+def test_the_long_forward_runs_on_the_causal_kernel_without_a_mask(saved, monkeypatch, text):
+    """Every attention call reaches SDPA with is_causal and no mask (no (N, N) tensor beyond the
+    one boolean causal view transformers asks for), with or without a mechanism."""
+    import attnscale.pipeline as pipeline
+    calls = []
+    sdpa = pipeline.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    model, _ = _loaded(saved)
+    extend.applied(model, extend.parse_treatment(text), 2.0, TRAIN_LEN)
+    monkeypatch.setattr(pipeline.F, "scaled_dot_product_attention", spy)
+    extend.position_losses(model, _ids(saved, 2 * TRAIN_LEN))
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(mask is None and causal for mask, causal in calls)
