@@ -127,31 +127,39 @@ def test_reinitialise_in_place_draws_the_fresh_models_weights(config):
         torch.testing.assert_close(mine[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_run_folder_gives_trajectories_in_step_order(models, tmp_path):
-    out = tmp_path / "run"
-    payloads = run([models["run"]], out)
-    assert [p["meta"]["step"] for p in payloads] == [4, 8, 12]
-    assert [p["meta"]["name"] for p in payloads] == [f"run checkpoint-{s}" for s in (4, 8, 12)]
+@pytest.fixture(scope="module")
+def inspected(models, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One inspection of a model, a windowed model and a run at two lengths."""
+    out = tmp_path_factory.mktemp("inspected") / "out"
+    return out, run([models["llama"], models["mistral"], models["run"]], out, lengths=(16, 32))
+
+
+def test_run_folder_gives_trajectories_in_step_order(inspected):
+    out, payloads = inspected
+    mine = [p for p in payloads if p["meta"].get("step") and p["meta"]["seq_len"] == 16]
+    assert [p["meta"]["step"] for p in mine] == [4, 8, 12]
+    assert [p["meta"]["name"] for p in mine] == [f"run checkpoint-{s}" for s in (4, 8, 12)]
     # the init (step 0) is measured once and is every checkpoint's
-    inits = [_stats(p) for p in payloads]
+    inits = [_stats(p) for p in mine]
     for stats in inits[1:]:
         for key in (f"init_{s}" for s in COMPARED):
             torch.testing.assert_close(stats[key], inits[0][key], rtol=0, atol=0,
                                        equal_nan=True)
     # the checkpoints differ: training moved the logits
-    assert not torch.equal(_stats(payloads[0])["logit_std"], _stats(payloads[-1])["logit_std"])
-    page = (out / multi.TRAJECTORY_MD).read_text(encoding="utf-8")
-    assert "steps 4, 8, 12" in page and (out / multi.TRAJECTORY_PNG).stat().st_size > 0
+    assert not torch.equal(_stats(mine[0])["logit_std"], _stats(mine[-1])["logit_std"])
+    page = (out / "run" / multi.TRAJECTORY_MD).read_text(encoding="utf-8")
+    assert "steps 4, 8, 12" in page and (out / "run" / multi.TRAJECTORY_PNG).stat().st_size > 0
     for step in (4, 8, 12):
-        assert load(out / f"checkpoint-{step}")["meta"]["step"] == step
+        assert load(out / "run" / f"checkpoint-{step}" / "n32")["meta"]["step"] == step
 
 
-def test_the_logit_std_growth_splits_into_its_factors(models, tmp_path):
+def test_the_logit_std_growth_splits_into_its_factors(inspected):
     """Per head, the factors' log-ratios over the run sum to the logit std's, to rounding."""
     from attnscale.inspect.trajectory import trajectory_rows
 
-    payloads = run([models["run"]], tmp_path / "run")
-    rows = trajectory_rows([(p["meta"]["step"], p) for p in payloads])
+    _, payloads = inspected
+    mine = [p for p in payloads if p["meta"].get("step") and p["meta"]["seq_len"] == 32]
+    rows = trajectory_rows([(p["meta"]["step"], p) for p in mine])
     last = [r for r in rows if r["step"] == 12]
     assert len(last) == 8
     growth = torch.tensor([r["log_growth"] for r in last], dtype=torch.float64)
@@ -161,28 +169,29 @@ def test_the_logit_std_growth_splits_into_its_factors(models, tmp_path):
     torch.testing.assert_close(parts, growth, rtol=1e-9, atol=1e-12)
 
 
-def test_models_side_by_side_and_lengths(models, tmp_path):
-    out = tmp_path / "both"
-    payloads = run([models["llama"], models["mistral"]], out, lengths=(16, 32, 64))
-    assert [(p["meta"]["name"], p["meta"]["seq_len"]) for p in payloads] == [
-        ("llama", 16), ("llama", 32), ("llama", 64),
-        ("mistral", 16), ("mistral", 32), ("mistral", 64)]
+def test_models_side_by_side_and_lengths(inspected):
+    out, payloads = inspected
+    assert [(p["meta"]["name"], p["meta"]["seq_len"]) for p in payloads[:4]] == [
+        ("llama", 16), ("llama", 32), ("mistral", 16), ("mistral", 32)]
     # the same text prefix at every length
-    ids = [p["meta"]["token_ids"][0] for p in payloads[:3]]
-    assert ids[0] == ids[2][:16] and ids[1] == ids[2][:32]
+    ids = [p["meta"]["token_ids"][0] for p in payloads[:2]]
+    assert ids[0] == ids[1][:16]
     compare = (out / multi.COMPARE_MD).read_text(encoding="utf-8")
     assert "| llama |" in compare and "| mistral |" in compare
+    assert "| run checkpoint-12 |" in compare  # a run by its last checkpoint
     lengths = (out / "mistral" / multi.LENGTHS_MD).read_text(encoding="utf-8")
-    assert "24" in lengths  # the window, past which the keys stop growing, is said
-    n64 = load(out / "mistral" / "n64")
-    assert {r["n_keys"] for r in n64["records"]} == {24}
+    assert "window 24" in lengths  # past the window the keys stop growing, and it is said
+    n32 = load(out / "mistral" / "n32")
+    assert {r["n_keys"] for r in n32["records"]} == {24}
     index = json.loads((out / multi.INDEX).read_text(encoding="utf-8"))
-    assert [e["folder"] for e in index["entries"]][:3] == ["llama/n16", "llama/n32", "llama/n64"]
+    assert [e["folder"] for e in index["entries"]][:3] == ["llama/n16", "llama/n32",
+                                                           "mistral/n16"]
 
 
-def test_redraw_and_resume(models, tmp_path, monkeypatch):
+def test_redraw_and_resume(models, inspected, tmp_path, monkeypatch):
+    import shutil
     out = tmp_path / "out"
-    run([models["llama"], models["gguf"]], out, lengths=(16, 32))
+    shutil.copytree(inspected[0], out)
     page = (out / multi.COMPARE_MD).read_bytes()
     report = (out / "llama" / "n16" / "report.md").read_bytes()
     (out / multi.COMPARE_MD).unlink()
@@ -195,10 +204,10 @@ def test_redraw_and_resume(models, tmp_path, monkeypatch):
         raise AssertionError("a stored report was measured again")
 
     monkeypatch.setattr(multi, "load_checkpoint", refuse)
-    again = run([models["llama"], models["gguf"]], out, lengths=(16, 32))
-    assert [p["meta"]["seq_len"] for p in again] == [16, 32, 16, 32]
+    again = run([models["llama"], models["mistral"], models["run"]], out, lengths=(16, 32))
+    assert again == json.loads(json.dumps(inspected[1]))  # as stored
     with pytest.raises(AssertionError, match="measured again"):  # another seed is a new request
-        run([models["llama"]], tmp_path / "out2", seed=1)
+        run([models["llama"], models["mistral"], models["run"]], out, lengths=(16, 32), seed=1)
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -208,13 +217,10 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     return code, err
 
 
-def test_cli_reads_a_gguf_and_a_run(models, tmp_path, capsys):
-    code, err = _cli(capsys, models["gguf"], models["run"], "--seq-len", 16, "--out",
-                     tmp_path / "o")
+def test_cli_reads_a_gguf(models, tmp_path, capsys):
+    code, err = _cli(capsys, models["gguf"], "--seq-len", 16, "--out", tmp_path / "o")
     assert code == 0, err
-    assert (tmp_path / "o" / "weights" / "report.md").is_file()
-    assert (tmp_path / "o" / "run" / multi.TRAJECTORY_MD).is_file()
-    assert (tmp_path / "o" / multi.COMPARE_MD).is_file()
+    assert load(tmp_path / "o")["meta"]["gguf"] == "weights.gguf"
 
 
 def _truncated(models, tmp_path) -> Path:
