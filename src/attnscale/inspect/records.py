@@ -181,11 +181,15 @@ def check_store(payload, where: str) -> dict:
         if row["head"] in heads.setdefault(row["layer"], set()):
             raise bad(f"records[{i}] repeats layer {row['layer']} head {row['head']}")
         heads[row["layer"]].add(row["head"])
-    for layer in range(len(heads)):  # layers 0..L-1, heads 0..h-1: what the figures index
-        if layer not in heads:
-            raise bad(f"records skip layer {layer} but hold layer {max(heads)}")
+    # layers 0..L-1 and heads 0..h-1: what the figures index, so none is sized by an index the
+    # records do not hold
+    missing = next((i for i in range(len(heads)) if i not in heads), None)
+    if missing is not None:
+        raise bad(f"records hold layer {max(heads)} but skip layer {missing}")
+    for layer in range(len(heads)):
         if max(heads[layer]) != len(heads[layer]) - 1:
-            raise bad(f"records of layer {layer} skip a head below head {max(heads[layer])}")
+            raise bad(f"records of layer {layer} hold head {max(heads[layer])} but skip a head "
+                      "below it")
     _check_kinds(payload["meta"], META_KINDS, "meta", bad)
     for i, row in enumerate(payload["layers"]):
         _check_kinds(row, LAYER_KINDS, f"layers[{i}]", bad)
