@@ -39,6 +39,9 @@ Public API
     ``(qualified name, class)`` of the attention layers of ``model`` that the table knows form
     their softmax themselves (GIT's text attention...): a swap or clip of the rest would be
     partial, so both are refused.
+``max_positions(config)``
+    The longest sequence a model can place: ``max_position_embeddings``, less the rows a family
+    that counts positions from ``pad_token_id + 1`` (RoBERTa, XLM-R) never uses.
 ``FAMILIES``, ``OWN_ATTENTION``
     The table itself (read-only mapping ``model_type -> Family``), and the classes of attention
     that bypasses the interface (``class name -> family``).
@@ -65,7 +68,7 @@ from attnscale.families.layouts import (
 )
 from attnscale.families.table import (
     FAMILIES, MASK_KINDS, OWN_ATTENTION, POSITION_BIASES, QK_NORM_KINDS, QK_NORM_OVER, Family,
-    QKNorm,
+    QKNorm, max_positions,
 )
 
 __all__ = ["FAMILIES", "INTERFACE_NAME", "MASK_KINDS", "OWN_ATTENTION", "POSITION_BIASES",
@@ -73,4 +76,4 @@ __all__ = ["FAMILIES", "INTERFACE_NAME", "MASK_KINDS", "OWN_ATTENTION", "POSITIO
            "QK_NORM_OVER", "ClipTarget", "Family", "Fused", "Heads", "Interleaved", "Latent",
            "LayerFacts", "Layout", "QKNorm", "Separate", "TemperatureTuning", "bypassing_layers",
            "facts",
-           "family_name", "family_of", "is_attention_layer"]
+           "family_name", "family_of", "is_attention_layer", "max_positions"]

@@ -76,6 +76,7 @@ class Family:
     # "differential" for DiffLlama (two calls on the same q and k, the outputs of head pairs
     # subtracted with a learned λ, Ye et al. 2024, arXiv 2410.05258).
     normaliser: str = "softmax"
+    positions_after: str | None = None   # config attribute p: learned positions count from p + 1
     own_attention: tuple[str, ...] = ()  # classes of its attention that bypass the interface
     refusal: str | None = None           # why set_mechanism and the clip cannot serve it
     clip_refusal: str | None = None      # why only QK-Clip cannot
@@ -190,7 +191,6 @@ _TABLE: dict[str, Family] = {
     **_rows(Family(Fused("head_dim", "qkv_proj", "num_attention_heads", "num_key_value_heads")),
             "phi3", "phi4_multimodal"),
     "glm5_next_vision": VISION_QKV.with_(qk_norm=PER_HEAD),
-    "bridgetower_text_model": BERT,
     # SeamlessM4T: BART-style text layers, and a conformer speech encoder whose layers name
     # their projections linear_q, linear_k, linear_v and their head size head_size.
     **_rows(LLAMA.with_(by_class={"SeamlessM4TConformerSelfAttention": Family(
@@ -241,12 +241,16 @@ _TABLE: dict[str, Family] = {
                           "temperature."),
     # Separate query / key / value, heads of attention_head_size rows: the BERT layout.
     **_rows(BERT,
-            "albert", "align_text_model", "altclip_text_model", "bert", "bert-generation",
-            "blip_2_qformer", "camembert", "chinese_clip_text_model", "clap_text_model",
-            "data2vec-text", "dpr", "electra", "ernie", "esm", "instructblip_qformer",
-            "instructblipvideo_qformer", "layoutlm", "layoutlmv3", "markuplm", "mobilebert",
-            "roberta", "roberta-prelayernorm", "roc_bert", "splinter", "xlm-roberta",
-            "xlm-roberta-xl", "xmod"),
+            "albert", "align_text_model", "bert", "bert-generation", "blip_2_qformer",
+            "chinese_clip_text_model", "dpr", "electra", "ernie", "instructblip_qformer",
+            "instructblipvideo_qformer", "layoutlm", "mobilebert", "roc_bert", "splinter"),
+    # ... counting learned positions from pad_token_id + 1 (RoBERTa's
+    # create_position_ids_from_input_ids, HF modeling_roberta.py), so the first pad_token_id + 1
+    # rows of the position table are never a position.
+    **_rows(BERT.with_(positions_after="pad_token_id"),
+            "altclip_text_model", "bridgetower_text_model", "camembert", "clap_text_model",
+            "data2vec-text", "esm", "layoutlmv3", "markuplm", "roberta", "roberta-prelayernorm",
+            "xlm-roberta", "xlm-roberta-xl", "xmod"),
     "distilbert": Family(Separate("attention_head_size", "q_lin", "k_lin", "v_lin")),
     "ctrl": Family(Separate("head_dim", "Wq", "Wk", "Wv")),
     "kosmos_2_5_vision_model": Family(Separate("head_dim", "query", "key", "value")),
@@ -290,3 +294,30 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(_TABLE)
 # holding one cannot have its temperature swapped or clipped whole.
 OWN_ATTENTION: Mapping[str, str] = MappingProxyType(
     {cls: family for family, row in _TABLE.items() for cls in row.own_attention})
+
+
+def text_config(config):
+    """The config of a model's language part: a composite's text sub-config
+    (``get_text_config``), else ``config`` itself."""
+    if callable(getattr(config, "get_text_config", None)):
+        try:
+            return config.get_text_config()
+        except ValueError:  # transformers cannot tell which sub-config is the text one
+            pass
+    return config
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model of ``config`` can place: ``max_position_embeddings`` of its
+    text config, less the rows its family never uses as positions (``positions_after``: RoBERTa
+    counts from pad_token_id + 1, so 514 rows hold 512 positions); None where the config sets
+    no limit."""
+    text = text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    row = _TABLE.get(getattr(text, "model_type", None) or "")
+    if row is not None and row.positions_after is not None:
+        start = getattr(text, row.positions_after, None)
+        limit -= (start if isinstance(start, int) else 0) + 1
+    return limit

@@ -26,11 +26,17 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """:func:`attention_layers`, or a ConfigError naming the family when there are none."""
     layers = attention_layers(model)
     if not layers:
-        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ConfigError(f"model family {family!r} does not route attention through "
-                          "transformers' AttentionInterface, so attnscale cannot run, observe or "
-                          "swap its temperature.")
+        raise unsupported(getattr(getattr(model, "config", None), "model_type",
+                                  type(model).__name__))
     return layers
+
+
+def unsupported(family: str, prefix: str = "") -> ConfigError:
+    """The error for a model family whose attention does not go through transformers'
+    AttentionInterface (``prefix`` before it: what was being done)."""
+    return ConfigError(f"{prefix}model family {family!r} does not route attention through "
+                       "transformers' AttentionInterface, so attnscale cannot run, observe or "
+                       "swap its temperature.")
 
 
 def swap_facts(layers: list[tuple[str, nn.Module]], name: str | None = None

@@ -8,6 +8,7 @@ Python, ``--text`` from the command line).
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from attnscale.errors import ConfigError, check_choice, check_int, check_int_list, parse_json
+from attnscale import families
+from attnscale.errors import (ConfigError, check_choice, check_int, check_int_list, parse_json,
+                              spelled)
 from attnscale.rng import rng
 from attnscale.workers import check_device
 
@@ -32,6 +35,14 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 # with CPython (lib/python3.X/LICENSE.txt); the standard library's .py files (the LM corpus,
 # attnscale.experiments.lm.data) follow where it is too short or missing.
 LICENSE_FILE = "LICENSE.txt"
+# The largest seed: torch.Generator.manual_seed takes an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
+# Characters of text tokenised at first per token wanted (English prose runs about 4 characters
+# a token); the prefix grows 4-fold until it gives enough tokens.
+CHARS_PER_TOKEN = 8
+# Tokens a text prefix must give beyond those kept, so that its cut end (a word split in a
+# script without spaces, the special tokens a tokenizer appends) never reaches a kept token.
+PREFIX_SLACK_TOKENS = 16
 
 
 def check_model_dir(model_dir: str | os.PathLike, param: str = "model_dir") -> tuple[Path, dict]:
@@ -116,13 +127,16 @@ class Tokens:
 def token_ids(tokenizer, text: str | None, seq_len: int, *, vocab_size: int, seed: int = 0,
               text_param: str = "text", seq_len_param: str = "seq_len") -> Tokens:
     """The first ``seq_len`` tokens of ``text`` (the default text when None), or ``seq_len``
-    seeded random ids when there is no tokenizer.
+    seeded random ids when there is no tokenizer.  Only as much of the text is tokenised as
+    those tokens need (:func:`encode_prefix`).
 
     Raises:
-        ConfigError: an empty text, a text that gives fewer than ``seq_len`` tokens, or a text
-            given to a model folder without a tokenizer.
+        ConfigError: an empty text, a text that gives fewer than ``seq_len`` tokens or unknown
+            tokens only, a text given to a model folder without a tokenizer, a tokenizer that
+            gives an id of ``vocab_size`` or more (it is not the model's), a bad seed.
     """
     seq_len = check_int(seq_len_param, seq_len, minimum=1)
+    seed = check_seed(seed)
     if text is not None and not text.strip():
         raise ConfigError(f"{text_param} is empty.")
     if tokenizer is None:
@@ -133,23 +147,75 @@ def token_ids(tokenizer, text: str | None, seq_len: int, *, vocab_size: int, see
         return Tokens(ids, f"{seq_len} random token ids (seed {seed}; the model folder has no "
                            "tokenizer)", "random")
     if text is not None:
-        ids = _encode(tokenizer, text)
+        ids = encode_prefix(tokenizer, text, seq_len)
         if ids.shape[1] < seq_len:
             raise ConfigError(f"{text_param} gives {ids.shape[1]} tokens, fewer than "
                               f"{seq_len_param} {seq_len}; pass a longer text or a smaller "
                               f"{seq_len_param}.")
-        return Tokens(ids[:, :seq_len], f"the given text (first {seq_len} tokens)", "text")
-    chars = 8 * seq_len
+        _check_ids(tokenizer, ids, vocab_size, text_param)
+        return Tokens(ids, f"the given text (first {seq_len} tokens)", "text")
+    chars = CHARS_PER_TOKEN * (seq_len + PREFIX_SLACK_TOKENS)
     while True:  # the default text, read as far as the tokens need
         body, source = default_text(chars)
-        ids = _encode(tokenizer, body)
+        ids = encode_prefix(tokenizer, body, seq_len)
         if ids.shape[1] >= seq_len or len(body) < chars:
             break
         chars *= 4
     if ids.shape[1] < seq_len:
         raise ConfigError(f"the default text gives only {ids.shape[1]} tokens, fewer than "
                           f"{seq_len_param} {seq_len}; pass a longer text.")
-    return Tokens(ids[:, :seq_len], f"{source} (first {seq_len} tokens)", "default")
+    _check_ids(tokenizer, ids, vocab_size, "the default text")
+    return Tokens(ids, f"{source} (first {seq_len} tokens)", "default")
+
+
+def encode_prefix(tokenizer, text: str, n_tokens: int) -> Tensor:
+    """(1, n) int64 ids of the first ``n_tokens`` tokens of ``text`` (all of them, n < n_tokens,
+    when it gives fewer), tokenising only a prefix of it.
+
+    The prefix starts at :data:`CHARS_PER_TOKEN` characters a token and grows 4-fold (the work
+    is then at most 4/3 of the last prefix's); it ends before a whitespace where there is one in
+    its second half, so that no word is cut, and it is used once it gives
+    :data:`PREFIX_SLACK_TOKENS` more tokens than kept: the tokens kept are those of the whole
+    text.  A text shorter than the prefix is tokenised whole."""
+    chars = CHARS_PER_TOKEN * (n_tokens + PREFIX_SLACK_TOKENS)
+    while chars < len(text):
+        cut = _word_end(text, chars)
+        ids = _encode(tokenizer, text[:cut])
+        if ids.shape[1] >= n_tokens + PREFIX_SLACK_TOKENS:
+            return ids[:, :n_tokens]
+        chars *= 4
+    return _encode(tokenizer, text)[:, :n_tokens]
+
+
+def _word_end(text: str, chars: int) -> int:
+    """Where to cut ``text`` near ``chars``: at the last whitespace of ``text[chars // 2:
+    chars + 1]`` (the prefix then ends with a whole word), else at ``chars``."""
+    for i in range(chars, chars // 2, -1):
+        if text[i].isspace():
+            return i
+    return chars
+
+
+def _check_ids(tokenizer, ids: Tensor, vocab_size: int, what: str) -> None:
+    """Refuse token ids the model cannot read, an id beyond its ``vocab_size`` embeddings (the
+    embedding lookup would fail on it): the tokenizer is not the model's."""
+    top = int(ids.max())
+    if top >= int(vocab_size):
+        piece = tokenizer.convert_ids_to_tokens(top)
+        raise ConfigError(f"the tokenizer gives token id {top} ({piece!r}) for {what}, beyond the "
+                          f"model's {int(vocab_size)} token ids (vocab_size): the tokenizer and "
+                          "the weights are not of one model.")
+
+
+def check_seed(seed: object, param: str | None = None) -> int:
+    """``seed`` as an integer in [0, :data:`MAX_SEED`] (``param``: its name in messages; by
+    default ``--seed`` on the command line, ``seed`` from Python)."""
+    param = param or spelled("--seed", "seed")
+    seed = check_int(param, seed, minimum=0)
+    if seed > MAX_SEED:
+        raise ConfigError(f"{param} must be at most 2**64 - 1 = {MAX_SEED} (torch's generators "
+                          f"take a 64-bit seed), got {seed}.")
+    return seed
 
 
 def _encode(tokenizer, text: str) -> Tensor:
@@ -177,7 +243,14 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
     (dequantised; the tokenizer comes from the file).  ``auto_class``: the transformers Auto class
     to build (``"AutoModelForCausalLM"`` for a language-model head).  ``device_map``: passed to
     ``from_pretrained`` (``"auto"`` places the layers with accelerate); ``device`` is then not
-    applied."""
+    applied.
+
+    Raises:
+        ConfigError: naming ``param`` and the folder: weights that cannot be read whole, a
+            tensor they do not supply or supply in another shape (:func:`attnscale.hf.
+            from_pretrained`), a family that cannot run on attnscale, a model that does not
+            read token ids (:func:`check_inspectable`), a tokenizer that cannot be built.
+    """
     transformers = _transformers()
     from safetensors import SafetensorError
 
@@ -191,7 +264,7 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
         extra = {} if gguf_file is None else {"gguf_file": gguf_file}
         if device_map is not None:
             extra["device_map"] = device_map
-        model = hf.from_pretrained(getattr(transformers, auto_class), model_dir,
+        model = hf.from_pretrained(getattr(transformers, auto_class), model_dir, param=param,
                                    local_files_only=True, **extra,
                                    dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     except ConfigError:
@@ -199,13 +272,27 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: torch.device | N
     except (ValueError, KeyError, OSError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load {param} {str(model_dir)!r}: {first}") from None
+    check_inspectable(model, f"{param} {str(model_dir)!r}")
     tokenizer = None
-    if gguf_file is not None:
-        if gguf_has_tokenizer(Path(model_dir) / gguf_file):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(
-                model_dir, gguf_file=gguf_file, local_files_only=True)
-    elif any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        if gguf_file is not None:
+            if gguf_has_tokenizer(Path(model_dir) / gguf_file):
+                tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    model_dir, gguf_file=gguf_file, local_files_only=True)
+        elif any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir,
+                                                                   local_files_only=True)
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure to build it from the folder's files
+        raise ConfigError(f"cannot build the tokenizer of {param} {str(model_dir)!r}"
+                          f"{_tokenizer_class(Path(model_dir))}: {_first_line(err)}") from None
+    if tokenizer is not None and len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        # transformers builds a class named in tokenizer_config.json without its vocabulary file
+        raise ConfigError(f"the tokenizer of {param} {str(model_dir)!r}"
+                          f"{_tokenizer_class(Path(model_dir))} holds special tokens only: it was "
+                          "built without its vocabulary (that class's vocabulary file is not in "
+                          "the folder).")
     if device_map is None:
         model = model.to(device or "cpu")
     return model.eval(), tokenizer
@@ -234,6 +321,95 @@ def fresh_model(model: nn.Module, seed: int) -> nn.Module:
     return fresh.eval()
 
 
+def _tokenizer_class(folder: Path) -> str:
+    """`` (tokenizer_class X in tokenizer_config.json)`` where the folder names one, else ''."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ""
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    return f" (tokenizer_class {name!r} in tokenizer_config.json)" if name else ""
+
+
+def _first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type's name."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()),
+                type(err).__name__)
+
+
+def check_inspectable(model: nn.Module, what: str = "model") -> None:
+    """Refuse a model inspect cannot measure, before its first pass: one whose attention does
+    not run on ``attn_implementation="attnscale"`` (its own or any attention layer's config;
+    attnscale observes nothing else), or one that does not read token ids alone (a vision or
+    audio model; a model that pairs images with texts, such as CLIP, SigLIP).  ``what``: the
+    model as messages name it.  Nothing of the model is changed."""
+    from attnscale import hf
+
+    hf.register()  # so that a fresh model of the same architecture can be built on it
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None) or type(model).__name__
+    configs = [config] + [getattr(m, "config", None) for m in model.modules()
+                          if families.is_attention_layer(m)]
+    running = next((c._attn_implementation for c in configs if c is not None and getattr(
+        c, "_attn_implementation", hf.ATTN_IMPLEMENTATION) != hf.ATTN_IMPLEMENTATION), None)
+    if running is not None:
+        raise ConfigError(
+            f"{what} runs attn_implementation={running!r}, but inspect observes attention on "
+            f"{hf.ATTN_IMPLEMENTATION!r} only: load it with attnscale.hf.from_pretrained("
+            "AutoModel, path), or call model.set_attn_implementation('attnscale') after "
+            "attnscale.hf.register().")
+    reads = getattr(model, "main_input_name", "input_ids")
+    if reads != "input_ids":
+        raise ConfigError(f"{what}: model family {family!r} reads {reads} (it is not a text "
+                          "model), and inspect measures a model on token ids.")
+    if _pairs_modalities(config):
+        raise ConfigError(f"{what}: model family {family!r} pairs images with texts (its forward "
+                          "needs pixel values beside the token ids), and inspect measures a "
+                          "model on token ids alone; inspect its text tower saved on its own.")
+    vocab_size(model, what)
+
+
+def _pairs_modalities(config) -> bool:
+    """Whether transformers lists the model of ``config`` as one that scores images against
+    texts (its zero-shot image classification and object detection models: CLIP, SigLIP,
+    ALIGN, OWL-ViT...), whose forward needs both."""
+    import transformers
+
+    return any(type(config) in mapping for mapping in (
+        transformers.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING,
+        transformers.MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING))
+
+
+def vocab_size(model: nn.Module, what: str = "model") -> int:
+    """The number of token ids ``model`` reads: the rows of its input embeddings."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError(f"{what}: model family {family!r} has no token embeddings to read "
+                          "token ids with, and inspect measures a model on token ids.")
+    return int(weight.shape[0])
+
+
+def check_input_ids(model: nn.Module, input_ids: object, param: str = "input_ids") -> Tensor:
+    """``input_ids`` as a (B, N) integer tensor of ids ``model`` reads (each in [0,
+    :func:`vocab_size`)), B, N >= 1."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+            or input_ids.is_complex() or input_ids.dtype == torch.bool or 0 in input_ids.shape:
+        shown = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
+        raise ConfigError(f"{param} must be a (batch, tokens) integer tensor of token ids, got "
+                          f"{getattr(input_ids, 'dtype', '')} {shown}.")
+    rows = vocab_size(model)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= rows:
+        raise ConfigError(f"{param} holds token id {low if low < 0 else high}, outside the "
+                          f"model's {rows} token ids [0, {rows - 1}].")
+    return input_ids
+
+
 def model_inputs(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
     """The keyword arguments of one forward pass on ``ids``: encoder-decoders read the same
     tokens on both sides."""
@@ -244,11 +420,18 @@ def model_inputs(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
 
 
 def check_seq_len(model: nn.Module, seq_len: int, param: str = "seq_len") -> None:
-    """``seq_len`` must fit the model's position table (learned positions index past it)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_len > limit:
+    """``seq_len`` must fit the model's position table (learned positions index past it), as
+    much of it as its family uses (:func:`attnscale.families.max_positions`)."""
+    from attnscale.families.table import text_config
+
+    limit = families.max_positions(model.config)
+    if limit is not None and seq_len > limit:
+        text = text_config(model.config)
+        unused = text.max_position_embeddings - limit
+        why = "" if not unused else (f", less the first {unused} rows, which {text.model_type} "
+                                     "never uses as positions")
         raise ConfigError(f"{param} {seq_len} exceeds the model's maximum of {limit} positions "
-                          "(max_position_embeddings in config.json).")
+                          f"(max_position_embeddings in config.json{why}).")
 
 
 def _transformers():
