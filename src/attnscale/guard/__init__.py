@@ -11,8 +11,10 @@ TemperatureCallback`) are thin layers over :func:`guard`.
 from __future__ import annotations
 
 from attnscale.guard.clip import ClipSite, clip_sites
-from attnscale.guard.core import Guard, GuardAlarm, guard, layer_rows, to_frame, worst
+from attnscale.guard.core import (
+    Guard, GuardAlarm, guard, layer_rows, strict_rtol, to_frame, worst,
+)
 from attnscale.guard.log import ALARMS, GUARD_KEYS, read_log
 
 __all__ = ["ALARMS", "GUARD_KEYS", "ClipSite", "Guard", "GuardAlarm", "clip_sites", "guard",
-           "layer_rows", "read_log", "to_frame", "worst"]
+           "layer_rows", "read_log", "strict_rtol", "to_frame", "worst"]

@@ -90,12 +90,14 @@ class ClipSite:
     shared: bool = False
     where: str = "W_Q, W_K"  # what is rescaled, for the docs and records
 
-    def factors(self, s_max: Tensor, tau: float) -> tuple[Tensor, Tensor]:
-        """(η per query head (H,), η per key head (Hk,)), float64: the group rule above."""
+    def factors(self, s_max: Tensor, tau: float, rtol: float = 0.0) -> tuple[Tensor, Tensor]:
+        """(η per query head (H,), η per key head (Hk,)), float64: the group rule above.  A group
+        is over τ when its largest S exceeds τ · (1 + ``rtol``) (strict mode's rounding
+        tolerance, :func:`attnscale.guard.core.strict_rtol`; 0 in K2's mode)."""
         groups = self.n_heads // self.n_kv_heads
         peak = s_max.view(self.n_kv_heads, groups).amax(dim=1)  # (Hk,) the group's largest S
         # NaN and -inf (a head never observed) are not over τ.
-        eta = torch.where(peak > tau, tau / peak, torch.ones_like(peak))
+        eta = torch.where(peak > tau * (1.0 + rtol), tau / peak, torch.ones_like(peak))
         if self.shared:
             eta = eta.amin().expand(self.n_kv_heads)
         return eta.repeat_interleave(groups), eta

@@ -86,16 +86,29 @@ watch beside it.  Two modes:
   it).
 * strict (``strict=True``): the guard keeps each training forward pass of the step (the module it
   entered and its inputs, by reference, with the autocast it ran under); after the step it runs
-  them again in ``eval()`` under ``torch.no_grad()``, measures S_max on the stepped weights, then
-  clips: the largest logit on those batches is at most τ after every step.  One extra forward per
-  step, no RNG drawn (eval mode: no dropout).  A forward pass entered on an activation of the
-  step (a tensor with a ``grad_fn``: ``training_step`` feeding one submodule's output to another)
-  cannot be run again on the stepped weights and is refused.
+  them again in ``eval()`` under ``torch.no_grad()`` (no RNG drawn: no dropout; no KV cache built)
+  and clips *during* that walk, layer by layer: when attention layer l has run on its actual
+  inputs (the layers below it already clipped), its S_max on the stepped weights gives its
+  factors, and a clipped layer runs once more on the same inputs with the clipped weights, so the
+  layers above it see what the clipped model computes; that second run measures the layer's peak
+  after the clip (:attr:`Guard.strict_peaks`).  One walk suffices when the step made one forward
+  pass that called each attention layer once: the largest logit on that batch is then at most
+  τ · (1 + :func:`strict_rtol`) after every step, for one extra forward plus a second run of the
+  clipped attention layers alone.  Where a later clip can change what an earlier measurement saw
+  (several forward passes in the step, as gradient accumulation makes; a layer called twice; a
+  KV cache handed to the layers, which cannot be run twice), the walk is repeated until one
+  leaves nothing out of date, at most once per layer plus one (layer l's inputs stop changing
+  once the layers below it are settled); :attr:`Guard.strict_passes` counts them.  "Over τ" is
+  taken to the rounding tolerance of :func:`strict_rtol`, so a head clipped to τ that re-reads a
+  rounding above it is not clipped again.  A forward pass entered on an activation of the step (a
+  tensor with a ``grad_fn``: ``training_step`` feeding one submodule's output to another) cannot
+  be run again on the stepped weights and is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -116,7 +129,9 @@ from attnscale.guard.log import (
 )
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats
-from attnscale.measure.monitor.observer import Call, Totals, Watch, module_names, recomputing
+from attnscale.measure.monitor.observer import (
+    Call, Totals, Watch, _eager, module_names, recomputing,
+)
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
 
@@ -132,6 +147,18 @@ named("logit_max", "entropy_mean", "logit_std")
 # and Guard.records carry every statistic of GUARD_KEYS).
 WRITER_KEYS = (*named("logit_max", "entropy_min", "entropy_mean", "max_weight_mean"),
                "logit_std_ratio")
+# Strict mode's rounding tolerance on "over τ" (strict_rtol), relative, in two parts.  A head
+# clipped to exactly τ is measured again from weights rounded after the multiply (each element
+# within half an epsilon of η^α W), q = W x summed again in float32 over the model's width, and
+# q·k summed again, so its largest logit reads τ give or take a few roundings, above as often as
+# below.  (1) float32 accumulation, whatever the dtype of q and k: 2^-16 = 128 float32 epsilons.
+# Measured on random HF Llamas under AdamW, the worst excess over τ of a clipped head grows with
+# the width like its square root: 3 ε at width 256, 7 at 576, 11 at 1024 (SmolLM2-135M, width
+# 576: README's guard section); 128 ε covers widths of about 10^5 by that trend.
+STRICT_RTOL_FLOAT32 = 2.0**-16
+# (2) q and k rounded to a half dtype (autocast, a bfloat16 model): 4 of its epsilons (measured
+# worst 1.3 bfloat16 epsilons on the same Llamas under a bfloat16 autocast).
+STRICT_EPS = 4
 # The per-layer scalars of Guard.latest, each with the way two steps' values combine into the
 # worse of them (worst()): the largest logit and spread, the lowest entropy, the largest drift.
 LATEST_KEYS = {"logit_max": max, "logit_max_spread": max, "entropy_mean_min": min,
@@ -257,6 +284,16 @@ class Guard:
         self._restored = False                       # references back from a log or a state
         self._last_step: int | None = self.resume
         self._batches: list[tuple] = []  # this step's training forwards (strict mode)
+        # Strict mode's walk (_remeasure, _walked): the layers done in this walk, whether a clip
+        # left an earlier measurement of it out of date, whether a clipped layer runs again now,
+        # and each layer's epsilon (the machine epsilon of its q and k).
+        self._done: set[str] = set()
+        self._stale = False
+        self._rerun = False
+        self._eps: dict[str, float] = {}
+        self.strict_passes = 0  # walks the last strict clip took
+        # per layer, each head's largest logit on the step's batches after the last strict clip
+        self.strict_peaks: dict[str, Tensor] = {}
         # The monitor's watch, selecting the training forward passes (see _entered, _counts).
         self._watch = Watch(model, self._observe, selects=self._entered, counts=self._counts,
                             ended=self._ended)
@@ -274,6 +311,11 @@ class Guard:
             self._watch.__enter__()
             if self.qk_clip is not None and self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+            if self.strict:
+                # After the watch's own hooks; a no-op outside the strict walk.
+                for name, module in self._site_modules.items():
+                    self._handles.append(module.register_forward_hook(
+                        _eager(functools.partial(self._walked, name)), with_kwargs=True))
             if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
                 # A model built with the qk-clip mechanism clips itself after every step, from
                 # its own S_max; the guard installs that clip (qk_clip.install) and records.
@@ -426,6 +468,10 @@ class Guard:
         statistics give S_max too (their logit_max), so they are scored once."""
         record = self._recording and not self._remeasuring
         track = self._tracking() and call.layer in self.sites
+        if track and self._remeasuring:
+            z = call.q if call.q is not None else call.logits
+            eps = torch.finfo(z.dtype).eps if z.is_floating_point() else 0.0
+            self._eps[call.layer] = max(self._eps.get(call.layer, 0.0), eps)
         if track and not (record and call.peaks_in_statistics):
             peaks = call.peak_logits()
             if peaks is not None:
@@ -460,41 +506,99 @@ class Guard:
 
     # -- the clip ----------------------------------------------------------------------------
     def _after_step(self, *_) -> None:
-        """After ``optimizer.step()``: the clip; in strict mode measured on the stepped weights.
-
-        Strict mode measures and clips again until no head is over τ: clipping layer l changes
-        what reaches the layers above it, so one pass bounds layer 0 only.  Layer l's inputs stop
-        changing once the layers below it are bounded, so at most one pass per layer is needed
-        (usually one or two in all)."""
+        """After ``optimizer.step()``: the clip; in strict mode measured on the stepped weights."""
         self._last_clip.clear()
         if not self.strict:
             self._clip()
         else:
+            self.strict_passes = 0
+            # Layer l's inputs stop changing once the layers below it are settled: at most one
+            # walk per layer, plus the one that finds nothing out of date.
             for _ in range(len(self.sites) + 1):
-                self._remeasure()
-                if not self._clip():
+                self.strict_passes += 1
+                if not self._remeasure():
                     break
         self._s_max.clear()
         self._batches.clear()
 
     @torch.no_grad()
-    def _remeasure(self) -> None:
-        """Run the step's training forward passes again in eval mode (every module's own mode
-        put back after), each under the autocast it ran under."""
+    def _remeasure(self) -> bool:
+        """One strict walk: run the step's training forward passes again in eval mode (every
+        module's own mode put back after), each under the autocast it ran under, without a KV
+        cache, clipping each attention layer as it finishes (:meth:`_walked`).  Whether a clip
+        left an earlier measurement of this walk out of date (another walk is needed)."""
         self._s_max.clear()
+        self._done.clear()
+        self._stale = False
+        self.strict_peaks = {}
         modes = [(m, m.training) for m in self.model.modules()]
+        # Hugging Face models build a KV cache from config.use_cache even in a training forward;
+        # a layer run twice would append its keys twice.  Off for the walk, put back after.
+        configs = {id(m.config): m.config for m in self.model.modules()
+                   if isinstance(getattr(getattr(m, "config", None), "use_cache", None), bool)}
+        caching = [(c, c.use_cache) for c in configs.values()]
         self._remeasuring = True
         try:
             self.model.eval()
+            for c, _ in caching:
+                c.use_cache = False
             for module, args, kwargs, autocast in self._batches:
+                if kwargs.get("use_cache") is True:
+                    kwargs = {**kwargs, "use_cache": False}
                 with contextlib.ExitStack() as stack:
                     for device, enabled, dtype in autocast:
-                        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                        # No cast cache: a layer clipped in place must be cast again for its
+                        # second run, not served the copy of its weights from before the clip.
+                        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                           cache_enabled=False))
                     module(*args, **kwargs)
         finally:
             self._remeasuring = False
+            for c, use in caching:
+                c.use_cache = use
             for m, mode in modes:
                 m.training = mode
+        return self._stale
+
+    def _walked(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output):
+        """Strict walk, forward hook of attention layer ``name``: it has just run on its actual
+        inputs.  Its factors come from the peaks this call measured (all-reduced with MAX, so
+        every rank clips alike); a clipped layer runs again on the same inputs with the clipped
+        weights, whose output replaces the first run's, and whose peaks are the layer's after the
+        clip.  A layer that already ran in this walk (its earlier output is now out of date), or
+        whose call holds a KV cache (which a second run would extend), is clipped without the
+        second run and marks the walk out of date."""
+        if not self._remeasuring or self._rerun:
+            return None
+        site = self.sites[name]
+        unseen = torch.full((site.n_heads,), -math.inf, dtype=torch.float64)
+        s = _all_reduce(self._s_max.pop(name, unseen), "max")
+        eta_q, eta_k = site.factors(s, self.qk_clip, strict_rtol(self._eps.get(name, 0.0)))
+        if name in self._last_clip:  # the walk's later measurements: S on the stepped weights
+            first_s, gamma = self._last_clip[name]
+            self._last_clip[name] = (torch.maximum(first_s, s / gamma), gamma * eta_q)
+        else:
+            self._last_clip[name] = (s, eta_q)
+        again = name in self._done
+        self._done.add(name)
+        if not bool((eta_q < 1).any()):
+            self._peak_after(name, s)
+            return None
+        site.apply(eta_q, eta_k, self.alpha)
+        if again or _holds_cache(kwargs):
+            self._stale = True
+            return None
+        self._rerun = True
+        try:
+            output = module(*args, **kwargs)
+        finally:
+            self._rerun = False
+        self._peak_after(name, _all_reduce(self._s_max.pop(name, unseen), "max"))
+        return output
+
+    def _peak_after(self, name: str, peaks: Tensor) -> None:
+        old = self.strict_peaks.get(name)
+        self.strict_peaks[name] = peaks if old is None else torch.maximum(old, peaks)
 
     def _clip(self) -> bool:
         """One all-reduced S_max vector for every layer, then each layer's factors; whether any
@@ -714,7 +818,8 @@ def guard(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, e
         writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar``).
         qk_clip: τ of QK-Clip (K2: 100), or None for no clip; finite and > 0.
         alpha: the query side's share of the factor, in [0, 1] (K2: 0.5).
-        strict: re-measure after each step, then clip (see the module doc).
+        strict: after each step, run the step's forward passes again and clip layer by layer
+            on the stepped weights, to τ within :func:`strict_rtol` (see the module doc).
         alarm_logit, alarm_entropy_floor, alarm_entropy_fraction: alarm thresholds (None: off).
         on_alarm: ``"warn"``, ``"raise"``, ``"stop"`` or a callable given the alarm dict.
         block: queries per statistics block (the monitor's).
@@ -816,6 +921,25 @@ def _tensors(args: tuple, kwargs: dict):
             yield from (v for v in value if isinstance(v, Tensor))
         elif isinstance(value, dict):
             yield from (v for v in value.values() if isinstance(v, Tensor))
+
+
+def strict_rtol(eps: float) -> float:
+    """Strict mode's relative tolerance on "over τ" for a layer whose q and k reach its attention
+    in a dtype of machine epsilon ``eps`` (:data:`STRICT_RTOL_FLOAT32` + :data:`STRICT_EPS` ·
+    ``eps``; float32: 1.6e-5, a bfloat16 autocast: 3.1e-2).  A head counts as over τ when its
+    largest logit exceeds τ · (1 + strict_rtol), and the strict bound holds to the same
+    tolerance."""
+    return STRICT_RTOL_FLOAT32 + STRICT_EPS * eps
+
+
+# The keyword arguments under which Hugging Face attention layers receive their KV cache.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _holds_cache(kwargs: dict) -> bool:
+    """Whether an attention layer's call was handed a KV cache (which running it twice would
+    extend twice)."""
+    return any(kwargs.get(key) is not None for key in _CACHE_KWARGS)
 
 
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
