@@ -40,7 +40,7 @@ def _check_inputs(args) -> tuple[list | None, str | None]:
     and the text (None: the default), or (None, None) for --from."""
     from attnscale.errors import parse_int_list
     from attnscale.inspect.inputs import read_text
-    from attnscale.inspect.records import check_thresholds
+    from attnscale.inspect.records import check_judged_length, check_thresholds
     from attnscale.inspect.sources import resolve
 
     if args.from_dir is not None:
@@ -66,6 +66,9 @@ def _check_inputs(args) -> tuple[list | None, str | None]:
     check_int("--seed", args.seed, minimum=0)
     check_thresholds(args.saturated_weight, args.saturated_entropy,
                      weight_param="--saturated-weight", entropy_param="--saturated-entropy")
+    for n in args.lengths:  # a length where every head is saturated by construction
+        check_judged_length(n, args.saturated_weight,
+                            param="--seq-len" if args.seq_len is not None else "--lengths")
     text = None if args.text is None else read_text(args.text, param="--text")
     if args.mechanism is not None:  # canonical: the spelling the report prints
         from attnscale.inspect.owner import parse_whatif, whatif_text
