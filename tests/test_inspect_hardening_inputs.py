@@ -272,6 +272,24 @@ def test_a_model_without_token_ids_is_refused_in_one_line(cli, tmp_path, name, f
     one_line(raised)
 
 
+def test_a_composite_without_a_top_level_vocab_size_reads_its_embeddings(cli, tmp_path):
+    """Gemma 3 with its vision tower keeps vocab_size on its text sub-config only: the token
+    ids it reads are its input embeddings' rows."""
+    config = transformers.Gemma3Config(
+        text_config=dict(COMMON, num_key_value_heads=2, head_dim=8, sliding_window=8),
+        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=16, patch_size=8),
+        mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    folder = save(transformers.Gemma3Model(config), tmp_path / "gemma3")
+    assert not hasattr(transformers.AutoConfig.from_pretrained(folder), "vocab_size")
+    code, out, err = cli("inspect", str(folder), "--seq-len", "8", "--no-init", "--out",
+                         str(tmp_path / "out"))
+    assert code == 0, err
+    stored = json.loads((tmp_path / "out" / "records.json").read_text())
+    assert max(max(row) for row in stored["meta"]["token_ids"]) < VOCAB
+
+
 # ---------------------------------------------------------------------------------------------
 # tokenizers that are not the model's
 
@@ -384,6 +402,9 @@ def test_xlm_roberta_one_position_short_is_refused_on_the_command_line(cli, tmp_
 
 def test_a_seed_beyond_64_bits_is_one_line(cli, llama, tmp_path):
     refused(cli, tmp_path, llama, "--seed", str(MAX_SEED + 1), fragment="--seed must be at most")
+    code, out, err = cli("monitor", str(llama), "--seed", str(MAX_SEED + 1), "--out",
+                         str(tmp_path / "monitor"))
+    assert code == 2 and err.count("\n") == 1 and "--seed must be at most" in err, err
     torch.manual_seed(0)
     model = transformers.LlamaModel._from_config(llama_config(), attn_implementation="attnscale")
     with pytest.raises(ConfigError, match=r"^seed must be at most 2\*\*64 - 1") as raised:

@@ -13,8 +13,8 @@ from pathlib import Path
 from attnscale.columns import RECORD_STATS
 from attnscale.cli._common import add_command, add_output, format_table
 from attnscale.errors import ConfigError, check_int
-from attnscale.inspect.inputs import (TOKENIZER_FILES, check_model_dir, check_seq_len,
-                                      read_text)
+from attnscale.inspect.inputs import (TOKENIZER_FILES, check_model_dir, check_seed,
+                                      check_seq_len, encode_prefix, read_text, vocab_size)
 from attnscale.io import staged_dir
 from attnscale.mechanisms import check_mechanism
 from attnscale.rng import rng
@@ -36,7 +36,7 @@ def _check_inputs(args) -> tuple[Path, dict, str | None]:
     model_dir, config = check_model_dir(args.model_dir, param="MODEL_DIR")
     check_int("--seq-len", args.seq_len, minimum=1)
     check_int("--block", args.block, minimum=1)
-    check_int("--seed", args.seed, minimum=0)
+    check_seed(args.seed, "--seed")
     text = None if args.text is None else read_text(args.text, param="--text")
     if args.mechanism is not None:
         check_mechanism(args.mechanism, param="--mechanism")
@@ -61,7 +61,8 @@ def _load(model_dir: Path, mechanism: str | None):
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:  # with the mechanism it was saved with, if hf.set_mechanism swapped one in
-        model = hf.from_pretrained(transformers.AutoModel, model_dir, local_files_only=True)
+        model = hf.from_pretrained(transformers.AutoModel, model_dir, param="MODEL_DIR",
+                                   local_files_only=True)
     except ConfigError:
         raise
     except (ValueError, KeyError, OSError, SafetensorError) as err:
@@ -82,7 +83,7 @@ def _input_ids(args, text, model, tokenizer):
     import torch
 
     if tokenizer is not None and text is not None:
-        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :args.seq_len]
+        ids = encode_prefix(tokenizer, text, args.seq_len)  # tokenised as far as needed
         if ids.shape[1] == 0:
             raise ConfigError(f"--text {args.text!r} gives no tokens.")
         return ids, "text"
@@ -90,7 +91,7 @@ def _input_ids(args, text, model, tokenizer):
     ignored = "; --text is ignored" if args.text is not None else ""
     print(f"attnscale monitor: {why}{ignored}: using {args.seq_len} random token ids "
           f"(seed {args.seed}).", file=sys.stderr)
-    vocab = int(model.config.vocab_size)
+    vocab = vocab_size(model)
     gen = rng(args.seed)  # torch.Generator().manual_seed(seed): the ids of earlier versions
     return torch.randint(0, vocab, (1, args.seq_len), generator=gen), "random"
 

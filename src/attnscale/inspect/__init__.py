@@ -34,7 +34,8 @@ from attnscale import __version__, families
 from attnscale.errors import ConfigError, check_int
 from attnscale.inspect.inputs import (DTYPES, Tokens, check_input_ids, check_inspectable,
                                       check_lengths, check_seed, check_seq_len, fresh_model,
-                                      model_inputs, reinitialise, resolve_device, token_ids)
+                                      model_inputs, reinitialise, resolve_device, token_ids,
+                                      vocab_size)
 from attnscale.inspect.measure import Measured, measure
 from attnscale.inspect.owner import owner_sentence, owners, unmeasured_layers
 from attnscale.inspect.records import (FIELDS, SATURATED_ENTROPY_FRACTION, SATURATED_MAX_WEIGHT,
@@ -256,7 +257,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
     (ckpt,) = source.checkpoints
     model, tokenizer = load_checkpoint(ckpt, dtype=dtype, device=where, param="model_dir")
     check_seq_len(model, seq_len)
-    tokens = token_ids(tokenizer, text, seq_len, vocab_size=model.config.vocab_size, seed=seed)
+    tokens = token_ids(tokenizer, text, seq_len, vocab_size=vocab_size(model), seed=seed)
     meta = {**checkpoint_meta(ckpt.path, tokens, name), **describe(ckpt)}
     meta["name"] = name or ckpt.name
     return inspect_lengths(model, tokens.ids, [seq_len], init=init, seed=seed, whatif=whatif,

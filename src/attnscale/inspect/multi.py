@@ -142,7 +142,7 @@ def inspect_paths(sources: Sequence[Source], out: str | Path, *, lengths: Sequen
     in :func:`plan`'s order.  ``params``: how the caller spells the parameters in messages
     (``text``, ``seq_len``, ``path``)."""
     from attnscale.inspect import _inspect, check_model, checkpoint_meta
-    from attnscale.inspect.inputs import check_seq_len, token_ids
+    from attnscale.inspect.inputs import check_seq_len, token_ids, vocab_size
     from attnscale.inspect.report import write
 
     spell = {"text": "text", "seq_len": "seq_len", "path": "path", **(params or {})}
@@ -173,7 +173,7 @@ def inspect_paths(sources: Sequence[Source], out: str | Path, *, lengths: Sequen
             model, tokenizer = load_checkpoint(ckpt, dtype=dtype, device=device,
                                                device_map=device_map, param=spell["path"])
             check_seq_len(model, lengths[-1], param=spell["seq_len"])
-            tokens = token_ids(tokenizer, text, lengths[-1], vocab_size=model.config.vocab_size,
+            tokens = token_ids(tokenizer, text, lengths[-1], vocab_size=vocab_size(model),
                                seed=seed, text_param=spell["text"],
                                seq_len_param=spell["seq_len"])
             weight, entropy, family, n_layers = check_model(model, whatif, saturated_weight,
