@@ -294,6 +294,7 @@ def _edited(payload: dict, case: str) -> dict:
         "records-a-dict": lambda: p.update(records={"0": r[0]}),
         "not-an-object": lambda: p.clear() or p.update(x=1),
         "seq-len-text": lambda: p["meta"].update(seq_len="24"),
+        "unknown-whatif": lambda: p["meta"].update(whatif="yarn(fctor=2)"),
     }
     edits[case]()
     return p if case != "not-an-object" else [1, 2]
@@ -315,6 +316,7 @@ FROM_CASES = {
     "records-a-dict": "records must be a list",
     "not-an-object": "the file holds list, not an object",
     "seq-len-text": 'meta.seq_len must be an integer >= 1, got "24"',
+    "unknown-whatif": "meta.whatif: Unknown option 'fctor' for mechanism 'yarn'",
 }
 
 

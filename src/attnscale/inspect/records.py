@@ -191,6 +191,12 @@ def check_store(payload, where: str) -> dict:
             raise bad(f"records of layer {layer} hold head {max(heads[layer])} but skip a head "
                       "below it")
     _check_kinds(payload["meta"], META_KINDS, "meta", bad)
+    if payload["meta"]["whatif"] is not None:  # the report reads its mechanism and options
+        from attnscale.experiments.lm.study import parse_variant
+        try:
+            parse_variant(payload["meta"]["whatif"], param="meta.whatif")
+        except ConfigError as err:
+            raise bad(str(err).rstrip(".")) from None
     for i, row in enumerate(payload["layers"]):
         _check_kinds(row, LAYER_KINDS, f"layers[{i}]", bad)
         if row["layer"] not in heads:
