@@ -294,7 +294,7 @@ def test_sections_are_functions_of_the_sections_package():
     assert len(set(SECTIONS)) == len(SECTIONS)
     for fn in SECTIONS:
         assert fn.__module__.startswith("attnscale.report.sections."), fn
-        assert list(inspect.signature(fn).parameters) == ["fig_dir", "seed"], fn
+        assert list(inspect.signature(fn).parameters) == ["fig_dir", "seed", "full"], fn
 
 
 @pytest.mark.parametrize("sections, pattern", [
@@ -333,7 +333,7 @@ def _study(folder: Path, *, claims=STUDY_CLAIMS, title="Small-LM stability") -> 
     return folder
 
 
-def _cheap_section(fig_dir, *, seed):
+def _cheap_section(fig_dir, *, seed, full):
     return _good_section(fig_dir)
 
 

@@ -16,7 +16,7 @@ from attnscale.report.reproduce import reproduce
 from attnscale.report.sections import montecarlo
 
 
-def _where(fig_dir: Path, *, name: str, seed: int = 0) -> Section:
+def _where(fig_dir: Path, *, name: str, seed: int = 0, full: bool = False) -> Section:
     """A section that says which process ran it and leaves a file in the figure folder."""
     (fig_dir / f"{name}.txt").write_text(name, encoding="utf-8")
     return Section(name=name, rows=[{"pid": os.getpid()}], measurements={}, figures=[],

@@ -650,6 +650,24 @@ def t975(dof: int) -> float:
     return 0.5 * (lo + hi)
 
 
+def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion ``successes / trials`` (Wilson 1927):
+    ``(k + z²/2) / (n + z²) -/+ z / (n + z²) sqrt(k (n - k) / n + z²/4)``, z = :data:`Z95`.
+
+    Unlike the normal interval ``p -/+ z sqrt(p (1 - p) / n)`` it stays inside [0, 1] and does
+    not shrink to a point at 0 or n successes, where a handful of trials leaves the rate open:
+    0 of 3 gives [0, 0.56]."""
+    n = check_int("trials", trials, minimum=1)
+    k = check_int("successes", successes, minimum=0)
+    if k > n:
+        raise ConfigError(f"successes must be <= trials, got {k} > {n}.")
+    z2 = Z95 * Z95
+    centre = (k + z2 / 2.0) / (n + z2)
+    half = Z95 / (n + z2) * math.sqrt(k * (n - k) / n + z2 / 4.0)
+    # at k = 0 (k = n) the end is 0 (1) exactly; the formula leaves a rounding residue there
+    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
+
+
 def fit_line(x: Sequence[float], y: Sequence[float], se: Sequence[float]) -> dict:
     """Weighted least-squares line ``y = a + b x`` through points with standard errors ``se``.
 

@@ -8,10 +8,12 @@ from pathlib import Path
 from attnscale.cli._common import add_command, add_output
 from attnscale.report.include import SECTION_NAME
 from attnscale.report.reproduce import REPORT_FILES, REPRODUCE_WORKERS, reproduce
+from attnscale.report.sections.recall import FULL_SEEDS, SECTION_SEEDS
 
 EXAMPLES = """
   attnscale reproduce                          # writes ./attnscale-report/report.md and figures
   attnscale reproduce --out /tmp/report --seed 1
+  attnscale reproduce --full --out /tmp/full   # the training demo over 32 seeds (minutes)
   attnscale reproduce --out /tmp/report --include lm-study --include length-study
                                                # add finished studies as "Beyond the essay"
 """
@@ -19,7 +21,7 @@ EXAMPLES = """
 
 def _run(args) -> int:
     results = reproduce(args.out, args.seed, include=args.include, force=args.force,
-                        workers=args.workers)
+                        workers=args.workers, full=args.full)
     claims = results["claims"]
     n_ok = sum(c["agrees"] for c in claims)
     for c in claims:
@@ -48,6 +50,10 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=REPRODUCE_WORKERS,
                    help="processes the sections run on, this one included; the report is the "
                         "same for any count (default: %(default)s)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the long form: the training demo's seed-counted claims (the stall rate, "
+                        f"the ratios) over {FULL_SEEDS} seeds instead of {SECTION_SEEDS}; minutes "
+                        "instead of the default's half minute")
     p.add_argument("--include", metavar="DIR", action="append", default=[],
                    help="a finished study folder (fragment.md, optional fragment.json, its PNGs) "
                         "to add to the report as 'Beyond the essay'; repeat for several")

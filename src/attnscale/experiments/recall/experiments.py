@@ -104,14 +104,18 @@ def adam_separation(scaled: RunResult, reparam: RunResult) -> dict:
     update is invariant to the gradient's scale, so it moves W_Q and W_K by about lr per step in
     both runs, which is d^1/4 times larger *relative to* init-reparam's smaller weights: the runs
     part at once.  Separation is the first step where the per-step losses (on identical batches)
-    differ by more than :data:`~attnscale.experiments.recall.metrics.SEPARATION_REL`.
+    differ by more than :data:`~attnscale.experiments.recall.metrics.SEPARATION_REL`.  The runs
+    may differ in length (the report trains init-reparam for fewer steps): they are compared
+    over the shorter one's ``steps``, and the final losses are the smoothed losses at its end.
     """
-    return {"seed": scaled.config.seed, "optimizer": scaled.config.optimizer,
+    n = min(len(scaled.loss), len(reparam.loss))
+    return {"seed": scaled.config.seed, "optimizer": scaled.config.optimizer, "steps": n,
             "step0_rel_gap": abs(reparam.loss[0] - scaled.loss[0]) / scaled.loss[0],
-            "separation_step": metrics.separation_step(reparam.loss, scaled.loss),
+            "separation_step": metrics.separation_step(reparam.loss[:n], scaled.loss[:n]),
             "scaled_steps_to_loss_0_1": scaled.steps_to_loss_0_1,
             "reparam_steps_to_loss_0_1": reparam.steps_to_loss_0_1,
-            "scaled_final_loss": scaled.final_loss, "reparam_final_loss": reparam.final_loss}
+            "scaled_final_loss": scaled.smoothed[n - 1],
+            "reparam_final_loss": reparam.smoothed[n - 1]}
 
 
 def sgd_configs(config: RecallConfig | None = None, *, lr: float = SGD_LR) -> list[RecallConfig]:

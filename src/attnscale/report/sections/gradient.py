@@ -24,7 +24,7 @@ def plot_gradient_paths(rows: list[dict], path: Path) -> None:
     save(fig, path)
 
 
-def report_section(fig_dir: Path, *, seed: int) -> Section:
+def report_section(fig_dir: Path, *, seed: int, full: bool = False) -> Section:
     """The two gradient paths vs d_k, their one-hot limit, and init-reparam against scaled."""
     sweep = gradient_path_sweep(seed=seed)
     limit = one_hot_limit(seed=seed)

@@ -179,7 +179,7 @@ def build_section(fig_dir: Path, sat_rows: list[dict], planted_rows: list[dict],
     )
 
 
-def report_section(fig_dir: Path, *, seed: int) -> Section:
+def report_section(fig_dir: Path, *, seed: int, full: bool = False) -> Section:
     """Entropy and max weight vs n at init for every mechanism, and the planted key."""
     sat_rows, planted_rows = keys_rows(seed)
     return build_section(fig_dir, sat_rows, planted_rows, seed)

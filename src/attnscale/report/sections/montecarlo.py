@@ -52,7 +52,7 @@ def _small_head(seed: int) -> tuple[list[dict], str]:
     return [dict(th, kind="thresholds")] + by_dk + by_n, "\n".join(lines)
 
 
-def report_section(fig_dir: Path, *, seed: int) -> Section:
+def report_section(fig_dir: Path, *, seed: int, full: bool = False) -> Section:
     """Variance check, Figure 1 (saturation), Figure 2 (Jacobian) and the small-head thresholds."""
     var_rows = variance(ESSAY_D_KS, ESSAY_PAIRS, seed)
     sat_rows = saturation(ESSAY_D_KS, ESSAY_N, ESSAY_TRIALS, seed)
@@ -145,7 +145,8 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     )
 
 
-def report_section_mechanisms(fig_dir: Path, *, seed: int) -> Section:
+def report_section_mechanisms(fig_dir: Path, *, seed: int,
+                              full: bool = False) -> Section:
     """Saturation at init for every mechanism whose temperature is a rule on q and k."""
     at_init = defined_at_init()
     mech_rows = saturation(ESSAY_D_KS, ESSAY_N, MECHANISM_TRIALS, seed, at_init)

@@ -1,12 +1,19 @@
 """Report section for the essay's training demo: Figure 3 and every training number, measured.
 
-Runs (about a minute on 2 cores), as trials of the ``recall`` experiment on the sweep engine
-(the recall study's engine, :func:`attnscale.study.launcher.run_trials`): scaled, unscaled and
-init-reparam at the default settings for :data:`SECTION_SEEDS` seeds; the init-reparam SGD runs
-for :data:`SGD_STEPS` steps; scaled at the smaller d_k of :data:`SCALING_D_KS` for the
-logit-scaling exponent.  Quantities the unspecified architecture sets (absolute step counts, losses, gradient
-norms) are shown next to the essay's in a table; verdicts are on ratios and bounds
-(see the recall block of :mod:`attnscale.report.claims`).
+Runs, as trials of the ``recall`` experiment on the sweep engine (the recall study's engine,
+:func:`attnscale.study.launcher.run_trials`): scaled and unscaled at the default settings for
+:data:`SECTION_SEEDS` seeds (:data:`FULL_SEEDS` under ``attnscale reproduce --full``);
+init-reparam under Adam for :data:`REPARAM_STEPS` steps on the same seeds; the init-reparam SGD
+runs for :data:`SGD_STEPS` steps; scaled at the smaller d_k of :data:`SCALING_D_KS` on every seed
+for the logit-scaling exponent.  Quantities the unspecified architecture sets (absolute step
+counts, losses, gradient norms) are shown next to the essay's in a table; verdicts are on ratios
+and bounds (see the recall block of :mod:`attnscale.report.claims`).
+
+Training is chaotic: the same seed follows a different trajectory on a CPU that rounds its
+float32 sums differently (another instruction set), so whether one seed's unscaled run stalls is
+not a property of the code.  Every claim that depends on a trajectory is therefore a statistic
+over the seeds with its 95% interval: a mean with Student's t interval, the stall a fraction
+with its Wilson interval (:func:`attnscale.stats.wilson_interval`).
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from attnscale.experiments.recall import RecallConfig
@@ -30,26 +36,51 @@ from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.plotting import new_figure, save
 from attnscale.report import Measurement, Section
 from attnscale.report.claims import essay
-from attnscale.stats import mean_se
+from attnscale.stats import mean_se, t975, wilson_interval
 from attnscale.study.seeds import finite, spread
 from attnscale.study.spec import Trials
 from attnscale.styles import style
 
-SECTION_SEEDS = 3              # seeds seed, seed+1, ...: three, so each ratio has a standard error
+# Seeds seed, seed+1, ... of the demo.  The default is what fits `attnscale reproduce`'s goal of
+# 30 s on an idle 2-core machine (benchmarks/bench_reproduce.py); --full runs enough for the stall
+# rate's interval to be about +/-0.15 wide (Wilson, at the ~1/3 of seeds that stall).
+SECTION_SEEDS = 3
+FULL_SEEDS = 32
+# Init-reparam under Adam parts from scaled within ~10 steps and reaches loss 0.1 by ~230
+# (seeds 0-2), so its runs stop here; scaled's first REPARAM_STEPS steps are the demo's own.
+REPARAM_STEPS = 300
 SGD_STEPS = 300                # the SGD pair reaches loss 0.1 by ~200 steps at SGD_LR
 SCALING_D_KS = (16, 64, 256)   # d_k grid of the exponent fit (1024 lives in `study recall`)
 DEMO_MECHANISMS = ("scaled", "unscaled", "init-reparam")
 
 
 def _over_seeds(values: list[float | None], fmt: str = "{:.3g}") -> Measurement | None:
-    """Mean over seeds with the standard error of the mean and the per-seed values in the note;
+    """Mean over seeds with the standard error of the mean, Student's t 95% interval (the
+    standard error is itself estimated from the few seeds) and the per-seed values in the note;
     None (no measurement) when no seed has a value, e.g. a milestone no run reached."""
     got = finite(values)
-    shown = ", ".join("never" if v is None else fmt.format(v) for v in values)
+    shown = (_spread(values, fmt) if len(values) > LISTED_SEEDS
+             else ", ".join("never" if v is None else fmt.format(v) for v in values))
     if not got:
         return None
     mean, se = mean_se(torch.tensor(got))
-    return Measurement(mean, se=se if len(got) > 1 else None, note=f"seeds: {shown}")
+    if len(got) < 2:
+        return Measurement(mean, note=f"seeds: {shown}")
+    half = t975(len(got) - 1) * se
+    return Measurement(mean, se=se, ci95=(mean - half, mean + half), note=f"seeds: {shown}")
+
+
+def _stall_fraction(unscaled: list[RunResult], scaled: list[RunResult]) -> Measurement:
+    """The fraction of seeds whose unscaled run stalls above the last milestone, with its Wilson
+    interval; the note names each stall and says how many scaled runs stall."""
+    stalls = {r.config.seed: _stalls(r) for r in unscaled}
+    k, n = sum(map(bool, stalls.values())), len(stalls)
+    where = "; ".join(f"seed {s}: {p['level']:.3g} at steps {p['start']}-{p['end']}"
+                      for s, ps in stalls.items() for p in ps)
+    scaled_k = sum(bool(_stalls(r)) for r in scaled)
+    note = (f"{k} of {n} seeds" + (f": {where}" if where else "")
+            + f"; scaled: {scaled_k} of {len(scaled)}")
+    return Measurement(k / n, ci95=wilson_interval(k, n), note=note)
 
 
 def _mid_plateaus(run: RunResult) -> list[dict]:
@@ -68,16 +99,42 @@ def _plateau_text(run: RunResult) -> str:
     return "; ".join(f"{p['level']:.3g} at {p['start']}-{p['end']}" for p in ps) or "none"
 
 
+# Seeds listed one by one in the report; more (--full) are summarised by their range.
+LISTED_SEEDS = 8
+
+
 def _spread(values: list[float | None], fmt: str) -> str:
-    """'a, b, c (mean m ± s)' with 'never' for None."""
+    """'a, b, c (mean m ± s)' with 'never' for None; 'lo to hi (mean m ± s, n seeds)' beyond
+    :data:`LISTED_SEEDS` values."""
     s = spread(values)
-    text = ", ".join("never" if v is None else fmt.format(v) for v in values)
+    if len(values) <= LISTED_SEEDS:
+        text = ", ".join("never" if v is None else fmt.format(v) for v in values)
+        if s["n"] > 1:
+            text += f" (mean {fmt.format(s['mean'])} ± {fmt.format(s['std'])})"
+        return text
+    text = f"{fmt.format(s['min'])} to {fmt.format(s['max'])}" if s["n"] else "none"
     if s["n"] > 1:
-        text += f" (mean {fmt.format(s['mean'])} ± {fmt.format(s['std'])})"
+        text += f" (mean {fmt.format(s['mean'])} ± {fmt.format(s['std'])}, {s['n']} seeds)"
+    return text + (f"; never in {s['missing']}" if s["missing"] else "")
+
+
+def _seed_text(seeds: list[int]) -> str:
+    """'0, 1, 2', or '0-31' beyond :data:`LISTED_SEEDS` (the seeds are consecutive)."""
+    return (", ".join(map(str, seeds)) if len(seeds) <= LISTED_SEEDS
+            else f"{seeds[0]}-{seeds[-1]}")
+
+
+def _plateau_cell(runs: list[RunResult]) -> str:
+    """Each seed's plateaus; beyond :data:`LISTED_SEEDS` seeds, only the seeds with one."""
+    shown = [r for r in runs if len(runs) <= LISTED_SEEDS or _mid_plateaus(r)]
+    text = "; ".join(f"seed {r.config.seed}: {_plateau_text(r)}" for r in shown)
+    if len(runs) > LISTED_SEEDS:
+        text = (text + f"; none in the other {len(runs) - len(shown)} seeds" if shown
+                else f"none in {len(runs)} seeds")
     return text
 
 
-def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: dict,
+def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: list[dict],
            seeds: list[int]) -> str:
     """Markdown: every training number of the essay next to ours, per seed (the essay's column
     read from :mod:`attnscale.report.claims`)."""
@@ -93,7 +150,7 @@ def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: 
         return [row(f"{what}, {m}", f"recall.{field}.{m}", [getattr(r, field) for r in demo[m]],
                     fmt) for m in ("scaled", "unscaled")]
 
-    lines = [f"Seeds {', '.join(map(str, seeds))}; identical init and data for every mechanism "
+    lines = [f"Seeds {_seed_text(seeds)}; identical init and data for every mechanism "
              f"of a seed. Smoothed loss = EMA with decay {metrics.EMA_DECAY}. Step counts, losses "
              "and gradient norms depend on choices the essay does not state (batch size, d_model, "
              "smoothing), so the verdicts above judge ratios; the absolute values are here.", "",
@@ -102,9 +159,8 @@ def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: 
              *pair("steps to smoothed loss 0.1", "steps_to_loss_0_1", i),
              f"| unscaled plateaus (level at steps) | ~{essay('recall.plateau.unscaled.level')} at "
              f"{essay('recall.plateau.unscaled.steps')} | "
-             f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in un)} |",
-             f"| scaled plateaus | none | "
-             f"{'; '.join(f'seed {r.config.seed}: {_plateau_text(r)}' for r in sc)} |",
+             f"{_plateau_cell(un)} |",
+             f"| scaled plateaus | none | {_plateau_cell(sc)} |",
              *pair("final smoothed loss", "final_loss", f5),
              *pair("held-out accuracy", "eval_accuracy", pct),
              row("‖∇W_Q‖_F at step 0, scaled", "recall.grad_wq.scaled",
@@ -129,22 +185,25 @@ def _table(demo: dict, grads: list[dict], adam: list[dict], sgd: dict, scaling: 
                  [a["step0_rel_gap"] for a in adam], f3),
              row("init-reparam, Adam: first step with > 1% loss gap",
                  "recall.init_reparam.adam_separation", [a["separation_step"] for a in adam], i),
-             row("init-reparam, Adam: steps to loss 0.1 (scaled: above)", None,
-                 [a["reparam_steps_to_loss_0_1"] for a in adam], i),
+             row(f"init-reparam, Adam ({REPARAM_STEPS} steps): steps to loss 0.1 (scaled: "
+                 "above)", None, [a["reparam_steps_to_loss_0_1"] for a in adam], i),
              f"| init-reparam, SGD lr {sgd['lr']:g} vs scaled with {sgd['qk_lr_mult']:g} × lr on "
              f"W_Q, W_K: max relative loss gap over {SGD_STEPS} steps | "
              f"{essay('init_reparam.sgd.max_abs_diff')} | "
              f"{sgd['tracking_max_rel_gap']:.3g} (seed {sgd['seed']}) |",
              f"| init-reparam vs plain scaled, SGD: first step with > 1% gap | — | "
              f"{sgd['plain_separation_step']} |"]
-    for r in scaling["rows"]:
-        lines.append(f"| std(q.k) at d_k={r['d_k']}: init → trained (scaled); trained logit std | "
-                     f"√d_k → ~d_k | {r['qk_std_init']:.3g} → {r['qk_std_trained']:.3g}; "
-                     f"{r['logit_std_trained']:.3g} |")
+    for j, d_k in enumerate(SCALING_D_KS):
+        mean = {k: spread([sc_["rows"][j][k] for sc_ in scaling])["mean"]
+                for k in ("qk_std_init", "qk_std_trained", "logit_std_trained")}
+        lines.append(f"| std(q.k) at d_k={d_k}: init → trained (scaled); trained logit std, "
+                     f"means over seeds | √d_k → ~d_k | {mean['qk_std_init']:.3g} → "
+                     f"{mean['qk_std_trained']:.3g}; {mean['logit_std_trained']:.3g} |")
     lines.append(f"| exponent a in std(q.k) ~ d_k^a: init → trained | "
                  f"{essay('recall.logit_std.exponent_init')} → "
                  f"{essay('recall.logit_std.exponent_trained')} | "
-                 f"{scaling['exponent_init']:.3f} → {scaling['exponent_trained']:.3f} |")
+                 f"{_spread([sc_['exponent_init'] for sc_ in scaling], '{:.3f}')} → "
+                 f"{_spread([sc_['exponent_trained'] for sc_ in scaling], '{:.3f}')} |")
     lines += ["", "The recall loss pins the *post-temperature* logit scale that confident retrieval "
               "needs (trained logit std ≈ 3 at every d_k), so behind the 1/sqrt(d_k) divisor the "
               "raw q.k grows no faster than sqrt(d_k): this task, trained to convergence in ~10^3 "
@@ -204,44 +263,48 @@ def _on_engine(store: Path, grid: dict, fixed: dict) -> list[RunResult]:
     return [run_result(r) for r in run_trials(Trials("recall", grid, fixed), store, workers=1)]
 
 
-def report_section(fig_dir: Path, *, seed: int) -> Section:
-    """Figure 3, the training numbers over seeds, init-reparam and the logit-scaling exponent."""
+def _first_steps(run: RunResult, steps: int) -> RunResult:
+    """``run`` over its first ``steps`` steps (curves and the plateaus that end by then)."""
+    return replace(run, loss=run.loss[:steps], smoothed=run.smoothed[:steps],
+                   plateaus=[p for p in run.plateaus if p["end"] < steps])
+
+
+def report_section(fig_dir: Path, *, seed: int, full: bool = False) -> Section:
+    """Figure 3, the training numbers over seeds, init-reparam and the logit-scaling exponent;
+    ``full`` trains :data:`FULL_SEEDS` seeds instead of :data:`SECTION_SEEDS`."""
     base = RecallConfig(seed=seed)
-    seeds = [seed + i for i in range(SECTION_SEEDS)]
+    seeds = [seed + i for i in range(FULL_SEEDS if full else SECTION_SEEDS)]
     reparam, boosted, plain = sgd_configs(replace(base, steps=SGD_STEPS))
     with tempfile.TemporaryDirectory(prefix="attnscale-recall-") as tmp:
         stores = Path(tmp)
-        runs = _on_engine(stores / "demo", {"seed": seeds, "mechanism": list(DEMO_MECHANISMS)},
+        runs = _on_engine(stores / "demo", {"seed": seeds, "mechanism": ["scaled", "unscaled"]},
                           {})
+        reparam_runs = _on_engine(stores / "init-reparam", {"seed": seeds},
+                                  {"mechanism": "init-reparam", "steps": REPARAM_STEPS})
         sgd_fixed = {"optimizer": "sgd", "lr": reparam.lr, "steps": SGD_STEPS, "seed": seed}
         sgd_pair = _on_engine(stores / "sgd", {"mechanism": [reparam.mechanism,
                                                              plain.mechanism]}, sgd_fixed)
         (sgd_boosted,) = _on_engine(stores / "sgd-boosted", {"qk_lr_mult": [boosted.qk_lr_mult]},
                                     {**sgd_fixed, "mechanism": boosted.mechanism})
         small = _on_engine(stores / "scaling",
-                           {"d_k": [d for d in SCALING_D_KS if d != base.d_k]}, {"seed": seed})
+                           {"d_k": [d for d in SCALING_D_KS if d != base.d_k], "seed": seeds}, {})
     sgd = sgd_tracking(sgd_pair[0], sgd_boosted, sgd_pair[1])
-    demo = {m: [r for r in runs if r.mechanism == m] for m in DEMO_MECHANISMS}
+    demo = {m: [r for r in runs if r.mechanism == m] for m in ("scaled", "unscaled")}
+    demo["init-reparam"] = reparam_runs
     pairs = list(zip(demo["scaled"], demo["unscaled"]))
     grads = [grad_decomposition(s, u) for s, u in pairs]
     ratios = [milestone_ratios(s, u) for s, u in pairs]
     adam = [adam_separation(s, r) for s, r in zip(demo["scaled"], demo["init-reparam"])]
-    trained = {r.config.d_k: r for r in [*small, demo["scaled"][0]]}
-    scaling = logit_scaling(SCALING_D_KS, base, trained=[trained[d] for d in SCALING_D_KS])
+    trained = {(r.config.d_k, r.config.seed): r for r in [*small, *demo["scaled"]]}
+    scaling = [logit_scaling(SCALING_D_KS, replace(base, seed=s),
+                             trained=[trained[d, s] for d in SCALING_D_KS]) for s in seeds]
 
     separations = [a["separation_step"] for a in adam]  # None: never apart within the run
-    stalls = {r.config.seed: _stalls(r) for r in demo["unscaled"]}
-    levels = [p["level"] for ps in stalls.values() for p in ps]
     m = {
         "recall.steps_to_loss_1.ratio": _over_seeds([r["steps_to_loss_1_ratio"] for r in ratios]),
         "recall.steps_to_loss_0_1.ratio": _over_seeds(
             [r["steps_to_loss_0_1_ratio"] for r in ratios]),
-        "recall.plateau.unscaled.level": Measurement(
-            float(np.mean(levels)) if levels else 0.0,
-            note="; ".join(f"seed {s}: {p['level']:.3g} at steps {p['start']}-{p['end']}"
-                           for s, ps in stalls.items() for p in ps)
-            + f" ({sum(map(bool, stalls.values()))} of {len(seeds)} seeds)" if levels
-            else "no stall above loss 0.1 in any seed"),
+        "recall.plateau.unscaled.fraction": _stall_fraction(demo["unscaled"], demo["scaled"]),
         "recall.final_loss.ratio": _over_seeds([r["final_loss_ratio"] for r in ratios]),
         "recall.eval_accuracy.scaled": _over_seeds([r.eval_accuracy for r in demo["scaled"]],
                                                    "{:.4f}"),
@@ -254,10 +317,11 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
         "recall.init_reparam.sgd_tracking": Measurement(
             sgd["tracking_max_rel_gap"], note=f"{SGD_STEPS} SGD steps, lr {sgd['lr']:g}"),
         "recall.init_reparam.adam_separation": None if None in separations else Measurement(
-            max(separations), note="latest of seeds " + ", ".join(map(str, separations))),
-        "recall.logit_std.exponent_init": Measurement(scaling["exponent_init"]),
-        "recall.logit_std.exponent_trained": Measurement(
-            scaling["exponent_trained"], note="the task pins the logit scale; see the table"),
+            max(separations), note=f"latest of {len(seeds)} seeds"
+            + ("" if len(seeds) > LISTED_SEEDS else ": " + ", ".join(map(str, separations)))),
+        "recall.logit_std.exponent_init": _over_seeds([s_["exponent_init"] for s_ in scaling]),
+        "recall.logit_std.exponent_trained": _over_seeds(
+            [s_["exponent_trained"] for s_ in scaling]),
     }
 
     fig, (ax,) = new_figure(width=6.5, height=4.2)
@@ -265,20 +329,23 @@ def report_section(fig_dir: Path, *, seed: int) -> Section:
     ax.set_title(f"d_k={base.d_k}, batch {base.batch_size}, Adam lr {base.lr:g}; seed {seed} "
                  f"bold, seeds {seeds[1]}-{seeds[-1]} faint", fontsize=9)
     save(fig, fig_dir / "figure3_recall_loss.png")
+    adam_pair = [_first_steps(demo["scaled"][0], REPARAM_STEPS), demo["init-reparam"][0]]
     figures = [("figure3_recall_loss.png",
                 "Figure 3: smoothed training loss, scaled (blue) vs unscaled (green), identical "
                 "init and data per seed; dots mark loss 1.0 and 0.1, bands the detected plateaus."),
                (_figure_attention(fig_dir, [demo[m][0] for m in DEMO_MECHANISMS]),
-                "Attention entropy, max weight and logit std on the training batches, first seed."),
-               (_figure_init_reparam(fig_dir, [demo["scaled"][0], demo["init-reparam"][0]], sgd),
+                "Attention entropy, max weight and logit std on the training batches, first seed "
+                f"(init-reparam's run: {REPARAM_STEPS} steps)."),
+               (_figure_init_reparam(fig_dir, adam_pair, sgd),
                 "init-reparam: identical to scaled at step 0; Adam separates them, SGD with "
                 "sqrt(d_k) x lr on W_Q, W_K does not.")]
-    rows = ([{"kind": "run", **r.row()} for r in runs]
+    rows = ([{"kind": "run", **r.row()} for r in [*runs, *reparam_runs, *small]]
             + [{"kind": "grad_decomposition", **g} for g in grads]
             + [{"kind": "milestone_ratios", **r} for r in ratios]
             + [{"kind": "adam_separation", **a} for a in adam]
             + [{"kind": "sgd_tracking", **{k: v for k, v in sgd.items() if k != "runs"}}]
-            + [{"kind": "logit_scaling", **r} for r in scaling["rows"]]
+            + [{"kind": "logit_scaling", "seed": s, **r}
+               for s, sc_ in zip(seeds, scaling) for r in sc_["rows"]]
             + [{"kind": "config", **config_dict(base)}])
     m = {claim: value for claim, value in m.items() if value is not None}
     return Section("A Training Demo (associative recall)", json_safe(rows), m, figures,
