@@ -2,8 +2,10 @@
 text, and the same architecture freshly initialised.
 
 Every check that needs no model runs before transformers is imported, so a bad folder or text is
-refused in a second.  Error messages name the parameter as the caller spells it (``text`` from
-Python, ``--text`` from the command line).
+refused in a second; a loaded model is checked before its first pass (:func:`check_inspectable`:
+attention on ``"attnscale"``, token ids read), and a text is tokenised only as far as its tokens
+need (:func:`encode_prefix`).  Error messages name the parameter as the caller spells it
+(``text`` from Python, ``--text`` from the command line).
 """
 
 from __future__ import annotations
