@@ -39,7 +39,7 @@ from attnscale.inspect.inputs import (DTYPES, Tokens, check_input_ids, check_ins
 from attnscale.inspect.measure import Measured, measure
 from attnscale.inspect.owner import owner_sentence, owners, unmeasured_layers
 from attnscale.inspect.records import (FIELDS, SATURATED_ENTROPY_FRACTION, SATURATED_MAX_WEIGHT,
-                                       check_thresholds, join, summary)
+                                       check_judged_length, check_thresholds, join, summary)
 from attnscale.inspect.report import OUT_FILES, load, redraw, render, write  # noqa: F401
 from attnscale.measure.monitor import DEFAULT_BLOCK
 from attnscale.progress import progress
@@ -250,6 +250,7 @@ def inspect_checkpoint(model_dir: str | os.PathLike, *, text: str | None = None,
                           "inspect it with inspect_paths.")
     seq_len = check_int("seq_len", seq_len, minimum=1)
     check_thresholds(saturated_weight, saturated_entropy)
+    check_judged_length(seq_len, saturated_weight, param="seq_len")
     if whatif is not None:
         from attnscale.inspect.owner import parse_whatif
         parse_whatif(whatif)  # NAME or NAME(KEY=VALUE, ...), as the report spells it
@@ -287,6 +288,8 @@ def inspect_paths(paths, out: str | os.PathLike, *, lengths: Sequence[int] = (25
     check_int("block", block, minimum=1)
     check_seed(seed, param="seed")
     check_thresholds(saturated_weight, saturated_entropy)
+    for n in lengths:
+        check_judged_length(n, saturated_weight, param="lengths")
     return run(sources, out, lengths=lengths, text=text, init=init, seed=seed, whatif=whatif,
                block=block, dtype=dtype, device=resolve_device(device),
                saturated_weight=saturated_weight, saturated_entropy=saturated_entropy,
