@@ -39,7 +39,7 @@ def _check_inputs(args) -> tuple[list | None, str | None]:
     :func:`attnscale.cli.main`); returns the sources (:func:`attnscale.inspect.sources.resolve`)
     and the text (None: the default), or (None, None) for --from."""
     from attnscale.errors import parse_int_list
-    from attnscale.inspect.inputs import read_text
+    from attnscale.inspect.inputs import check_seed, read_text
     from attnscale.inspect.records import check_judged_length, check_thresholds
     from attnscale.inspect.sources import resolve
 
@@ -63,7 +63,7 @@ def _check_inputs(args) -> tuple[list | None, str | None]:
         args.out = DEFAULT_OUT
     sources = resolve(args.paths, param="PATH")
     check_int("--block", args.block, minimum=1)
-    check_int("--seed", args.seed, minimum=0)
+    check_seed(args.seed, param="--seed")
     check_thresholds(args.saturated_weight, args.saturated_entropy,
                      weight_param="--saturated-weight", entropy_param="--saturated-entropy")
     for n in args.lengths:  # a length where every head is saturated by construction
