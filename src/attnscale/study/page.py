@@ -183,21 +183,119 @@ def _evidence(loaded: Mapping[str, Loaded]) -> list[str]:
 
 
 def _checkpoints(root: Path) -> list[str]:
-    """A link to the temperature report of a real checkpoint (``attnscale inspect``), with the
-    owner sentence read from its records; nothing when the folder has none."""
-    import json
-    records = root / CHECKPOINTS / "records.json"
-    if not records.is_file():
+    """The section on real checkpoints (``attnscale inspect``): every inspection folder under
+    :data:`CHECKPOINTS` (one holding ``inspect.json``) linked with what its pages show: models
+    side by side, a training run's trajectory, each model against length; every number read
+    from the report stores by inspect's own analyses.  Nothing when there is no such folder."""
+    from attnscale.inspect.multi import INDEX, load_index
+    from attnscale.inspect.report import load
+
+    top = root / CHECKPOINTS
+    found = sorted(p for p in top.iterdir() if (p / INDEX).is_file()) if top.is_dir() else []
+    if not found:
         return []
-    got = json.loads(records.read_text(encoding="utf-8"))
-    s = got["summary"]
-    verb = "is" if s["saturated_heads"] == 1 else "are"
-    return ["## A real checkpoint", "",
-            f"The temperature report of the pretrained [{got['meta']['name']}]"
-            f"({CHECKPOINTS}/report.md) (`attnscale inspect`). {got['owner']} "
-            f"{s['saturated_heads']} of {s['heads']} heads {verb} saturated. The report measures "
-            "each head against the same architecture freshly initialised and asks the essay's "
-            "questions of it.", ""]
+    indexes = {p: load_index(p) for p in found}
+
+    def kind(p: Path) -> int:  # models side by side first, then lengths, then runs
+        return 0 if len(indexes[p]["sources"]) > 1 else \
+            2 if any(s["run"] for s in indexes[p]["sources"]) else 1
+    lines = ["## Real checkpoints", "",
+             "`attnscale inspect` on pretrained checkpoints and a fine-tuning run; every page is "
+             "attnscale's, redrawn by `attnscale inspect --from DIR`"
+             + (f", and [make.py]({CHECKPOINTS}/make.py) measures them all again"
+                if (top / "make.py").is_file() else "") + ".", ""]
+    reports = []
+    for folder in sorted(found, key=lambda p: (kind(p), p.name)):
+        entries = indexes[folder]["entries"]
+        got = {e: load(folder / e.folder) for e in entries}
+        at = f"{CHECKPOINTS}/{folder.name}"
+        reports += [f"[{e.source}{'' if e.step is None else ' ' + e.checkpoint} at N = "
+                    f"{e.seq_len}]({_path(at, e.folder, 'report.md')})" for e in entries]
+        sources = list(dict.fromkeys(e.source for e in entries))
+        first_n = min(e.seq_len for e in entries)
+        if len(sources) > 1:
+            lines += _compare_lines(at, [[e for e in entries if e.source == s
+                                          and e.seq_len == first_n][-1] for s in sources], got)
+        for s in sources:
+            mine = [e for e in entries if e.source == s]
+            if any(e.step is not None for e in mine):
+                lines += _run_lines(at, s, [e for e in mine if e.seq_len == first_n], got,
+                                    several_lengths=len({e.seq_len for e in mine}) > 1)
+            last = [e for e in mine if e.checkpoint == mine[-1].checkpoint]
+            if len(last) > 1:
+                lines += _length_lines(at, s, last, got)
+    return lines + ["Every report: " + "; ".join(reports) + ".", ""]
+
+
+def _path(*parts) -> str:
+    """A link's target, relative to the page, '.' folders left out."""
+    from pathlib import PurePosixPath
+    return PurePosixPath(*map(str, parts)).as_posix()
+
+
+def _fig(x) -> str:
+    """Three significant digits, as inspect's pages print their numbers."""
+    return number(x, "{:.3g}")
+
+
+def _compare_lines(at: str, chosen: list, got: Mapping) -> list[str]:
+    """Models side by side: one line per model and the comparison's findings."""
+    from attnscale.inspect import compare
+    rows = compare.compare_rows([got[e] for e in chosen])
+    lines = [f"**Side by side** at N = {chosen[0].seq_len} tokens "
+             f"([{compare.PAGE}]({_path(at, compare.PAGE)})):", ""]
+    for e, r in zip(chosen, rows):
+        drift = r["median_drift_logit_std"]
+        lines.append(f"- [{r['name']}]({_path(at, e.folder, 'report.md')}) ({r['family']}, {r['layers']} "
+                     f"layers, {r['heads']} heads, d_head {'/'.join(map(str, r['d_head']))}): "
+                     f"median coherence {_fig(r['median_coherence'])}, logit std "
+                     f"{_fig(r['median_logit_std'])}"
+                     + ("" if drift is None else f", ×{_fig(drift)} its initialisation's")
+                     + f". {r['owner_sentence']} {r['saturated_heads']} of {r['heads']} heads "
+                     "saturated.")
+    return lines + ["", " ".join(compare.findings(rows)), ""]
+
+
+def _run_lines(at: str, source: str, run: list, got: Mapping, *,
+               several_lengths: bool) -> list[str]:
+    """A training run: its trajectory's verdict, and how far its own steps moved the medians."""
+    from attnscale.inspect import trajectory
+    rows = trajectory.trajectory_rows([(e.step, got[e]) for e in run])
+    meds = trajectory.step_medians(rows)
+    page = Path(run[0].folder).parent
+    page = page.parent if several_lengths else page
+    first, last = meds[1], meds[-1]
+    return [f"**Over a training run** ([{trajectory.PAGE}]({_path(at, page, trajectory.PAGE)}"
+            f")): {source}, checkpoints at steps "
+            f"{', '.join(str(e.step) for e in run)}, N = {run[0].seq_len}. "
+            f"{trajectory.verdict(rows)} From its first checkpoint to its last the median logit "
+            f"std went from {_fig(first['logit_std'])} (step {first['step']}) to "
+            f"{_fig(last['logit_std'])} (step {last['step']}), the median coherence from "
+            f"{_fig(first['coherence'])} to {_fig(last['coherence'])}.", ""]
+
+
+def _length_lines(at: str, source: str, entries: list, got: Mapping) -> list[str]:
+    """One model at several lengths: its dispersing heads, per layer."""
+    from attnscale.inspect import lengths
+    from attnscale.inspect.records import median
+    by_length = {e.seq_len: got[e] for e in sorted(entries, key=lambda e: e.seq_len)}
+    rows = lengths.length_rows(by_length)
+    fitted = [r for r in rows if r["fitted"]]
+    layers = lengths.layer_summary(rows)
+    windowed = [s["layer"] for s in layers if s["window"] is not None
+                and s["lengths_fitted"] != rows[0]["lengths"]]
+    page = Path(entries[0].folder).parent
+    return [f"**Against length**: [{source}]({_path(at, page, lengths.PAGE)}) at N = "
+            f"{', '.join(map(str, by_length))}: {sum(bool(r['dispersing']) for r in fitted)} of "
+            f"{len(fitted)} fitted heads disperse (entropy growing at least "
+            f"{_fig(lengths.DISPERSING_SLOPE)} nats per unit ln n: what SSMax and log-n scaling "
+            f"correct), median entropy slope {_fig(median(fitted, 'entropy_slope'))}; dispersing "
+            "heads per layer " + ", ".join(f"{len(s['dispersing'])}/"
+                                           f"{len(s['dispersing']) + len(s['holding'])}"
+                                           for s in layers) + "."
+            + (f" Layers {', '.join(map(str, windowed))} attend a sliding window: their keys "
+               "stop growing at it, and they are fitted only over the lengths below it."
+               if windowed else ""), ""]
 
 
 def _extension(root: Path) -> list[str]:
