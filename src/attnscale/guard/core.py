@@ -153,8 +153,9 @@ WRITER_KEYS = (*named("logit_max", "entropy_min", "entropy_mean", "max_weight_me
 # q·k summed again, so its largest logit reads τ give or take a few roundings, above as often as
 # below.  (1) float32 accumulation, whatever the dtype of q and k: 2^-16 = 128 float32 epsilons.
 # Measured on random HF Llamas under AdamW, the worst excess over τ of a clipped head grows with
-# the width like its square root: 3 ε at width 256, 7 at 576, 11 at 1024 (SmolLM2-135M, width
-# 576: README's guard section); 128 ε covers widths of about 10^5 by that trend.
+# the width like its square root: 3 ε at width 256, 7 at 576, 11 at 1024; SmolLM2-135M (width
+# 576, benchmarks/bench_guard.py --real) at most 7.9 in 18 Trainer steps.  128 ε covers widths
+# of about 10^5 by that trend.
 STRICT_RTOL_FLOAT32 = 2.0**-16
 # (2) q and k rounded to a half dtype (autocast, a bfloat16 model): 4 of its epsilons (measured
 # worst 1.3 bfloat16 epsilons on the same Llamas under a bfloat16 autocast).
