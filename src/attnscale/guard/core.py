@@ -154,7 +154,7 @@ WRITER_KEYS = (*named("logit_max", "entropy_min", "entropy_mean", "max_weight_me
 # below.  (1) float32 accumulation, whatever the dtype of q and k: 2^-16 = 128 float32 epsilons.
 # Measured on random HF Llamas under AdamW, the worst excess over τ of a clipped head grows with
 # the width like its square root: 3 ε at width 256, 7 at 576, 11 at 1024; SmolLM2-135M (width
-# 576, benchmarks/bench_guard.py --real) at most 7.9 in 18 Trainer steps.  128 ε covers widths
+# 576, benchmarks/bench_guard.py --real) at most 8.1 in 26 Trainer steps.  128 ε covers widths
 # of about 10^5 by that trend.
 STRICT_RTOL_FLOAT32 = 2.0**-16
 # (2) q and k rounded to a half dtype (autocast, a bfloat16 model): 4 of its epsilons (measured
