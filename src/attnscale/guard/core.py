@@ -130,7 +130,7 @@ from attnscale.guard.log import (
 from attnscale.io import atomic_write, check_output_path, json_safe, owned
 from attnscale.measure.monitor.blocks import DEFAULT_BLOCK, HeadStats
 from attnscale.measure.monitor.observer import (
-    Call, Totals, Watch, _eager, module_names, recomputing,
+    Call, Totals, Watch, eager, module_names, recomputing,
 )
 from attnscale.mechanisms import qk_clip as qk_clip_mechanism
 from attnscale.mechanisms.qk_clip import K2_ALPHA, K2_TAU
@@ -316,7 +316,7 @@ class Guard:
                 # After the watch's own hooks; a no-op outside the strict walk.
                 for name, module in self._site_modules.items():
                     self._handles.append(module.register_forward_hook(
-                        _eager(functools.partial(self._walked, name)), with_kwargs=True))
+                        eager(functools.partial(self._walked, name)), with_kwargs=True))
             if self.optimizer is not None and qk_clip_mechanism.clip_mechanisms(self.model):
                 # A model built with the qk-clip mechanism clips itself after every step, from
                 # its own S_max; the guard installs that clip (qk_clip.install) and records.

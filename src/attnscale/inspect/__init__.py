@@ -97,7 +97,7 @@ def inspect_lengths(model: nn.Module, input_ids: torch.Tensor, lengths: Sequence
     lengths = check_lengths(lengths, int(input_ids.shape[-1]))
     weight, entropy, family, n_layers = check_model(model, whatif, saturated_weight,
                                                     saturated_entropy)
-    return _inspect(model, input_ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
+    return run_passes(model, input_ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
                     max_weight=weight, entropy_fraction=entropy, meta=meta,
                     show_progress=show_progress, family=family, n_layers=n_layers,
                     reinit_in_place=reinit_in_place)[0]
@@ -121,7 +121,7 @@ def check_model(model: nn.Module, whatif: str | None, saturated_weight: float,
     return weight, entropy, family, n_layers
 
 
-def _inspect(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, init: bool,
+def run_passes(model: nn.Module, input_ids: torch.Tensor, lengths: list[int], *, init: bool,
              seed: int, whatif: str | None, block: int, max_weight: float,
              entropy_fraction: float, meta: dict | None, show_progress: bool | None, family: str,
              n_layers: int, reinit_in_place: bool = False,

@@ -19,7 +19,7 @@ from attnscale.errors import ConfigError
 from attnscale.formatting import cell
 from attnscale.inspect.records import PREMISE_FACTOR, SATURATED_ENTROPY_FRACTION, median, within
 from attnscale.inspect.report import LABELS
-from attnscale.inspect.report import _fmt as fmt
+from attnscale.inspect.report import fmt
 from attnscale.inspect.trajectory import (check_payload, head_stats, layer_scales, num,
                                           scale_axis, split_growth)
 

@@ -98,7 +98,7 @@ def default_text(min_chars: int) -> tuple[str, str]:
     """At least ``min_chars`` characters of text that ships with Python, and where it came from:
     :data:`LICENSE_FILE` of the standard library, then its ``.py`` files in the LM corpus's order
     (:func:`attnscale.experiments.lm.data.stdlib_files`) as far as needed."""
-    from attnscale.experiments.lm.data import stdlib_files
+    from attnscale.corpus import stdlib_files
 
     root, files = stdlib_files()
     parts, used = [], []

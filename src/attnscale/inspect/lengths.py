@@ -34,7 +34,7 @@ from pathlib import Path
 from attnscale.errors import ConfigError, check_int, spelled
 from attnscale.formatting import cell
 from attnscale.inspect.records import median
-from attnscale.inspect.report import _fmt as fmt
+from attnscale.inspect.report import fmt
 from attnscale.inspect.trajectory import architecture, check_payload, num
 
 # The files this analysis gives beside the reports it reads: its page and its figure.

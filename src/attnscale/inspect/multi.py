@@ -141,7 +141,7 @@ def inspect_paths(sources: Sequence[Source], out: str | Path, *, lengths: Sequen
     pages under ``out`` (checked first: :func:`check_outputs`); returns the payloads written,
     in :func:`plan`'s order.  ``params``: how the caller spells the parameters in messages
     (``text``, ``seq_len``, ``path``)."""
-    from attnscale.inspect import _inspect, check_model, checkpoint_meta
+    from attnscale.inspect import check_model, checkpoint_meta, run_passes
     from attnscale.inspect.inputs import check_seq_len, token_ids, vocab_size
     from attnscale.inspect.report import write
 
@@ -180,7 +180,7 @@ def inspect_paths(sources: Sequence[Source], out: str | Path, *, lengths: Sequen
                                                             saturated_entropy)
             meta = {**checkpoint_meta(ckpt.path, tokens, None, text_file), **describe(ckpt),
                     "text_sha256": text_id, "name": _title(source, ckpt, name, len(sources))}
-            payloads, measured = _inspect(
+            payloads, measured = run_passes(
                 model, tokens.ids, lengths, init=init, seed=seed, whatif=whatif, block=block,
                 max_weight=weight, entropy_fraction=entropy, meta=meta,
                 show_progress=show_progress, family=family, n_layers=n_layers,

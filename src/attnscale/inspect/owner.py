@@ -113,7 +113,7 @@ def parse_whatif(spec: str, param: str = "whatif") -> tuple[str, dict]:
             run), one set_mechanism refuses (and why), an unknown option or a bad value (the
             mechanism is built once to check them), all before any model is loaded.
     """
-    from attnscale.experiments.lm.study import parse_variant
+    from attnscale.mechanisms import parse_variant
     from attnscale.mechanisms import MECHANISMS, build_mechanism
 
     if not isinstance(spec, str) or not spec.strip():
@@ -146,7 +146,7 @@ def parse_whatif(spec: str, param: str = "whatif") -> tuple[str, dict]:
 def whatif_text(name: str, options: Mapping | None = None) -> str:
     """``name`` or ``name(key=value, ...)``, the one spelling of a mechanism with its options
     (:func:`attnscale.experiments.lm.study.variant_text`), which :func:`parse_whatif` reads."""
-    from attnscale.experiments.lm.study import variant_text
+    from attnscale.mechanisms import variant_text
     return variant_text(name, dict(options or {}))
 
 
@@ -167,7 +167,7 @@ def whatif_identity(spec: str, d_head: int, n_heads: int, n_keys: int) -> bool:
     off the mechanism built as the what-if builds it (seed 0), is d^-1/2 at every key count.
     yarn and mscale at factor 1, logn and llama4-temp below their training length and
     learned-temp at its initialisation are; :func:`parse_whatif` spells ``spec``."""
-    from attnscale.experiments.lm.study import parse_variant
+    from attnscale.mechanisms import parse_variant
     from attnscale.mechanisms import build_mechanism
 
     name, options = parse_variant(spec, param="whatif")

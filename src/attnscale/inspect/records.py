@@ -192,7 +192,7 @@ def check_store(payload, where: str) -> dict:
                       "below it")
     _check_kinds(payload["meta"], META_KINDS, "meta", bad)
     if payload["meta"]["whatif"] is not None:  # the report reads its mechanism and options
-        from attnscale.experiments.lm.study import parse_variant
+        from attnscale.mechanisms import parse_variant
         try:
             parse_variant(payload["meta"]["whatif"], param="meta.whatif")
         except ConfigError as err:

@@ -55,7 +55,7 @@ LABELS = {"logit_std": "logit std", "entropy_ratio": "entropy ÷ ln n",
           "q_rms": "q rms", "k_rms": "k rms"}
 
 
-def _fmt(x, digits: str = "{:.3g}") -> str:
+def fmt(x, digits: str = "{:.3g}") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "—"
     return number(x, digits)
@@ -176,13 +176,13 @@ def verdict(payload: Mapping) -> list[str]:
     lines.append(f"{_heads(s['saturated_heads'], s['heads'])} saturated (mean max weight "
                  f"above {s['thresholds']['max_weight']:g} or entropy below "
                  f"{s['thresholds']['entropy_fraction']:g} of ln n).")
-    lines.append(f"Median coherence {_fmt(s['median_coherence'])} at d_head {d}: 1 is the "
+    lines.append(f"Median coherence {fmt(s['median_coherence'])} at d_head {d}: 1 is the "
                  f"independent q and k the √d footnote assumes, √d = "
-                 f"{_fmt(s['median_sqrt_d'])} fully aligned ones.")
+                 f"{fmt(s['median_sqrt_d'])} fully aligned ones.")
     if "median_drift_logit_std" in s:
         lines.append(f"Median drift from a fresh initialisation (seed {meta['seed']}): logit std "
-                     f"×{_fmt(s['median_drift_logit_std'])}, coherence "
-                     f"×{_fmt(s['median_drift_coherence'])}.")
+                     f"×{fmt(s['median_drift_logit_std'])}, coherence "
+                     f"×{fmt(s['median_drift_coherence'])}.")
         lines.append(premise_sentence(s))
     lines.append(calibration_sentence(s))
     same = whatif_sentence(payload)
@@ -234,26 +234,26 @@ def premise_sentence(s: Mapping) -> str:
     """Whether the initialisation met the footnote's premise (unit-variance q and k)."""
     q, k, z = s["median_init_q_rms"], s["median_init_k_rms"], s["median_init_logit_std"]
     if s["premise_at_init"]:
-        return (f"At initialisation q and k had components of rms {_fmt(q)} and {_fmt(k)}, "
-                f"close to the footnote's premise of 1, and logits of std {_fmt(z)}.")
+        return (f"At initialisation q and k had components of rms {fmt(q)} and {fmt(k)}, "
+                f"close to the footnote's premise of 1, and logits of std {fmt(z)}.")
     calibrated = ("so the initialisation itself calibrated the logits (the divisor lives there)"
                   if s["calibrated_at_init"] else
                   "so the divisor was never calibrated, even at step 0")
     return (f"The initialisation never met the footnote's premise: q and k had components of "
-            f"rms {_fmt(q)} and {_fmt(k)}, not 1, and the logits had std {_fmt(z)}, not 1; "
+            f"rms {fmt(q)} and {fmt(k)}, not 1, and the logits had std {fmt(z)}, not 1; "
             f"{calibrated}.")
 
 
 def calibration_sentence(s: Mapping) -> str:
     """Whether the logits the softmax sees now have about unit std (what the divisor aims at)."""
     z = s["median_logit_std"]
-    parts = (f"median q rms {_fmt(s['median_q_rms'])}, k rms {_fmt(s['median_k_rms'])}, "
-             f"coherence {_fmt(s['median_coherence'])}")
+    parts = (f"median q rms {fmt(s['median_q_rms'])}, k rms {fmt(s['median_k_rms'])}, "
+             f"coherence {fmt(s['median_coherence'])}")
     if s["calibrated_now"]:
-        return (f"After training the logits have median std {_fmt(z)}: within a factor "
+        return (f"After training the logits have median std {fmt(z)}: within a factor "
                 f"{s['thresholds']['premise_factor']:g} of the unit scale the divisor aims at "
                 f"({parts}).")
-    return (f"After training the logits have median std {_fmt(z)}: the divisor no longer "
+    return (f"After training the logits have median std {fmt(z)}: the divisor no longer "
             f"yields unit-scale logits ({parts}).")
 
 
@@ -265,7 +265,7 @@ def _layer_table(payload: Mapping) -> list[str]:
         rs = [r for r in rows if r["layer"] == layer]
         out.append("| " + " | ".join([str(layer), str(len(rs)),
                                       str(sum(bool(r["saturated"]) for r in rs)),
-                                      *[_fmt(median(rs, s)) for s in COMPARED]]) + " |")
+                                      *[fmt(median(rs, s)) for s in COMPARED]]) + " |")
     return out
 
 
@@ -277,12 +277,12 @@ def _owner_table(payload: Mapping) -> list[str]:
     for r in payload["layers"]:
         qk = "—" if not r["qk_norm"] else QK_NORM_WORDS.get(r["qk_norm"], r["qk_norm"])
         if r.get("q_gain") and r.get("k_gain"):
-            qk += (f" (gains q {_fmt(r['q_gain']['min'])}–{_fmt(r['q_gain']['max'])}, "
-                   f"k {_fmt(r['k_gain']['min'])}–{_fmt(r['k_gain']['max'])}; q rms · k rms "
-                   f"{_fmt(r['qk_scale_median'])})")
-        cells = [_fmt(r["scale"], "{:.6g}"), r["scaling"], r.get("scaling_rule") or "unknown",
-                 qk, _fmt(r["softcap"], "{:g}"), "yes" if r["sinks"] else "no",
-                 _fmt(r["sliding_window"], "{}"), r["position_bias"] or "—",
+            qk += (f" (gains q {fmt(r['q_gain']['min'])}–{fmt(r['q_gain']['max'])}, "
+                   f"k {fmt(r['k_gain']['min'])}–{fmt(r['k_gain']['max'])}; q rms · k rms "
+                   f"{fmt(r['qk_scale_median'])})")
+        cells = [fmt(r["scale"], "{:.6g}"), r["scaling"], r.get("scaling_rule") or "unknown",
+                 qk, fmt(r["softcap"], "{:g}"), "yes" if r["sinks"] else "no",
+                 fmt(r["sliding_window"], "{}"), r["position_bias"] or "—",
                  ", ".join(f"`{m}`" for m in r["mechanisms"]) or "—"]
         if runs and runs[-1][1] == cells and runs[-1][0][-1] == r["layer"] - 1:
             runs[-1][0].append(r["layer"])
@@ -303,8 +303,8 @@ def _saturated_table(payload: Mapping) -> list[str]:
            "through: where it is small, routing has stopped learning.", "",
            "| layer | head | max weight | entropy ÷ ln n | ‖J‖_F |", "|---|---|---|---|---|"]
     for r in sat:
-        out.append(f"| {r['layer']} | {r['head']} | {_fmt(r['max_weight_mean'])} | "
-                   f"{_fmt(r['entropy_ratio'])} | {_fmt(r['jacobian_fro_mean'])} |")
+        out.append(f"| {r['layer']} | {r['head']} | {fmt(r['max_weight_mean'])} | "
+                   f"{fmt(r['entropy_ratio'])} | {fmt(r['jacobian_fro_mean'])} |")
     return out
 
 
@@ -316,8 +316,8 @@ def _compare_table(payload: Mapping, prefix: str, column: str, ratio: bool) -> l
     head += ["drift (median of trained ÷ init per head)"] if ratio else []
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for st in COMPARED:
-        cells = [LABELS[st], _fmt(s[f"median_{prefix}{st}"]), _fmt(s[f"median_{st}"])]
-        cells += [f"×{_fmt(s[f'median_drift_{st}'])}"] if ratio else []
+        cells = [LABELS[st], fmt(s[f"median_{prefix}{st}"]), fmt(s[f"median_{st}"])]
+        cells += [f"×{fmt(s[f'median_drift_{st}'])}"] if ratio else []
         out.append("| " + " | ".join(cells) + " |")
     if not ratio:
         out.append(f"| saturated heads | {s[f'{prefix}saturated_heads']} | "
@@ -333,18 +333,18 @@ def essay_claims(payload: Mapping) -> list[str]:
         out.append("- **Was it calibrated at step 0?** " + premise_sentence(s))
     out.append(f"- **Does saturation freeze routing?** "
                f"{_heads(s['saturated_heads'], s['heads'])} saturated; their median ‖J‖_F is "
-               f"{_fmt(median(s['saturated'], 'jacobian_fro_mean'))} against "
-               f"{_fmt(s['median_jacobian_fro_mean'])} for the median head.")
+               f"{fmt(median(s['saturated'], 'jacobian_fro_mean'))} against "
+               f"{fmt(s['median_jacobian_fro_mean'])} for the median head.")
     coh, top = s["median_coherence"], s["median_sqrt_d"]
     where = ("closer to independence (1) than to alignment (√d)"
              if _finite(coh) and _finite(top) and coh < math.sqrt(top) else
              "closer to alignment (√d) than to independence (1)")
-    drift = (f", ×{_fmt(s['median_drift_coherence'])} its value at initialisation"
+    drift = (f", ×{fmt(s['median_drift_coherence'])} its value at initialisation"
              if "median_drift_coherence" in s else "")
     out.append(f"- **Does training align q and k (the μP argument)?** Median coherence "
-               f"{_fmt(coh)} (heads from {_fmt(min_of(payload['records'], 'coherence'))} to "
-               f"{_fmt(max_of(payload['records'], 'coherence'))}){drift}: {where} on a "
-               f"geometric scale, where √d = {_fmt(top)}.")
+               f"{fmt(coh)} (heads from {fmt(min_of(payload['records'], 'coherence'))} to "
+               f"{fmt(max_of(payload['records'], 'coherence'))}){drift}: {where} on a "
+               f"geometric scale, where √d = {fmt(top)}.")
     return out
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from attnscale.errors import ConfigError, check_int
 from attnscale.inspect.records import COMPARED, median
 from attnscale.inspect.report import LABELS
-from attnscale.inspect.report import _fmt as fmt
+from attnscale.inspect.report import fmt
 
 # The files this analysis gives beside the reports it reads: its page and its figure.
 PAGE, FIGURE = "trajectory.md", "trajectory.png"

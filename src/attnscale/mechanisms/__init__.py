@@ -152,3 +152,25 @@ def build_mechanism(name: str, d_head: int, n_heads: int, **options) -> Mechanis
     """
     check_mechanism(name, options)
     return MECHANISMS[name](d_head, n_heads, **options)
+
+
+def variant_text(mechanism: str, options: dict | None = None) -> str:
+    """``softcap`` or ``softcap(cap=30)``: a mechanism and its options as one variant name."""
+    if not options:
+        return mechanism
+    return mechanism + "(" + ", ".join(f"{k}={options[k]}" for k in sorted(options)) + ")"
+
+
+def parse_variant(text: str, param: str = "mechanisms") -> tuple[str, dict]:
+    """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
+    ``variant_text``; values read as ``--option`` reads them, by each option's declared type.
+    Errors name ``param``, where the text came from."""
+    name, sep, rest = text.strip().partition("(")
+    if sep and not rest.endswith(")"):
+        raise ConfigError(f"{param}: mechanism variant {text!r} must look like "
+                          "name(key=value, ...).")
+    items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
+    check_mechanism(name.strip(), param=param)
+    options = parse_options(items, name.strip(), param=f"{param}: mechanism variant {text!r}")
+    check_mechanism(name.strip(), options, param=param)
+    return name.strip(), canonical_options(name.strip(), options)

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +46,9 @@ import torch
 from torch import Tensor
 
 from attnscale.errors import ConfigError
+from attnscale.corpus import EXCLUDED_DIRS, stdlib_files  # noqa: F401
 from attnscale.experiments.registry import Param
 
-# Folders whose files are not part of the default corpus: test suites and installed packages.
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
-                           "__pycache__"})
 # Share of files (by path hash) held out for validation.
 VAL_FRACTION = 0.05
 # Document boundary between files: NUL never occurs in text.
@@ -86,17 +83,6 @@ def cache_dir() -> Path:
     if root == "":
         raise ConfigError("ATTNSCALE_CACHE is set but empty; set it to a folder or unset it.")
     return Path(root).expanduser() if root else DEFAULT_CACHE.expanduser()
-
-
-def stdlib_files() -> tuple[Path, list[Path]]:
-    """The stdlib root and its ``.py`` files in the corpus, sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if EXCLUDED_DIRS.isdisjoint(rel.parts[:-1]) and path.is_file():
-            files.append(rel)
-    return root, [root / rel for rel in sorted(files, key=lambda p: p.as_posix())]
 
 
 def is_text(path: Path) -> bool:

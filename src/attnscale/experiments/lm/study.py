@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from attnscale.mechanisms import MECHANISMS, canonical_options, check_mechanism
+from attnscale.mechanisms import (MECHANISMS, canonical_options, check_mechanism,  # noqa: F401
+                                  parse_variant, variant_text)
 
 # Wortsman et al. 2023's learning-rate grid (Figure 1).
 WORTSMAN_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
@@ -62,30 +63,6 @@ def variant(record: dict) -> str:
     """The mechanism and its options: ``softcap`` or ``softcap(cap=30)``."""
     c = record["config"]
     return variant_text(c["mechanism"], c.get("options"))
-
-
-def variant_text(mechanism: str, options: dict | None = None) -> str:
-    """``softcap`` or ``softcap(cap=30)``: a mechanism and its options as one variant name."""
-    if not options:
-        return mechanism
-    return mechanism + "(" + ", ".join(f"{k}={options[k]}" for k in sorted(options)) + ")"
-
-
-def parse_variant(text: str, param: str = "mechanisms") -> tuple[str, dict]:
-    """``"qk-layernorm(divisor=False)"`` -> ``("qk-layernorm", {"divisor": False})``: the inverse of
-    :func:`variant`; values read as ``--option`` reads them, by each option's declared type.
-    Errors name ``param``, where the text came from."""
-    from attnscale.errors import ConfigError
-    from attnscale.mechanisms import check_mechanism, parse_options
-    name, sep, rest = text.strip().partition("(")
-    if sep and not rest.endswith(")"):
-        raise ConfigError(f"{param}: mechanism variant {text!r} must look like "
-                          "name(key=value, ...).")
-    items = [p.strip() for p in rest[:-1].split(",") if p.strip()] if sep else []
-    check_mechanism(name.strip(), param=param)
-    options = parse_options(items, name.strip(), param=f"{param}: mechanism variant {text!r}")
-    check_mechanism(name.strip(), options, param=param)
-    return name.strip(), canonical_options(name.strip(), options)
 
 
 def plotted_loss(record: dict) -> float:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attnscale.experiments.lm.data import DATA_PARAM
-from attnscale.experiments.lm.study import parse_variant
+from attnscale.mechanisms import parse_variant
 from attnscale.experiments.lm.train import LMRunConfig, train_lm
 from attnscale.experiments.registry import Param, experiment, params_from_dataclass
 from attnscale.mechanisms import canonical_options

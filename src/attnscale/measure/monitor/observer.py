@@ -83,7 +83,7 @@ def recomputing() -> bool:
     return _graph_task_id() >= 0
 
 
-def _eager(method):
+def eager(method):
     """``method`` run as plain Python even inside a ``torch.compile``-d model
     (``torch.compiler.disable``: a graph break, never traced), so that a compiled model or
     submodule is observed as the same model run eagerly.  Only once the compiler is loaded in
@@ -353,7 +353,7 @@ class Watch:
         self._stack: list[list] = []  # [module, calls observed so far] per running module
         self._handles: list = []
         self._seen = 0  # attention calls observed in the current forward pass
-        self._sdpa_observer = self._observe_sdpa  # what the SDPA tap calls (see _eager)
+        self._sdpa_observer = self._observe_sdpa  # what the SDPA tap calls (see eager)
 
     @property
     def active(self) -> bool:
@@ -365,13 +365,13 @@ class Watch:
             raise RuntimeError("this watch is already active")
         try:
             self.names = module_names(self.model)
-            push, pop = _eager(self._push), _eager(self._pop)
-            self._sdpa_observer = _eager(self._observe_sdpa)
+            push, pop = eager(self._push), eager(self._pop)
+            self._sdpa_observer = eager(self._observe_sdpa)
             for module in self.names:
                 self._handles.append(module.register_forward_pre_hook(push, with_kwargs=True))
                 # always_call: the stack is popped even when the forward raises.
                 self._handles.append(module.register_forward_hook(pop, always_call=True))
-            self._handles.append(add_observer(_eager(self._observe_pipeline)))
+            self._handles.append(add_observer(eager(self._observe_pipeline)))
             self._handles.append(_SdpaTap.attach(self))
         except BaseException:
             self.detach()
