@@ -251,7 +251,21 @@ def _a_value(study: Study, option: Option) -> str:
             value = registry.get(trials.experiment).params[option.key].default
         if value is not None:
             return repr(value) if isinstance(value, float) else str(value)
-    return "x"
+    # No default anywhere (a value read from the data when not given): the least one allowed.
+    return "x" if option.minimum is None else f"{option.minimum:g}"
+
+
+def _a_setting(study: Study, value: int) -> str:
+    """A valid ``--set KEY=VALUE`` for ``study``: ``seed`` where a store has it, else the first
+    integer setting with a default outside the grid of its first store."""
+    from attnscale.experiments import registry
+    params = [registry.get(t.experiment).params for t in study.stores.values()]
+    if any("seed" in p for p in params):
+        return f"seed={value}"
+    first = next(iter(study.stores.values()))
+    key = next(k for k, p in params[0].items() if p.type is int and not p.required
+               and p.default is not None and k not in first.grid)
+    return f"{key}={value}"
 
 
 def _records_varying(study: Study, key: str, field: str) -> list[dict]:
@@ -275,7 +289,7 @@ def test_from_refuses_what_it_cannot_honour(cli, tmp_path, name):
     study = STUDIES[name]
     folder = tmp_path / "f"
     folder.mkdir()
-    given = [("--workers", "2"), ("--ray", "auto"), ("--set", "seed=3"), ("--quick",)]
+    given = [("--workers", "2"), ("--ray", "auto"), ("--set", _a_setting(study, 3)), ("--quick",)]
     given += [(o.flag, _a_value(study, o)) for o in study.options]
     for argv in given:
         code, out, err = cli("study", name, "--from", str(folder), *argv)
@@ -290,7 +304,7 @@ def test_resume_refuses_options_it_cannot_honour_and_changes_nothing(cli, tiny, 
     folder = tmp_path / "s"
     assert cli("study", "tiny-test", "--out", str(folder), "--workers", "1")[0] == 0
     before = _snapshot(folder)
-    given = [[o.flag, _a_value(study, o)] for o in study.options] + [["--set", "seed=0"],
+    given = [[o.flag, _a_value(study, o)] for o in study.options] + [["--set", _a_setting(study, 0)],
                                                                      ["--quick"]]
     for argv in given:
         code, _, err = cli("study", name, "--resume", str(folder), *argv)
