@@ -62,10 +62,20 @@ def _lines(out: Path) -> list[str]:
     return (out / RESULTS_FILE).read_text().splitlines()
 
 
-def _required(exp: registry.Experiment) -> dict[str, list]:
-    """A one-value grid for the parameters without a default (a valid value of each type)."""
+def _required(exp: registry.Experiment, folder: Path | None = None,
+              but: str | None = None) -> dict[str, list]:
+    """A one-value grid for the parameters without a default (a valid value of each type), but
+    ``but``; with ``folder``, a required path is a file written there (the store pins it)."""
     sample = {str: "scaled", int: 4, float: 1.0, bool: True, dict: {}}
-    return {k: [sample[p.type]] for k, p in exp.params.items() if p.required}
+    out = {}
+    for k, p in exp.params.items():
+        if not p.required or k == but:
+            continue
+        out[k] = [sample[p.type]]
+        if folder is not None and k in exp.paths():
+            (folder / f"required-{k}").write_text("a file the store pins\n")
+            out[k] = [str(folder / f"required-{k}")]
+    return out
 
 
 EXPERIMENTS = sorted(registry.EXPERIMENTS)
@@ -100,7 +110,7 @@ def test_a_path_is_stored_absolute_and_pinned(tmp_path, monkeypatch, name, key):
     absolute = str(corpus.resolve())
     assert parse_fixed(exp, [f"{key}=dd/f1.txt"])[key] == absolute
     assert check_grid(exp, {key: ["dd/f1.txt"]})[key] == [absolute]
-    spec = SweepSpec.build(exp, _required(exp), {key: "dd/f1.txt"})
+    spec = SweepSpec.build(exp, _required(exp, tmp_path, but=key), {key: "dd/f1.txt"})
     assert spec.base[key] == absolute
     assert spec.pinned[key][absolute]["bytes"] == corpus.stat().st_size
     monkeypatch.chdir(tmp_path)                       # a resume from elsewhere: the same file
@@ -193,9 +203,9 @@ def test_one_parsing_rule_and_repeats_by_value_for_every_parameter(name):
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_a_default_written_out_is_the_same_sweep(name):
+def test_a_default_written_out_is_the_same_sweep(name, tmp_path):
     exp = registry.get(name)
-    grid = _required(exp)
+    grid = _required(exp, tmp_path)
     defaults = {k: p.default for k, p in exp.params.items() if not p.required}
     implicit, explicit = SweepSpec.build(exp, grid), SweepSpec.build(exp, grid, defaults)
     assert differences(implicit, explicit, exp) == []
