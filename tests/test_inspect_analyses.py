@@ -24,7 +24,7 @@ from attnscale.inspect import inspect_model
 from attnscale.inspect.compare import compare_rows, draw_compare, render_compare
 from attnscale.inspect.lengths import (DISPERSING_SLOPE, draw_lengths, length_rows,
                                        render_lengths)
-from attnscale.inspect.report import _fmt as fmt
+from attnscale.inspect.report import fmt
 from attnscale.inspect.report import dumps
 from attnscale.inspect.trajectory import (FACTORS, coherence_factor, draw_trajectory,
                                           render_trajectory, step_medians, trajectory_rows)

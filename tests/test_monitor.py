@@ -514,7 +514,7 @@ def test_attention_is_the_same_object_while_a_monitor_is_active():
     with monitor(mha) as mon:
         assert attention_module.attention is ORIGINAL_ATTENTION
         assert attnscale.attention is ORIGINAL_ATTENTION
-        (observer,) = attention_module.observers()  # its watch's (see observer._eager)
+        (observer,) = attention_module.observers()  # its watch's (see observer.eager)
         assert getattr(observer, "__wrapped__", observer) == mon._watch._observe_pipeline
         mha(torch.randn(1, 5, 16))
     assert attention_module.observers() == ()
