@@ -194,9 +194,9 @@ CLAIMS: tuple[Claim, ...] = (
           "step where init-reparam's loss differs from scaled's by > 1%", "< 10,000",
           AtMost(10_000)),
     Claim("recall.logit_std.exponent_init", _MUP, "a in std(q.k) ~ d_k^a at "
-          "init, d_k 16-256 (independent q, k; mean over seeds)", "0.5", Within(0.45, 0.55)),
+          "init, d_k 16-256 (independent q, k)", "0.5", Within(0.45, 0.55)),
     Claim("recall.logit_std.exponent_trained", _MUP, "a in std(q.k) ~ d_k^a "
-          "once trained (scaled runs, d_k 16-256; mean over seeds)", "1", Within(0.75, 1.25)),
+          "once trained (scaled runs, d_k 16-256)", "1", Within(0.75, 1.25)),
 
     # --- Gradient paths and init-reparam, measured by attnscale.report.sections.gradient ---------------
     Claim("gradient.routing.one_hot", _GRAD, "routing path ||J a|| at one-hot p (unscaled row, "
