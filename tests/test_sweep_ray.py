@@ -22,11 +22,24 @@ SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
 SAT_FIXED = {"n": 32, "trials": 100}
 
 
+@pytest.fixture(scope="session")
+def ray_home(tmp_path_factory) -> Path:
+    """One HOME for every Ray test of the session: a local Ray (2.59 and later) writes its token
+    to ~/.ray/auth_token, and a token left in the user's home would make every later
+    ``ray start --head`` there require it (see the README's cluster recipe).  One for the
+    session, because a process keeps the first token it reads."""
+    return tmp_path_factory.mktemp("ray-home")
+
+
 @pytest.fixture
-def importable(monkeypatch):
-    """Ray's worker processes find attnscale and the test experiments through PYTHONPATH."""
+def importable(monkeypatch, ray_home):
+    """Ray's worker processes find attnscale and the test experiments through PYTHONPATH; HOME
+    is :func:`ray_home`."""
     paths = [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    monkeypatch.setenv("HOME", str(ray_home))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)   # the user's cluster settings
     assert not ray.is_initialized()
     yield
     ray.shutdown()
