@@ -86,7 +86,7 @@ QUOTES: dict[str, str] = {
     "recall.steps_to_loss_0_1.scaled": "436",
     "recall.steps_to_loss_0_1.unscaled": "822",
     "recall.plateau.unscaled.steps": "~530-820",    # "between roughly steps 530 and 820"
-    "recall.plateau.unscaled.level": "0.3",         # the stall's loss, read off its figure
+    "recall.plateau.unscaled.level": "0.3",         # "a plateau near loss 0.3"
     "recall.final_loss.scaled": "0.00562",
     "recall.final_loss.unscaled": "0.01374",
     "recall.grad_wq.scaled": "0.1085",
