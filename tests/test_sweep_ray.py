@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 import sweep_experiments
 from sweep_experiments import wait_until
 from attnscale import sweep
-from attnscale.sweep.ray_exec import MAX_RETRIES
+from attnscale.sweep.ray_exec import GCS_WAIT_VARIABLE, LOCAL_GCS_WAIT, MAX_RETRIES
 
 TESTS = Path(__file__).resolve().parent
 SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
@@ -38,7 +38,8 @@ def importable(monkeypatch, ray_home):
     paths = [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     monkeypatch.setenv("HOME", str(ray_home))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS",
+                 GCS_WAIT_VARIABLE):
         monkeypatch.delenv(name, raising=False)   # the user's cluster settings
     assert not ray.is_initialized()
     yield
@@ -77,11 +78,26 @@ def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable):
     assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + MAX_RETRIES, 3: 1}
 
 
-def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable):
+def test_a_local_start_waits_longer_for_its_gcs_and_restores_the_environment(monkeypatch):
+    from attnscale.sweep.ray_exec import _gcs_wait
+    monkeypatch.delenv(GCS_WAIT_VARIABLE, raising=False)
+    with _gcs_wait("local"):
+        assert os.environ[GCS_WAIT_VARIABLE] == str(LOCAL_GCS_WAIT)
+    assert GCS_WAIT_VARIABLE not in os.environ
+    with _gcs_wait("auto"):                      # joining: no GCS of ours to wait for
+        assert GCS_WAIT_VARIABLE not in os.environ
+    monkeypatch.setenv(GCS_WAIT_VARIABLE, "7")   # the user's value is kept
+    with _gcs_wait("local"):
+        assert os.environ[GCS_WAIT_VARIABLE] == "7"
+    assert os.environ[GCS_WAIT_VARIABLE] == "7"
+
+
+def test_a_node_lost_mid_sweep_costs_no_trial(tmp_path, importable, monkeypatch):
     """Every trial is gated (see sweep_experiments), so the first two hold the only CPU of each
     node.  The node is removed while its trial runs, and the gate opens only once that trial's
     process is gone: exactly that trial runs twice (Ray's retry, on the other node), every other
     trial once, and the sweep completes.  No step depends on timing."""
+    monkeypatch.setenv(GCS_WAIT_VARIABLE, str(LOCAL_GCS_WAIT))   # as a local start has it
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # head runs no task
     try:
         doomed = cluster.add_node(num_cpus=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable, Hashable, Iterable, Iterator
 
@@ -38,6 +39,11 @@ IN_FLIGHT_PER_CPU = 2
 MIN_IN_FLIGHT = 16
 # Seconds a remote cluster's address gets to accept a connection before --ray gives up.
 CONNECT_TIMEOUT = 10.0
+# Seconds a local Ray instance's GCS server gets to bind its port.  Ray's own default is 30 s
+# (``RAY_gcs_server_port_wait_time_s``); on two busy cores its start was measured past that
+# (6.6 s idle), so a local start waits this long unless the user set the variable.
+LOCAL_GCS_WAIT = 180
+GCS_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
 
 
 def import_ray():
@@ -81,6 +87,20 @@ def _check_reachable(address: str) -> None:
 
 
 @contextlib.contextmanager
+def _gcs_wait(address: str) -> Iterator[None]:
+    """For a local start, :data:`LOCAL_GCS_WAIT` as the GCS port wait while ``ray.init`` runs
+    (the process environment is restored afterwards); a value the user set is kept."""
+    if address != "local" or GCS_WAIT_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[GCS_WAIT_VARIABLE] = str(LOCAL_GCS_WAIT)
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_WAIT_VARIABLE, None)
+
+
+@contextlib.contextmanager
 def connected(address: str) -> Iterator[None]:
     """Join (or start) Ray at ``address`` for the block, and leave it afterwards; a connection
     the process already had is used and kept.  Failing to join is a one-line ConfigError."""
@@ -90,7 +110,8 @@ def connected(address: str) -> Iterator[None]:
         _check_reachable(address)
         kwargs = {"include_dashboard": False} if address == "local" else {}
         try:
-            ray.init(address=address, logging_level=logging.WARNING, **kwargs)
+            with _gcs_wait(address):
+                ray.init(address=address, logging_level=logging.WARNING, **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise ConfigError(f"{spelled('--ray', 'ray_address')}: cannot start or join Ray "
                               f"at {address!r} "
