@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from attnscale.errors import ConfigError
 from attnscale.measure.gradient import (
-    gradient_path_sweep, gradient_paths, init_reparam_checks, one_hot_limit,
+    GRADIENT_DV, gradient_path_sweep, gradient_paths, init_reparam_checks, one_hot_limit,
 )
 from attnscale.report.claims import CLAIMS_BY_ID
 from attnscale.report.model import judge
@@ -62,6 +62,29 @@ def test_sweep_unscaled_routing_collapses_while_value_grows():
     assert share_u < 0.25 < 0.5 < share_s
     assert u["value_norm_mean"] > 3 * s["value_norm_mean"]
     assert all(r["trials"] == 60 and r["routing_norm_se"] > 0 for r in rows)
+
+
+def test_sweep_matches_sampling_every_coordinate():
+    """The sweep's shortcut (|q| h for the logits, |g| h' for the a_i) against the essay's method:
+    q, k, v and g drawn coordinatewise and split by gradient_paths."""
+    d_k, n, trials = 64, 32, 3000
+    rows = {r["mechanism"]: r for r in gradient_path_sweep(d_ks=(d_k,), n=n, trials=trials,
+                                                            seed=4)}
+    gen = torch.Generator().manual_seed(123)
+    q = torch.randn(trials, 1, d_k, generator=gen)
+    k = torch.randn(trials, n, d_k, generator=gen)
+    v = torch.randn(trials, n, GRADIENT_DV, generator=gen)
+    g = torch.randn(trials, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)
+    dots = (q @ k.mT)[:, 0]                                                  # (T, n)
+    for name, scale in (("scaled", 1 / math.sqrt(d_k)), ("unscaled", 1.0)):
+        paths = gradient_paths(scale * dots, v, g)
+        ref = {"max_weight": paths.weights.max(-1).values,
+               "routing_norm": paths.routing.norm(dim=-1),
+               "value_norm": paths.value.flatten(-2).norm(dim=-1)}
+        for key, x in ref.items():
+            row = rows[name]
+            se = math.hypot(row[f"{key}_se"], float(x.std()) / math.sqrt(trials))
+            assert abs(row[f"{key}_mean"] - float(x.mean())) <= 4.5 * se, (name, key)
 
 
 def test_init_reparam_claims():

@@ -28,6 +28,20 @@ def test_sampled_statistics_match_direct_sampling(mechanism, d_k):
         assert gap <= 4.5 * se + 1e-6, (stat, row[f"{stat}_mean"], ref[f"{stat}_mean"], se)
 
 
+def test_every_rule_of_the_raw_dot_product_takes_the_chi_square_shortcut():
+    # cap(scale q.k + offset) under any normaliser but the differential one is a function of the
+    # raw dot product, which the shortcut samples exactly; a rule that transforms q and k, or
+    # reads the whole row, needs the vectors themselves.
+    methods = {r["mechanism"]: r["method"] for r in saturation([8], 16, 4, 0, AT_INIT)}
+    for name, method in methods.items():
+        cls = MECHANISMS[name]
+        raw = cls.bilinear and cls.per_key and cls.logit_bias is None
+        assert method == ("chi2-shortcut" if raw else "rotation-frame" if cls.rotation_invariant
+                          else "direct"), (name, method)
+    assert {"softcap", "sigmoid", "sink", "ssmax", "learned-temp"} <= {
+        name for name, method in methods.items() if method == "chi2-shortcut"}
+
+
 @pytest.mark.parametrize("mechanism", AT_INIT)
 def test_rows_are_valid_and_seeded(mechanism):
     rows = saturation([4, 16], 32, 10, 3, (mechanism,))

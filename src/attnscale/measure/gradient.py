@@ -25,9 +25,12 @@ from attnscale.attention import MultiHeadAttention
 from attnscale.errors import (
     check_choice, check_float, check_int, check_int_list, check_name_list, check_unique,
 )
-from attnscale.measure.montecarlo import SECONDS_PER_KEY_COORDINATE, check_time
+from attnscale.measure.montecarlo import (
+    SECONDS_PER_KEY_COORDINATE, check_time, sample_chi, shortcut_rule,
+)
 from attnscale.memory import check_memory
 from attnscale.mechanisms import MECHANISMS, build_mechanism
+from attnscale.pipeline import temper
 from attnscale.progress import progress
 from attnscale.rng import cell_seed, rng
 from attnscale.stats import max_weight, mean_se
@@ -37,7 +40,7 @@ GRADIENT_DKS = (1, 4, 16, 64, 256, 1024)
 GRADIENT_N = 256
 GRADIENT_TRIALS = 1000
 # Width of the values: only a_i = v_iᵀ g enters the routing path, and with g ~ N(0, I / d_v) it is
-# N(0, ~1) whatever d_v is, so a fixed small d_v keeps the sweep cheap at d_k = 1024.
+# N(0, ~1) whatever d_v is; d_v sets the spread of |g|, hence of the value path's norm.
 GRADIENT_DV = 64
 # Logit multipliers that drive p from diffuse to one-hot: 1/32 = 1/sqrt(1024) is the scaled
 # temperature at the default d_k, 1 the unscaled row, and at 1e4 every non-top weight underflows
@@ -61,9 +64,13 @@ def gradient_paths(z: Tensor, v: Tensor, g: Tensor) -> GradientPaths:
     """
     p = torch.softmax(z, dim=-1)                               # (..., n)
     a = (v @ g.unsqueeze(-1)).squeeze(-1)                      # a_i = v_iᵀ g, (..., n)
-    routing = p * (a - (p * a).sum(-1, keepdim=True))          # J a, (..., n)
     value = p.unsqueeze(-1) * g.unsqueeze(-2)                  # p_i g, (..., n, d_v)
-    return GradientPaths(weights=p, value=value, routing=routing)
+    return GradientPaths(weights=p, value=value, routing=_routing(p, a))
+
+
+def _routing(p: Tensor, a: Tensor) -> Tensor:
+    """The routing path J a = p ∘ (a - pᵀa) of weights p and a_i = v_iᵀ g, both (..., n)."""
+    return p * (a - (p * a).sum(-1, keepdim=True))
 
 
 def _path_norms(z: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -82,9 +89,17 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
     Row keys: ``max_weight``, ``routing_norm`` (||J a||_2) and ``value_norm`` (||(p_i g)_i||_F),
     each as ``<key>_mean`` and ``<key>_se`` (standard error over trials).
 
-    Each trial draws one query q and n keys with i.i.d. N(0, 1) coordinates in d_k dimensions, n
+    Each trial is one query q and n keys with i.i.d. N(0, 1) coordinates in d_k dimensions, n
     values in ``GRADIENT_DV`` dimensions and g ~ N(0, I / d_v), so a_i = v_iᵀ g has unit variance
     and the paths are comparable across d_k.  Norms are per query row; ``*_se`` are standard errors.
+
+    Sampled exactly in distribution with n + 1 normals per trial where the essay's method draws
+    (n + 1) d_k + n d_v (:mod:`attnscale.measure.montecarlo`'s chi-square shortcut): given q, the
+    raw logits q.k_i are i.i.d. N(0, |q|^2), so they are |q| h_i with |q| ~ chi(d_k), which
+    serves every mechanism whose logits are a function of q.k alone (the others get q and k
+    sampled coordinatewise); given g, the a_i are i.i.d. N(0, |g|^2), and the value path's norm
+    is |g| ||p||_2, so only |g| ~ chi(d_v) / sqrt(d_v) and a_i = |g| h'_i are drawn.  The
+    mechanisms of a trial share its samples.
     """
     d_ks = check_int_list("d_ks", d_ks, minimum=1)
     n = check_int("n", n, minimum=1)
@@ -95,12 +110,15 @@ def gradient_path_sweep(d_ks: Sequence[int] = GRADIENT_DKS,
                                  else mechanisms)
     for name in mechanisms:
         check_choice("mechanisms", name, tuple(MECHANISMS), what="mechanism")
-    for d_k in d_ks:  # q, k, v and the value path of one chunk, float32, and their copies,
-        # plus three float32 norms per trial and mechanism kept until the row is summarised
+    # Which mechanisms take the shortcut is a property of their rule, not of d_k.
+    direct = any(shortcut_rule(build_mechanism(name, 2, 1), n) is None for name in mechanisms)
+    for d_k in d_ks:  # q and k of one chunk where a mechanism needs them, float32, and their
+        # copies; the shortcut's logits, the a_i and the paths of one chunk; three float32
+        # norms per trial and mechanism kept until the row is summarised
         check_memory(f"trials={trials} of n={n} keys at d_k={d_k} in chunks of {chunk}",
-                     16 * min(chunk, trials) * n * (d_k + 2 * GRADIENT_DV)
+                     16 * min(chunk, trials) * n * (d_k * direct + 4)
                      + 12 * trials * len(mechanisms))
-    check_time(f"trials={trials}", trials * n * (sum(d_ks) + len(d_ks) * GRADIENT_DV)
+    check_time(f"trials={trials}", trials * n * (sum(d_ks) * direct + len(d_ks))
                * SECONDS_PER_KEY_COORDINATE)
     bar = progress(None, desc="gradient paths", total=len(d_ks) * trials, enabled=show_progress)
     with contextlib.closing(bar):
@@ -113,17 +131,28 @@ def _gradient_rows(d_k: int, mechanisms: list[str], n: int, trials: int, seed: i
     """Rows of :func:`gradient_path_sweep` for one ``d_k``; ``advance(k)`` reports progress."""
     gen = rng(seed, "gradient-paths", d_k)
     mechs = {name: build_mechanism(name, d_k, 1) for name in mechanisms}  # at init
+    rules = {name: shortcut_rule(mech, n) for name, mech in mechs.items()}
     stats: dict[str, list[list[Tensor]]] = {name: [[], [], []] for name in mechs}
     for start in range(0, trials, chunk):
         t = min(chunk, trials - start)
-        q = torch.randn(t, 1, 1, d_k, generator=gen)                  # (T, 1, 1, d)
-        k = torch.randn(t, 1, n, d_k, generator=gen)                  # (T, 1, n, d)
-        v = torch.randn(t, n, GRADIENT_DV, generator=gen)             # (T, n, d_v)
-        g = torch.randn(t, GRADIENT_DV, generator=gen) / math.sqrt(GRADIENT_DV)  # (T, d_v)
+        if any(rule is not None for rule in rules.values()):
+            norm_q = sample_chi(d_k, (t, 1), gen).float()             # |q|, (T, 1)
+            raw = torch.randn(t, n, generator=gen).mul_(norm_q)       # q.k_i, (T, n)
+        if any(rule is None for rule in rules.values()):
+            q = torch.randn(t, 1, 1, d_k, generator=gen)              # (T, 1, 1, d)
+            k = torch.randn(t, 1, n, d_k, generator=gen)              # (T, 1, n, d)
+        g_norm = sample_chi(GRADIENT_DV, (t, 1), gen).float() / math.sqrt(GRADIENT_DV)  # |g|
+        a = torch.randn(t, n, generator=gen).mul_(g_norm)             # a_i = v_iᵀ g, (T, n)
         for name, mech in mechs.items():
-            with torch.no_grad():
-                z = mech.logits(q, k)[:, 0, 0]                        # (T, n)
-            for acc, x in zip(stats[name], _path_norms(z, v, g)):
+            rule = rules[name]
+            if rule is not None:
+                z = temper(raw, rule.scale, rule.cap, rule.offset)    # (T, n)
+            else:
+                with torch.no_grad():
+                    z = mech.logits(q, k)[:, 0, 0]                    # (T, n)
+            p = torch.softmax(z, dim=-1)
+            for acc, x in zip(stats[name], (max_weight(z), _routing(p, a).norm(dim=-1),
+                                             p.norm(dim=-1) * g_norm[:, 0])):
                 acc.append(x)
         advance(t)
     rows = []

@@ -12,8 +12,9 @@ Given ``q``, the raw logits ``q.k_i`` are i.i.d. ``N(0, |q|^2)`` (rotate ``q`` o
 the first coordinates of the ``k_i`` are i.i.d. standard normals).  Hence sampling
 ``|q|^2 ~ chi^2(d_k)`` and ``g ~ N(0, I_n)`` and setting ``z = |q| g`` is exact in distribution and
 costs ``n + 1`` normals per trial instead of ``(n + 1) d_k``.  It serves every mechanism whose
-logits are ``scale * q.k`` with ``q`` and ``k`` untouched and a constant ``scale``
-(:func:`_shortcut_scale` asks the mechanism itself).  :func:`sample_logits_direct` is the
+logits are a function of the raw dot product alone, ``cap(scale * q.k + offset)`` with ``q`` and
+``k`` untouched and a constant ``scale`` and ``offset`` (a ``bilinear`` rule, whatever its
+normaliser: :func:`shortcut_rule` asks the mechanism itself).  :func:`sample_logits_direct` is the
 brute-force reference it is tested against (and the essay's method, timed in ``benchmarks/``).
 
 Size
@@ -35,6 +36,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +49,7 @@ from attnscale.kernels.team import team_map
 from attnscale.memory import check_memory, memory_budget
 from attnscale.mechanisms import build_mechanism, check_mechanism, defined_at_init
 from attnscale.mechanisms.base import Mechanism
+from attnscale.pipeline import temper
 from attnscale.progress import progress
 from attnscale.rng import rng
 from attnscale.stats import (Moments, mean_se_from_sums, row_mass, row_stats, std_ci,
@@ -105,7 +108,7 @@ def check_time(what: str, seconds: float) -> None:
                           f"(the limit is {MAX_SECONDS / 3600:.0f} h); split it into smaller runs.")
 
 
-def _chi(dof: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def sample_chi(dof: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Samples of ``chi(dof)``, the norm of a ``N(0, I_dof)`` vector, float64: ``chi^2(d)`` is
     ``2 Gamma(d / 2, 1)``.  torch's own gamma sampler, for the saturation experiments, whose rows
     (and the report's figures drawn from them) stay as they were; the variance check, which
@@ -289,19 +292,42 @@ def summarise(acc: dict[str, list[float]], trials: int) -> dict[str, float]:
     return out
 
 
-def _shortcut_scale(mech: Mechanism, n: int) -> float | None:
-    """The constant ``scale`` of a mechanism whose logits are ``scale * q.k`` with ``q`` and ``k``
-    left as they are, no cap or offset, under a plain softmax (``bilinear`` and ``scale_only``,
-    attributes it declares); None for any other, and for a scale that is a tensor (per head).
+@dataclass(frozen=True)
+class ShortcutRule:
+    """A mechanism's logits as a function of the raw dot product: ``cap(scale * q.k + offset)``
+    under its normaliser (:func:`shortcut_rule`)."""
+    mechanism: Mechanism
+    scale: float
+    cap: float | None
+    offset: float
+
+    @property
+    def plain(self) -> bool:
+        """``scale * q.k`` under a plain softmax: no cap, offset or other normaliser."""
+        return self.mechanism.scale_only
+
+
+def shortcut_rule(mech: Mechanism, n: int) -> ShortcutRule | None:
+    """The rule of a mechanism whose logits are ``cap(scale * q.k + offset)`` of the raw dot
+    product, ``q`` and ``k`` left as they are, with a constant ``scale`` and ``offset`` (its
+    ``bilinear`` and ``per_key`` declarations, the base ``logits``, no logit bias), under any
+    normaliser but the differential one (two maps); None for any other, and for a scale or
+    offset that is not one number (per head, per row).
 
     The probe vectors are zero-stride views, read only for the scale: asking costs no memory
     whatever ``d_head`` is.
     """
-    if not (mech.bilinear and mech.scale_only and mech.per_key):
+    if not (mech.bilinear and mech.per_key and mech.logit_bias is None
+            and mech.normaliser != "differential" and type(mech).logits is Mechanism.logits):
         return None
     probe = torch.zeros(()).expand(1, 1, 1, mech.d_head)
-    _, _, scale = mech.prepare(probe, probe, n)
-    return float(scale) if isinstance(scale, float) else None
+    with torch.no_grad():   # a learned scale (learned-temp, ssmax) is read, not trained
+        _, _, scale = mech.prepare(probe, probe, n)
+        offset = mech.offset(n) if mech.has_offset else 0.0
+    if not all(isinstance(v, float) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+               for v in (scale, offset)):
+        return None
+    return ShortcutRule(mech, float(scale), mech.cap, float(offset))
 
 
 def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]:
@@ -320,14 +346,14 @@ def check_mechanisms(mechanisms: object, param: str = "mechanisms") -> list[str]
 
 def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) -> dict:
     """How each (d_k, n) cell samples each mechanism: ``{(d_k, n): {method: {name: how}}}`` with
-    ``how`` the shortcut's scale or the mechanism module, and the largest cell's working set
-    (bytes).  Every cell's memory, and the time of
+    ``how`` the shortcut's :class:`ShortcutRule` or the mechanism module, and the largest cell's
+    working set (bytes).  Every cell's memory, and the time of
     the whole request, are checked before any mechanism is built at its ``d_k``."""
     plan, shortcut, seconds, largest = {}, {}, 0.0, 0
     for n in ns:
         # Which mechanisms the shortcut serves is a property of their rule, not of d_k.
         shortcut[n] = {m for m in mechanisms
-                       if _shortcut_scale(build_mechanism(m, 2, 1), n) is not None}
+                       if shortcut_rule(build_mechanism(m, 2, 1), n) is not None}
         for d_k in d_ks:
             need = max(SHORTCUT_BATCH_ELEMENTS, n) * BYTES_PER_LOGIT \
                 + d_k * BYTES_PER_KEY_COORDINATE
@@ -343,10 +369,10 @@ def _plan(d_ks: list[int], ns: list[int], trials: int, mechanisms: list[str]) ->
         for n in ns:
             cell: dict[str, dict] = {}
             for name, mod in modules.items():
-                scale = _shortcut_scale(mod, n) if name in shortcut[n] else None
-                method = ("chi2-shortcut" if scale is not None else
+                rule = shortcut_rule(mod, n) if name in shortcut[n] else None
+                method = ("chi2-shortcut" if rule is not None else
                           "rotation-frame" if mod.rotation_invariant else "direct")
-                cell.setdefault(method, {})[name] = mod if scale is None else scale
+                cell.setdefault(method, {})[name] = mod if rule is None else rule
             plan[d_k, n] = cell
     return plan, largest
 
@@ -359,10 +385,10 @@ def saturation(d_ks: Sequence[int] = ESSAY_D_KS, n: int | Sequence[int] = ESSAY_
 
     For each trial a fresh query and ``n`` fresh keys are drawn; the statistics of its attention
     row are averaged over ``trials``.  ``n`` is one key count or a list of them, as ``d_ks`` is a
-    list of head sizes.  Mechanisms whose logits are a constant times ``q.k`` use the chi-square
-    shortcut; every other mechanism defined at init applies its own ``logits`` to queries and
-    keys in a rotated frame (:func:`frame_qk`), or sampled directly when its rule is not rotation
-    invariant.  Mechanisms sampled the same way share samples (common random numbers), so their
+    list of head sizes.  Mechanisms whose logits are a function of the raw ``q.k`` alone (a
+    constant scale, offset and cap) use the chi-square shortcut; every other mechanism defined at
+    init applies its own ``logits`` to queries and keys in a rotated frame (:func:`frame_qk`), or
+    sampled directly when its rule is not rotation invariant.  Mechanisms sampled the same way share samples (common random numbers), so their
     differences are measured with less noise than their levels.
 
     Returns one row per (d_k, n, mechanism), in that nesting order, with ``mechanism, d_k, n,
@@ -404,9 +430,10 @@ def _saturation_cell(d_k: int, n: int, trials: int, seed: int, mechanisms: list[
              "method": method[name], **summarise(acc[name], trials)} for name in mechanisms]
 
 
-def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trials: int,
+def _shortcut_stats(acc: dict, rules: dict[str, ShortcutRule], d_k: int, n: int, trials: int,
                     gen: torch.Generator, advance=lambda k: None) -> None:
-    """Accumulate statistics of ``scale * q.k`` logits sampled by the chi-square shortcut.
+    """Accumulate statistics of each rule's logits of raw ``q.k`` sampled by the chi-square
+    shortcut (the same samples for every rule: common random numbers).
 
     The draws come in chunks of :data:`CHUNK_ELEMENTS` logits (the stream's unit: the samples
     do not depend on the batching below) and are scored a batch of :data:`SHORTCUT_BATCH_ELEMENTS`
@@ -415,18 +442,23 @@ def _shortcut_stats(acc: dict, scales: dict[str, float], d_k: int, n: int, trial
     per = max(1, CHUNK_ELEMENTS // n)                                 # trials per draw
     batch = max(1, SHORTCUT_BATCH_ELEMENTS // (n * per)) * per        # whole draws per batch
     raw_buf = torch.empty(min(batch, trials), n)                      # (T, n) float32
-    scaled_buf = torch.empty_like(raw_buf) if any(v != 1.0 for v in scales.values()) else None
+    scaled_buf = (torch.empty_like(raw_buf) if any(r.plain and r.scale != 1.0
+                                                   for r in rules.values()) else None)
     for size in _chunk_sizes(trials, batch):
         raw = raw_buf[:size]
         start = 0
         for part in _chunk_sizes(size, per):
             # Exact shortcut: logits q.k_i = |q| g_i, |q| ~ chi(d_k), g ~ N(0, I_n).
-            norm_q = _chi(d_k, (part, 1), gen).float()                # (part, 1)
+            norm_q = sample_chi(d_k, (part, 1), gen).float()          # (part, 1)
             torch.randn(part, n, generator=gen, out=raw[start:start + part]).mul_(norm_q)
             start += part
-        for name, scale in scales.items():
-            _accumulate(acc[name], raw if scale == 1.0 else
-                        torch.mul(raw, scale, out=scaled_buf[:size]))
+        for name, rule in rules.items():
+            if not rule.plain:   # the pipeline's own step from dot products to logits
+                _accumulate(acc[name], temper(raw, rule.scale, rule.cap, rule.offset),
+                            rule.mechanism)
+            else:
+                _accumulate(acc[name], raw if rule.scale == 1.0 else
+                            torch.mul(raw, rule.scale, out=scaled_buf[:size]))
         advance(size)
 
 
@@ -467,10 +499,10 @@ def frame_qk(d_k: int, n: int, trials: int, gen: torch.Generator, *,
         k = torch.zeros(trials, 1, n, d_k)
         if scratch is not None:
             scratch.update(shape=(trials, n, d_k), q=q, k=k)
-    q[:, 0, 0, 0] = _chi(d_k, (trials,), gen)
+    q[:, 0, 0, 0] = sample_chi(d_k, (trials,), gen)
     k[:, 0, :, 0] = torch.randn(trials, n, generator=gen)
     if d_k > 1:
-        k[:, 0, :, 1] = _chi(d_k - 1, (trials, n), gen)
+        k[:, 0, :, 1] = sample_chi(d_k - 1, (trials, n), gen)
     return q, k
 
 
