@@ -29,7 +29,7 @@ from attnscale.inspect.measure import qk_totals
 from attnscale.inspect.records import COMPARED
 from attnscale.inspect.report import OUT_FILES, RECORDS, REPORT
 from attnscale.measure.monitor import monitor
-from attnscale.stats import coherence, logit_std, qk_row_stats
+from attnscale.stats import coherence, logit_std, qk_row_factors, qk_row_stats
 
 hf.register()
 
@@ -248,6 +248,50 @@ def test_qk_totals_read_an_additive_mask_as_its_masked_keys():
     want, got = qk_totals(q, k, mask=keep).means(), qk_totals(q, k, mask=bias).means()
     for key in want:
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_qk_row_factors_from_a_known_std_equal_qk_row_stats(causal):
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 3, 11, 8, generator=g), torch.randn(2, 3, 11, 8, generator=g)
+    k[0, 1, 2:5] = 0.0                                                # rows with a zero key
+    mask = torch.rand(2, 1, 11, 11, generator=g) > 0.3
+    limit = torch.arange(1, 12) if causal else None
+    want = qk_row_stats(q, k, mask=mask, limit=limit)
+    seen = mask & (torch.arange(11) < limit.unsqueeze(-1)) if causal else mask
+    seen = seen.expand(2, 3, 11, 11)
+    n = seen.sum(-1).double()
+    dots = (q @ k.transpose(-2, -1)).double().masked_fill(~seen, 0.0)
+    mean = dots.sum(-1) / n.clamp(min=1)
+    var = ((dots - mean.unsqueeze(-1)) ** 2).masked_fill(~seen, 0.0).sum(-1) / (n - 1)
+    std = torch.where(n >= 2, var.sqrt(), math.nan)                 # Bessel-corrected
+    got = qk_row_factors(q, k, std, seen.sum(-1), mask=mask, limit=limit)
+    for key in ("count", "q_rms", "k_rms", "coherence"):
+        torch.testing.assert_close(got[key], want[key].double(), rtol=1e-5, atol=1e-7,
+                                   equal_nan=True, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_coherence_from_the_kernels_rows_equals_the_recomputation(family, monkeypatch):
+    """On a float32 model the pipeline's kernel hands over each row's logit std, and the q/k
+    factors are taken from it; forcing the recomputation from q and k gives the same records."""
+    measure_module = sys.modules["attnscale.inspect.measure"]
+    model = make_model(family, dtype=torch.float32)
+    tokens = ids()
+    used = []
+    real = measure_module.qk_row_factors
+    monkeypatch.setattr(measure_module, "qk_row_factors",
+                        lambda *a, **kw: used.append(1) or real(*a, **kw))
+    fast = measure_module.measure(model, {"input_ids": tokens}, block=7).records
+    assert used                                       # the rows' path was taken
+    monkeypatch.setattr(measure_module, "_plain_logits", lambda seen: False)
+    used.clear()
+    slow = measure_module.measure(model, {"input_ids": tokens}, block=7).records
+    assert not used
+    for key in ("q_rms", "k_rms", "coherence", "coherent_rows", "mean_ln_keys", "n_keys"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in fast], dtype=torch.float64),
+                                   torch.tensor([r[key] for r in slow], dtype=torch.float64),
+                                   rtol=2e-5, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_the_monitor_hands_each_call_to_on_call_under_its_record_name():

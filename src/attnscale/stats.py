@@ -515,18 +515,36 @@ def qk_row_stats(q: Tensor, k: Tensor, *, mask: Tensor | None = None,
         compiled kernel where it runs): call it on blocks of query rows.
     """
     q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
-    d, n_k = q.shape[-1], k.shape[-2]
+    n_k = k.shape[-2]
     dots = q @ k.transpose(-2, -1)                                # (..., Nq, Nk)
-    k_sq = (k * k).sum(dim=-1).double() / d                       # (..., Nk), |k_i|²/d
     if mask is not None and limit is not None:                    # one mask for both
         mask = mask & (torch.arange(n_k, device=q.device) < limit.to(q.device).unsqueeze(-1))
         limit = None
     if mask is not None:
-        keep = mask.expand(dots.shape)
-        dots = dots.masked_fill(~keep, -math.inf)
+        dots = dots.masked_fill(~mask.expand(dots.shape), -math.inf)
     stats = columns(row_stats(dots, limit=limit))
-    count = stats["count"]
+    return qk_row_factors(q, k, stats["logit_std"], stats["count"], mask=mask, limit=limit)
+
+
+def qk_row_factors(q: Tensor, k: Tensor, qk_std: Tensor, count: Tensor, *,
+                   mask: Tensor | None = None, limit: Tensor | None = None) -> dict[str, Tensor]:
+    """:func:`qk_row_stats` from each row's std of q·k over its keys, already known (the kernel
+    that formed the logits measured it: a row's logit std over its scale), without forming the
+    (..., Nq, Nk) products: ``q_rms`` and ``k_rms`` from q and k, and ``coherence`` =
+    ``qk_std / (√d · q_rms · k_rms)``.
+
+    ``qk_std`` and ``count`` (the keys each row attends) are (..., Nq); ``mask`` and ``limit`` say
+    which keys, as in :func:`qk_row_stats` (the largest tensor is the mask's, (..., Nq, Nk),
+    where one is given).  Returns float64 (..., Nq) tensors, as :func:`qk_row_stats`."""
+    q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
+    d, n_k = q.shape[-1], k.shape[-2]
+    k_sq = (k * k).sum(dim=-1).double() / d                       # (..., Nk), |k_i|²/d
+    if mask is not None and limit is not None:                    # one mask for both
+        mask = mask & (torch.arange(n_k, device=q.device) < limit.to(q.device).unsqueeze(-1))
+        limit = None
+    count = count.double()
     if mask is not None:
+        keep = mask.expand(*count.shape, n_k)
         k_ms = (keep.to(k_sq.dtype) @ k_sq.unsqueeze(-1)).squeeze(-1)
     elif limit is not None:                                       # prefix sums of |k_i|²/d
         seen = limit.to(q.device).clamp(0, n_k)
@@ -537,12 +555,12 @@ def qk_row_stats(q: Tensor, k: Tensor, *, mask: Tensor | None = None,
     k_rms = (k_ms / count.clamp(min=1)).sqrt()
     q_rms = torch.linalg.vector_norm(q, dim=-1).double() / math.sqrt(d)
     norm = q_rms * k_rms * math.sqrt(d)                           # |q| · rms|k| / √d
+    qk_std = qk_std.double()
     ok = (count >= 2) & (norm > 0)
-    coh = torch.where(ok, stats["logit_std"] / torch.where(ok, norm, 1.0), math.nan)
+    coh = torch.where(ok, qk_std / torch.where(ok, norm, 1.0), math.nan)
     # A NaN in q or k makes every quantity of its rows NaN, as in every other statistic.
     return {"count": count, "q_rms": q_rms, "k_rms": torch.where(count > 0, k_rms, 0.0),
-            "coherence": torch.where(torch.isnan(stats["logit_std"]) | torch.isnan(norm),
-                                     math.nan, coh)}
+            "coherence": torch.where(torch.isnan(qk_std) | torch.isnan(norm), math.nan, coh)}
 
 
 # ---------------------------------------------------------------------------------------------

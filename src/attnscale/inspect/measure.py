@@ -34,7 +34,7 @@ from attnscale.errors import ConfigError
 from attnscale.measure.monitor import DEFAULT_BLOCK, monitor
 from attnscale.pipeline import MASKED_BIAS, Observation
 from attnscale.precision import work_dtype
-from attnscale.stats import qk_row_stats
+from attnscale.stats import ROW_STATS_COLUMNS, qk_row_factors, qk_row_stats
 
 # Per-head sums kept for each attention site, merged exactly over blocks and calls (float64).
 QK_SUMS = ("rows", "ln_keys", "inv_keys", "q_rms", "k_rms", "coherent_rows", "coherence")
@@ -78,7 +78,8 @@ class QKTotals:
 
 
 def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool = False,
-              block: int = DEFAULT_BLOCK, sink: bool = False) -> QKTotals:
+              block: int = DEFAULT_BLOCK, sink: bool = False, rows: Tensor | None = None,
+              scale: float | Tensor | None = None) -> QKTotals:
     """:class:`QKTotals` of queries q (B, H, Nq, d) against keys k (B, Hk, Nk, d), ``H % Hk == 0``.
 
     ``mask``: broadcastable to (B, H, Nq, Nk): bool, True = attend, or additive float, where
@@ -89,6 +90,11 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
     n + 1 (the entropy the monitor reports covers the sink).  Computed ``block``
     queries at a time by :func:`attnscale.stats.qk_row_stats`, in float32 or better, over only
     the key columns some query of the block attends: the largest tensor is (B, H, block, Nk).
+
+    ``rows`` (with ``scale``): the call's row statistics from the kernel that formed its logits
+    ``scale · q kᵀ`` (:meth:`attnscale.pipeline.Observation.request_rows`; no cap, bias or
+    offset), whose logit std over ``|scale|`` is each row's std of q·k: the factors then come
+    from q and k alone (:func:`attnscale.stats.qk_row_factors`), no product formed again.
     """
     with torch.no_grad():
         work = work_dtype(q.dtype)
@@ -102,9 +108,17 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
         sums = {name: torch.zeros(n_heads, dtype=torch.float64, device=q.device)
                 for name in QK_SUMS}
         most = 0  # the most keys a row attends
+        known = None
+        if rows is not None:  # each row's std of q·k and its keys, from the kernel's rows
+            got_rows = rows.detach().to(q.device)
+            size = torch.as_tensor(scale, dtype=torch.float64, device=q.device).abs()
+            if size.dim():
+                size = size.squeeze(-1)                                # (B|1, H|1, Nq|1)
+            known = (got_rows[..., ROW_STATS_COLUMNS.index("logit_std")] / size,
+                     got_rows[..., ROW_STATS_COLUMNS.index("count")])
         for i0 in range(0, n_q, block):
             qb = q[..., i0:i0 + block, :]                              # (B, H, b, d)
-            rows = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
+            row_ids = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
             keep = None
             if mask is not None:
                 keep = mask[..., i0:i0 + block, :] if mask.shape[-2] > 1 else mask
@@ -117,9 +131,13 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
                 lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
             if hi <= lo:
                 continue                                               # no row has a key
-            limit = (rows + 1 - lo) if causal else None                # keys 0..i, from lo
-            got = qk_row_stats(qb, k[..., lo:hi, :],
-                               mask=None if keep is None else keep[..., lo:hi], limit=limit)
+            limit = (row_ids + 1 - lo) if causal else None                # keys 0..i, from lo
+            cut = None if keep is None else keep[..., lo:hi]
+            if known is None:
+                got = qk_row_stats(qb, k[..., lo:hi, :], mask=cut, limit=limit)
+            else:
+                std, count = (x[..., i0:i0 + qb.shape[-2]] for x in known)
+                got = qk_row_factors(qb, k[..., lo:hi, :], std, count, mask=cut, limit=limit)
 
             def head_sum(x: Tensor, where: Tensor) -> Tensor:
                 return torch.where(where, x, 0.0).sum(dim=(0, 2), dtype=torch.float64)
@@ -253,10 +271,20 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
         if _repeat(site, modules):
             repeats.add(site)
             return
-        if seen.q is not None:  # None: a model that handed its logits (observe_logits)
-            got = qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
-                            sink=seen.sink is not None)
+        def add(got: QKTotals) -> None:
             totals[site] = totals[site].merge(got) if site in totals else got
+
+        if seen.q is not None and _plain_logits(seen):  # std of q·k from the kernel's rows
+            def from_rows(rows: Tensor) -> None:
+                add(qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
+                              rows=rows, scale=seen.scale))
+            if not seen.request_rows(from_rows):
+                from_rows = None
+        else:
+            from_rows = None
+        if seen.q is not None and from_rows is None:  # None: a model that handed its logits
+            add(qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
+                          sink=seen.sink is not None))
             if seen.sink is not None:
                 new = sink_key_weight(seen, block)
                 old = key_weight.get(site)
@@ -291,6 +319,24 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
                            for key in ("mean_ln_keys", "uniform_max_weight", "q_rms", "k_rms",
                                        "coherence", "coherent_rows")}})
     return Measured(records, calls, counts)
+
+
+def _plain_logits(seen: Observation) -> bool:
+    """Whether the call's logits are ``scale · q kᵀ`` under softmax, with a positive finite
+    scale constant over each row's keys and nothing else added (no cap, bias, offset or sink):
+    then the logit std its kernel measures is ``|scale|`` times the std of q·k."""
+    if (seen.normaliser != "softmax" or seen.cap is not None or seen.bias is not None
+            or seen.mechanism_bias is not None or seen.sink is not None
+            or seen.logits is not None or seen.lam is not None):
+        return False
+    offset = seen.offset
+    if isinstance(offset, Tensor) or offset != 0.0:
+        return False
+    scale = seen.scale
+    if isinstance(scale, Tensor):
+        return scale.shape[-1:] in ((), (1,)) and bool(torch.isfinite(scale).all()) \
+            and bool((scale > 0).all())
+    return math.isfinite(scale) and scale > 0
 
 
 def _repeat(site: str, modules: Mapping[str, nn.Module]) -> bool:
