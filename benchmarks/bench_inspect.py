@@ -66,6 +66,18 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
+def _trim() -> None:
+    """Return the heap's free memory to the system (glibc's malloc_trim), so that the resident
+    baseline holds what is in use: memory freed after the load would otherwise be reused
+    without raising the peak, hiding up to the load's own overshoot."""
+    import ctypes
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux 4.0+); False where the kernel refuses."""
     try:
@@ -219,14 +231,14 @@ def memory_child(args) -> None:
     import attnscale.inspect  # noqa: F401
     from attnscale import hf
     hf.register()
-    gc.collect()
+    _trim()
     r0 = _kib("VmRSS")
     model, tokenizer = load_model(args.model, args.dtype, args.layers)
     x = tokens(model, tokenizer, args.n)
     from attnscale.inspect.measure import measure
     model.set_attn_implementation("attnscale")
     measure(model, {"input_ids": x[:, :64]}, block=args.block)       # warm-up: kernels
-    gc.collect()
+    _trim()
     load_peak = _kib("VmHWM")
     r1 = _kib("VmRSS")
     reset = _reset_peak()
@@ -255,8 +267,10 @@ def _child(args, what: str) -> dict:
         cmd += ["--layers", str(args.layers)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def memory(args) -> None:

@@ -11,7 +11,8 @@ The parts, each one ``attnscale inspect`` call whose folder is named below:
 * ``all-MiniLM-L6-v2/``: the BERT encoder (its ``save_pretrained`` folder) at 64, 128, 256 and
   512 tokens (its 512 positions): a report per length and ``lengths.md``;
 * ``SmolLM2-135M-Instruct.Q4_1/`` and ``gemma-3-270m-q4_k_m/``: the two decoders from their GGUF
-  files (dequantised to float32) at 256, 1024 and 4096 tokens;
+  files (dequantised to float32), SmolLM2 at 256, 1024 and 4096 tokens, Gemma 3 at 128, 256, 512,
+  1024 and 4096 (its sliding-window layers' keys stop growing at 512);
 * ``compare/``: the three side by side at 256 tokens, one call (``compare.md``);
 * ``run/``: a Hugging Face Trainer run fine-tuning SmolLM2-135M-Instruct (from its GGUF, rebuilt
   as a plain LlamaForCausalLM: transformers will not ``save_pretrained`` a GGUF-loaded model) on
@@ -43,8 +44,11 @@ import checkpoints  # noqa: E402  (benchmarks/checkpoints.py)
 PARTS = ("minilm", "smollm2", "gemma3", "compare", "run")
 # all-MiniLM-L6-v2 has 512 learned positions (max_position_embeddings).
 MINILM_LENGTHS = "64,128,256,512"
-# The decoders' lengths: 16x apart, below SmolLM2's 8192 trained context and Gemma 3's 32768.
-DECODER_LENGTHS = "256,1024,4096"
+# SmolLM2's lengths: 4x apart, below its 8192 trained context.
+SMOLLM2_LENGTHS = "256,1024,4096"
+# Gemma 3's: 5 layers in 6 attend a sliding window of 512 keys, whose keys stop growing there, so
+# three lengths up to 512 fit those layers' slopes; its 32768 trained context bounds none.
+GEMMA3_LENGTHS = "128,256,512,1024,4096"
 # The fine-tuning run: batches of BATCH windows of WINDOW tokens of the standard library's
 # source (the LM study's training files), AdamW at LR with a linear decay over STEPS, the
 # model saved at SAVE_AT (log-spaced, so the first checkpoint is nearly the pretrained model).
@@ -164,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if part == "minilm":
             inspect([models[part].name, "--lengths", MINILM_LENGTHS], out, cache)
         elif part in ("smollm2", "gemma3"):
-            inspect([models[part].name, "--lengths", DECODER_LENGTHS], out, cache)
+            inspect([models[part].name, "--lengths",
+                     SMOLLM2_LENGTHS if part == "smollm2" else GEMMA3_LENGTHS], out, cache)
         elif part == "compare":
             inspect([m.name for m in models.values()], out, cache)
         else:

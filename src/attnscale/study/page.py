@@ -200,12 +200,12 @@ def _checkpoints(root: Path) -> list[str]:
         return 0 if len(indexes[p]["sources"]) > 1 else \
             2 if any(s["run"] for s in indexes[p]["sources"]) else 1
     lines = ["## Real checkpoints", "",
-             "`attnscale inspect` on pretrained checkpoints and a fine-tuning run; every page is "
-             "attnscale's, redrawn by `attnscale inspect --from DIR`"
+             "`attnscale inspect` on real checkpoints; every page is attnscale's, redrawn by "
+             "`attnscale inspect --from DIR`"
              + (f", and [make.py]({CHECKPOINTS}/make.py) measures them all again"
                 if (top / "make.py").is_file() else "") + ".", ""]
     reports = []
-    for folder in sorted(found, key=lambda p: (kind(p), p.name)):
+    for folder in sorted(found, key=lambda p: (kind(p), p.name.lower())):
         entries = indexes[folder]["entries"]
         got = {e: load(folder / e.folder) for e in entries}
         at = f"{CHECKPOINTS}/{folder.name}"
@@ -284,15 +284,18 @@ def _length_lines(at: str, source: str, entries: list, got: Mapping) -> list[str
     layers = lengths.layer_summary(rows)
     windowed = [s["layer"] for s in layers if s["window"] is not None
                 and s["lengths_fitted"] != rows[0]["lengths"]]
+    sizes = sorted({len(s["dispersing"]) + len(s["holding"]) for s in layers} - {0})
     page = Path(entries[0].folder).parent
     return [f"**Against length**: [{source}]({_path(at, page, lengths.PAGE)}) at N = "
             f"{', '.join(map(str, by_length))}: {sum(bool(r['dispersing']) for r in fitted)} of "
             f"{len(fitted)} fitted heads disperse (entropy growing at least "
             f"{_fig(lengths.DISPERSING_SLOPE)} nats per unit ln n: what SSMax and log-n scaling "
             f"correct), median entropy slope {_fig(median(fitted, 'entropy_slope'))}; dispersing "
-            "heads per layer " + ", ".join(f"{len(s['dispersing'])}/"
-                                           f"{len(s['dispersing']) + len(s['holding'])}"
-                                           for s in layers) + "."
+            f"heads per layer, of {'/'.join(map(str, sizes))} fitted"
+            + (" (—: none fitted)" if any(not s["dispersing"] and not s["holding"]
+                                          for s in layers) else "") + ": "
+            + " ".join(str(len(s["dispersing"])) if s["dispersing"] or s["holding"] else "—"
+                       for s in layers) + "."
             + (f" Layers {', '.join(map(str, windowed))} attend a sliding window: their keys "
                "stop growing at it, and they are fitted only over the lengths below it."
                if windowed else ""), ""]
