@@ -72,3 +72,50 @@ def test_a_report_built_on_two_processes_is_the_same_bytes(tmp_path):
     mc = "Monte Carlo: variance, saturation and the softmax Jacobian"
     assert serial["sections"][mc] == parallel["sections"][mc]
     assert serial["claims"] == parallel["claims"]
+
+
+def test_jobs_beside_the_block_run_in_order_on_another_thread():
+    import threading
+
+    from attnscale.report.parallel import beside
+
+    main = threading.get_ident()
+    jobs = [lambda: ("a", threading.get_ident()), lambda: ("b", threading.get_ident())]
+    with beside(jobs) as run:
+        here = "block"
+    results = run.results()
+    assert here == "block"
+    assert [name for name, _ in results] == ["a", "b"]
+    assert all(ident != main for _, ident in results)
+
+
+def test_an_error_beside_the_block_is_raised_by_results():
+    from attnscale.report.parallel import beside
+
+    with beside([lambda: 1 / 0]) as run:
+        pass
+    with pytest.raises(ZeroDivisionError):
+        run.results()
+
+
+def test_an_error_in_the_block_starts_no_further_job():
+    import threading
+
+    from attnscale.report.parallel import beside
+
+    started, release = [], threading.Event()
+
+    def job(name):
+        def run():
+            started.append(name)
+            release.wait(5)
+            return name
+        return run
+
+    with pytest.raises(RuntimeError, match="block failed"):
+        with beside([job("first"), job("second")]):
+            while not started:       # the first job is running
+                threading.Event().wait(0.01)
+            threading.Timer(0.2, release.set).start()   # it ends after the error
+            raise RuntimeError("block failed")
+    assert started == ["first"]

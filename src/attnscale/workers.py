@@ -22,12 +22,14 @@ import contextlib
 import ctypes
 import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import resource_tracker
 from typing import TypeVar
 
 import torch
@@ -158,6 +160,38 @@ def process_context():
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         return ctx
     return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked for a process started in the block (main thread only).
+
+    The child inherits the signal mask (multiprocessing's fork-and-exec restores the caller's),
+    so a Ctrl-C sent to the whole process group never reaches the fork server while it imports
+    (no traceback there), nor any worker forked from it.  The driver blocks it rather than
+    ignoring it, so that it loses no Ctrl-C that arrives inside the block: another of its threads
+    takes it, or it stays pending until the block ends, and either way it reaches the driver's
+    own handler (a KeyboardInterrupt); an ignored signal would be discarded.  multiprocessing's
+    resource tracker unblocks SIGINT after starting itself, so it is started before the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server (:func:`process_context`) unless it runs, SIGINT
+    blocked (:func:`sigint_blocked`), without waiting for its imports: a worker started later
+    waits only for what is left of them.  Started from the main thread, before any other thread
+    starts workers, it is the one such a thread uses.  No-op without a fork server."""
+    if process_context().get_start_method() == "forkserver":
+        with sigint_blocked():
+            multiprocessing.forkserver.ensure_running()
 
 
 def die_with_parent() -> None:

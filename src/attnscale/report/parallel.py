@@ -22,11 +22,12 @@ in list order is raised.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pickle
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -180,3 +181,55 @@ class _Worker:
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()
+
+
+class Beside:
+    """The results of jobs run one after another on a thread beside the caller (see
+    :func:`beside`); :meth:`results` waits for them."""
+
+    def __init__(self, jobs: Sequence[Callable[[], object]]) -> None:
+        self._jobs = list(jobs)
+        self._results: list = [None] * len(self._jobs)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="attnscale-report-beside")
+
+    def _run(self) -> None:
+        # SIGINT is the caller's to handle: blocked here, it is also blocked in any process this
+        # thread starts (a fork server importing attnscale prints no traceback on Ctrl-C).
+        if hasattr(signal, "pthread_sigmask"):  # POSIX
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for i, job in enumerate(self._jobs):
+                if self._stop.is_set():
+                    return
+                self._results[i] = job()
+        except BaseException as exc:  # noqa: BLE001 -- raised by results() in the caller
+            self._error = exc
+
+    def results(self) -> list:
+        """Every job's result, in order, once all are done; a job's error is raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return list(self._results)
+
+
+@contextlib.contextmanager
+def beside(jobs: Sequence[Callable[[], object]]) -> Iterator[Beside]:
+    """Run ``jobs`` one after another on a thread while the block runs (the recall section's
+    sweep stores that train beside its demo); read them with :meth:`Beside.results`.
+
+    On an error or interrupt in the block no further job starts: the one running finishes (it
+    waits on its own worker processes) before the error goes on, unless a second interrupt
+    comes first."""
+    run = Beside(jobs)
+    run._thread.start()
+    try:
+        yield run
+    except BaseException:
+        run._stop.set()
+        run._thread.join()
+        raise
+    run._thread.join()

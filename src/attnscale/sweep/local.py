@@ -18,14 +18,10 @@ outlives an interrupted or killed sweep.
 from __future__ import annotations
 
 import collections
-import contextlib
-import multiprocessing.forkserver
-from multiprocessing import resource_tracker
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable
 from multiprocessing.connection import Connection, wait
 
 from attnscale.sweep.batch import Chunk, chunks, run_chunk
@@ -33,6 +29,7 @@ from attnscale.sweep.trial import Task, outcome
 # The fork server (preloaded with attnscale's experiments) and the parent-death signal.
 from attnscale.workers import die_with_parent as _die_with_parent
 from attnscale.workers import process_context as _context
+from attnscale.workers import sigint_blocked, start_fork_server
 
 # Seconds a stopping worker gets to exit after SIGTERM before it is killed.
 STOP_GRACE = 5.0
@@ -78,28 +75,6 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT blocked for a process started in the block (main thread only).
-
-    The child inherits the signal mask (multiprocessing's fork-and-exec restores the caller's),
-    so a Ctrl-C sent to the whole process group never reaches the fork server while it imports
-    (no traceback there), nor any worker forked from it.  The driver blocks it rather than
-    ignoring it, so that it loses no Ctrl-C that arrives inside the block: another of its threads
-    takes it, or it stays pending until the block ends, and either way it reaches the driver's
-    own handler (a KeyboardInterrupt); an ignored signal would be discarded.  multiprocessing's
-    resource tracker unblocks SIGINT after starting itself, so it is started before the block."""
-    if not _main_thread():
-        yield
-        return
-    resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
@@ -110,11 +85,10 @@ class _Worker:
             # so a Ctrl-C sent to the whole process group prints no traceback there.  The start
             # itself waits for the server's imports (seconds, the first time), and a Ctrl-C in
             # that wait must stop the driver: only the server's launch ignores SIGINT.
-            with _sigint_ignored():
-                multiprocessing.forkserver.ensure_running()
+            start_fork_server()
             self.process.start()
         else:  # spawn: the child is started here and inherits SIGINT ignored
-            with _sigint_ignored():
+            with sigint_blocked():
                 self.process.start()
         child.close()
         self.chunk: Chunk | None = None
@@ -144,10 +118,6 @@ class _Worker:
                 self.process.kill()
         self.process.join()
         self.conn.close()
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def death_message(exitcode: int | None, pid: int | None) -> str:

@@ -5,7 +5,8 @@ Runs, as trials of the ``recall`` experiment on the sweep engine (the recall stu
 :data:`SECTION_SEEDS` seeds (:data:`FULL_SEEDS` under ``attnscale reproduce --full``);
 init-reparam under Adam for :data:`REPARAM_STEPS` steps on the same seeds; the init-reparam SGD
 runs for :data:`SGD_STEPS` steps; scaled at the smaller d_k of :data:`SCALING_D_KS` for the
-logit-scaling exponent (on the first seed; on every seed under ``--full``).  Quantities the
+logit-scaling exponent (on the first seed; on every seed under ``--full``).  The demo's store
+trains on one worker, the others one after another on a second, beside it.  Quantities the
 unspecified architecture sets (absolute step counts, losses, gradient norms) are shown next to
 the essay's in a table; verdicts are on ratios and bounds (see the recall block of
 :mod:`attnscale.report.claims`).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,10 +39,12 @@ from attnscale.experiments.recall.trainer import RunResult, config_dict
 from attnscale.plotting import new_figure, save
 from attnscale.report import Measurement, Section
 from attnscale.report.claims import essay
+from attnscale.report.parallel import beside
 from attnscale.stats import mean_se, t975, wilson_interval
 from attnscale.study.seeds import finite, spread
 from attnscale.study.spec import Trials
 from attnscale.styles import style
+from attnscale.workers import start_fork_server
 
 # Seeds seed, seed+1, ... of the demo.  The default is what fits `attnscale reproduce`'s goal of
 # 30 s on an idle 2-core machine (benchmarks/bench_reproduce.py); --full runs enough for the stall
@@ -261,8 +265,9 @@ def _figure_init_reparam(fig_dir: Path, adam_runs: list[RunResult], sgd: dict) -
 
 def _on_engine(store: Path, grid: dict, fixed: dict, *, workers: int = 1) -> list[RunResult]:
     """The runs of ``grid`` on ``fixed`` as ``recall`` trials on the sweep engine, in grid order
-    (a run that fails is an error: the report's numbers need every run).  One worker: the report
-    runs its Monte Carlo sections beside this one (:mod:`attnscale.report.parallel`)."""
+    (a run that fails is an error: the report's numbers need every run), on ``workers`` worker
+    processes: one by default, since the report runs the section's other stores and its Monte
+    Carlo sections beside it (:mod:`attnscale.report.parallel`)."""
     from attnscale.experiments.recall.trial import run_result
     from attnscale.study.launcher import run_trials
     records = run_trials(Trials("recall", grid, fixed), store, workers=workers)
@@ -281,27 +286,33 @@ def report_section(fig_dir: Path, *, seed: int, full: bool = False) -> Section:
     base = RecallConfig(seed=seed)
     seeds = [seed + i for i in range(FULL_SEEDS if full else SECTION_SEEDS)]
     reparam, boosted, plain = sgd_configs(replace(base, steps=SGD_STEPS))
+    fitted = seeds if full else seeds[:1]   # the seeds of the logit-scaling fit
+    # --full trains for minutes, long after the Monte Carlo sections beside this one are done:
+    # its many seeds train in chunks (attnscale.sweep.batch) on two workers.
+    many = 2 if full else 1
     with tempfile.TemporaryDirectory(prefix="attnscale-recall-") as tmp:
         stores = Path(tmp)
-        # --full trains for minutes, long after the Monte Carlo sections beside this one are
-        # done: its many seeds train in chunks (attnscale.sweep.batch) on two workers.
-        many = 2 if full else 1
-        runs = _on_engine(stores / "demo", {"seed": seeds, "mechanism": ["scaled", "unscaled"]},
-                          {}, workers=many)
-        reparam_runs = _on_engine(stores / "init-reparam", {"seed": seeds},
-                                  {"mechanism": "init-reparam", "steps": REPARAM_STEPS},
-                                  workers=many)
         sgd_fixed = {"optimizer": "sgd", "lr": reparam.lr, "steps": SGD_STEPS, "seed": seed}
-        sgd_pair = _on_engine(stores / "sgd", {"mechanism": [reparam.mechanism,
-                                                             plain.mechanism]}, sgd_fixed)
-        (sgd_boosted,) = _on_engine(stores / "sgd-boosted", {"qk_lr_mult": [boosted.qk_lr_mult]},
-                                    {**sgd_fixed, "mechanism": boosted.mechanism})
-        fitted = seeds if full else seeds[:1]   # the seeds of the logit-scaling fit
-        # Last, on two workers (a model of each d_k): by now the Monte Carlo sections beside
-        # this one are about done, and each d_k's runs train as one model on a core of its own.
-        small = _on_engine(stores / "scaling",
-                           {"d_k": [d for d in SCALING_D_KS if d != base.d_k], "seed": fitted},
-                           {}, workers=len(SCALING_D_KS) - 1)
+        # Every store but the demo's trains on a thread beside it, one store after another:
+        # the demo (the longest, one batched model) keeps a core to itself, and the others
+        # share the other core with the Monte Carlo sections (attnscale.report.parallel).
+        rest = [
+            partial(_on_engine, stores / "init-reparam", {"seed": seeds},
+                    {"mechanism": "init-reparam", "steps": REPARAM_STEPS}, workers=many),
+            partial(_on_engine, stores / "sgd",
+                    {"mechanism": [reparam.mechanism, plain.mechanism]}, sgd_fixed),
+            partial(_on_engine, stores / "sgd-boosted", {"qk_lr_mult": [boosted.qk_lr_mult]},
+                    {**sgd_fixed, "mechanism": boosted.mechanism}),
+            # each d_k's runs train as one model
+            partial(_on_engine, stores / "scaling",
+                    {"d_k": [d for d in SCALING_D_KS if d != base.d_k], "seed": fitted}, {},
+                    workers=many)]
+        start_fork_server()   # from this thread (SIGINT blocked), for both threads' workers
+        with beside(rest) as others:
+            runs = _on_engine(stores / "demo",
+                              {"seed": seeds, "mechanism": ["scaled", "unscaled"]}, {},
+                              workers=many)
+        reparam_runs, sgd_pair, (sgd_boosted,), small = others.results()
     sgd = sgd_tracking(sgd_pair[0], sgd_boosted, sgd_pair[1])
     demo = {m: [r for r in runs if r.mechanism == m] for m in ("scaled", "unscaled")}
     demo["init-reparam"] = reparam_runs
