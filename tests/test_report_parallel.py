@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from attnscale.report import Section
 from attnscale.report.parallel import run_sections
 from attnscale.report.reproduce import reproduce
 from attnscale.report.sections import montecarlo
+from attnscale.workers import process_context
 
 
 def _where(fig_dir: Path, *, name: str, seed: int = 0, full: bool = False) -> Section:
@@ -27,7 +30,16 @@ def _fails(fig_dir: Path) -> Section:
     raise ValueError("section failed on purpose")
 
 
-def test_sections_come_back_in_order_with_the_last_run_by_the_driver(tmp_path):
+@pytest.fixture
+def warm_fork_server():
+    """The fork server has imported attnscale: a worker starts in milliseconds, so the driver
+    goes straight to the last section."""
+    process = process_context().Process(target=os.getpid)
+    process.start()
+    process.join()
+
+
+def test_sections_come_back_in_order_with_the_last_run_by_the_driver(tmp_path, warm_fork_server):
     fns = [functools.partial(_where, name=n) for n in ("a", "b", "c")]
     sections = run_sections(fns, tmp_path, workers=2)
     assert [s.name for s in sections] == ["a", "b", "c"]
@@ -50,7 +62,36 @@ def test_a_section_that_cannot_be_pickled_runs_in_the_driver(tmp_path):
     assert [s.rows[0]["pid"] for s in sections] == [os.getpid(), os.getpid()]
 
 
-def test_an_error_in_a_worker_is_raised(tmp_path):
+SLOW_SECTIONS = """
+import functools, os, sys, time
+from pathlib import Path
+from attnscale.report import Section
+from attnscale.report.parallel import run_sections
+
+def where(fig_dir, name):
+    time.sleep(0.2)
+    return Section(name=name, rows=[{"pid": os.getpid()}], measurements={}, figures=[],
+                   markdown="")
+
+if __name__ == "__main__":
+    sections = run_sections([functools.partial(where, name=n) for n in "abc"],
+                            Path(sys.argv[1]), workers=2)
+    print(" ".join("driver" if s.rows[0]["pid"] == os.getpid() else "worker"
+                   for s in sections))
+"""
+
+
+def test_while_its_workers_start_the_driver_runs_sections_from_the_front(tmp_path):
+    """A fresh process: its fork server imports attnscale for seconds, and the driver does not
+    wait for it."""
+    script = tmp_path / "sections.py"
+    script.write_text(SLOW_SECTIONS, encoding="utf-8")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out[0] == "driver" and out[-1] == "driver", out
+
+
+def test_an_error_in_a_worker_is_raised(tmp_path, warm_fork_server):
     with pytest.raises(ValueError, match="on purpose"):
         run_sections([_fails, functools.partial(_where, name="b")], tmp_path, workers=2)
 
@@ -60,7 +101,7 @@ def test_workers_must_be_positive(tmp_path):
         run_sections([functools.partial(_where, name="a")], tmp_path, workers=0)
 
 
-def test_a_report_built_on_two_processes_is_the_same_bytes(tmp_path):
+def test_a_report_built_on_two_processes_is_the_same_bytes(tmp_path, warm_fork_server):
     # A real Monte Carlo section runs in the worker (one torch thread), the other in the driver.
     sections = (montecarlo.report_section, functools.partial(_where, name="driver"))
     serial = reproduce(tmp_path / "serial", 0, sections=sections, workers=1)

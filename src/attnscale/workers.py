@@ -184,14 +184,19 @@ def sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def start_fork_server() -> None:
+def start_fork_server() -> bool:
     """Start this process's fork server (:func:`process_context`) unless it runs, SIGINT
     blocked (:func:`sigint_blocked`), without waiting for its imports: a worker started later
     waits only for what is left of them.  Started from the main thread, before any other thread
-    starts workers, it is the one such a thread uses.  No-op without a fork server."""
-    if process_context().get_start_method() == "forkserver":
-        with sigint_blocked():
-            multiprocessing.forkserver.ensure_running()
+    starts workers, it is the one such a thread uses.  True when it was started now (its
+    imports take seconds); False when it already ran, or there is no fork server."""
+    if process_context().get_start_method() != "forkserver":
+        return False
+    server = multiprocessing.forkserver._forkserver   # the process's one fork server
+    before = getattr(server, "_forkserver_pid", None)
+    with sigint_blocked():
+        multiprocessing.forkserver.ensure_running()
+    return getattr(server, "_forkserver_pid", None) != before
 
 
 def die_with_parent() -> None:

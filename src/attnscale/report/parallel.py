@@ -3,20 +3,24 @@ processes share one list of independent section functions.
 
 Every section is a pure function of its seed that saves its figures into the folder it is given
 (:mod:`attnscale.report.sections`), so it may run anywhere: the report is the same bytes however
-its sections were spread.  The calling process (the driver) takes sections from the end of the
-list and the workers from its front, so the driver runs the last section, which
+its sections were spread.  The calling process (the driver) runs the last section, which
 :data:`attnscale.report.reproduce.SECTIONS` makes the recall section (the longest: it trains
-models, and may itself hand trials to the sweep engine's worker processes), while the workers
-run the Monte Carlo sections beside it.
+models, on sweep worker processes of its own), and the workers take the others from the front of
+the list: the Monte Carlo sections.  A worker waits for the fork server's imports (seconds) when
+the run starts the fork server: meanwhile the driver runs sections from the front too, and takes
+the last once a worker is up.
 
 A worker is a fork-server process (:func:`attnscale.workers.process_context`) that ignores
 SIGINT and dies with the driver; it runs torch on ``cores // workers`` intra-op threads (at least
-one), so the workers and the driver do not oversubscribe the cores with spinning OpenMP threads.
-The report's sections give the same numbers on one thread as on several (their reductions do
-not depend on the thread count; ``tests/test_report.py`` checks a report built both ways).  A
-section that cannot be pickled (a lambda, a local function) runs in the driver.  On an exception
-in any section, or Ctrl-C / SIGTERM in the driver, the workers are stopped and the first error
-in list order is raised.
+one), and so does the driver while its workers run, so that they do not oversubscribe the cores
+with spinning OpenMP threads.  The report's sections give the same numbers on one thread as on
+several (their reductions do not depend on the thread count; ``tests/test_report_parallel.py``
+checks a report built both ways).  A section that cannot be pickled (a lambda, a local function)
+runs in the driver.  On an exception in any section, or Ctrl-C / SIGTERM in the driver, the
+workers are stopped and the first error in list order is raised.
+
+:func:`beside` runs jobs on a thread beside the caller's: the recall section's stores that
+train beside its demo.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 from attnscale.errors import check_int
 from attnscale.report.model import Section
-from attnscale.workers import die_with_parent, process_context
+from attnscale.workers import die_with_parent, num_threads, process_context, start_fork_server
 
 SectionFn = Callable[[Path], Section]  # receives the folder for its figures
 # Seconds an idle worker gets to exit when asked, before it is terminated.
@@ -47,49 +51,85 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
     processes (see the module doc); ``workers=1`` runs them one after the other here."""
     workers = check_int("workers", workers, minimum=1)
     fns = list(fns)
-    portable = [_picklable(fn) for fn in fns]
+    last = len(fns) - 1
+    # The last section is the driver's: the recall section starts sweep workers of its own.
+    portable = [i != last and _picklable(fn) for i, fn in enumerate(fns)]
     n_workers = min(workers - 1, sum(portable))
-    if n_workers < 1 or len(fns) < 2:
+    if n_workers < 1:
         return [fn(fig_dir) for fn in fns]
     results: list[Section | None] = [None] * len(fns)
-    errors: dict[int, BaseException] = {}
+    errors: dict[int, BaseException] = {}   # by section index; len(fns): a worker's start
     queue = collections.deque(range(len(fns)))   # section indices not yet taken
     lock = threading.Lock()
+    ready = threading.Event()       # a worker is up
+    stopping = threading.Event()    # no more sections go out
 
-    def take(front: bool) -> int | None:
+    def take(front: bool, driver: bool = False) -> int | None:
+        """A worker's next section, from the front (a portable one); the driver's, from the end,
+        or from the front but for the last (``front``) while its workers start."""
         with lock:
-            for i in (list(queue) if front else reversed(queue)):
-                if front and not portable[i]:
-                    continue
-                queue.remove(i)
-                return i
-            return None
+            if stopping.is_set():
+                return None
+            if front:
+                for i in queue:
+                    if (i != last) if driver else portable[i]:
+                        queue.remove(i)
+                        return i
+                if not driver:
+                    return None
+            return queue.pop() if queue else None
 
     pool: list[_Worker] = []
+
+    def start_and_feed() -> None:
+        """Start a worker (it waits for the fork server's imports) and feed it sections."""
+        try:
+            worker = _Worker(fig_dir, _threads(workers))
+        except Exception as exc:  # noqa: BLE001 -- raised below, after any section's error
+            errors.setdefault(len(fns), exc)
+            return
+        with lock:
+            if not stopping.is_set():
+                pool.append(worker)
+        if worker not in pool:  # the run ended while it started
+            worker.stop(force=True)
+            worker.conn.close()
+            return
+        ready.set()
+        worker.feed(fns, take, results, errors)
+
     feeders: list[threading.Thread] = []
     clean = False
     try:  # everything started inside: Ctrl-C at any point stops what has started
+        # The fork server imports attnscale (seconds) when this run starts it: meanwhile the
+        # driver runs sections from the front, and takes the last once a worker is up.
+        cold = start_fork_server()
         for _ in range(n_workers):
-            pool.append(_Worker(fig_dir, _threads(workers)))
-            feeders.append(threading.Thread(target=pool[-1].feed, daemon=True,
-                                            args=(fns, take, results, errors),
+            feeders.append(threading.Thread(target=start_and_feed, daemon=True,
                                             name="attnscale-report-feeder"))
             feeders[-1].start()
-        while not errors and (i := take(front=False)) is not None:
-            try:
-                results[i] = fns[i](fig_dir)
-            except Exception as exc:  # noqa: BLE001 -- raised below, in list order
-                errors[i] = exc
+        while not cold and not ready.is_set() and any(t.is_alive() for t in feeders):
+            ready.wait(0.05)  # a running fork server starts a worker in milliseconds
+        with num_threads(_threads(workers)):  # the driver's share of the cores, as a worker's
+            while not errors and (i := take(front=cold and not ready.is_set(),
+                                            driver=True)) is not None:
+                try:
+                    results[i] = fns[i](fig_dir)
+                except Exception as exc:  # noqa: BLE001 -- raised below, in list order
+                    errors[i] = exc
         for t in feeders:
             while t.is_alive() and not errors:
                 t.join(0.1)
         clean = not errors  # every worker idle: let each exit on its own
     finally:
-        for w in pool:
+        with lock:
+            stopping.set()
+            started = list(pool)
+        for w in started:
             w.stop(force=not clean)
-        for t in feeders:  # their pipes are at EOF now
+        for t in feeders:  # their pipes are at EOF now; a worker still starting stops itself
             t.join()
-        for w in pool:
+        for w in started:
             w.conn.close()
     if errors:
         raise errors[min(errors)]
