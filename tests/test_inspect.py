@@ -24,7 +24,7 @@ from attnscale.columns import RECORD_STATS
 from attnscale.errors import ConfigError
 from attnscale.kernels import native, softmax_rows
 from attnscale.inspect import FIELDS, inspect_checkpoint, inspect_model, redraw, render, write
-from attnscale.inspect.inputs import fresh_model
+from attnscale.inspect.inputs import fresh_model, reinitialise
 from attnscale.inspect.measure import qk_totals
 from attnscale.inspect.records import COMPARED
 from attnscale.inspect.report import OUT_FILES, RECORDS, REPORT
@@ -389,8 +389,8 @@ def test_init_statistics_are_the_fresh_architecture_measured_independently():
     state = torch.random.get_rng_state()
     fresh_model(model, 7)
     assert torch.equal(torch.random.get_rng_state(), state)
-    torch.manual_seed(7)                                             # built here on its own
-    fresh = transformers.AutoModel.from_config(model.config, attn_implementation="eager").eval()
+    fresh = reinitialise(transformers.AutoModel.from_config(        # built here on its own
+        model.config, attn_implementation="eager"), 7)
     with torch.no_grad(), eager_calls(fresh) as calls:
         fresh(input_ids=tokens, output_attentions=True)
     for layer, call in enumerate(calls):

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from attnscale.inspect import inspect_checkpoint, inspect_model, redraw
-from attnscale.inspect.inputs import load_model, token_ids
+from attnscale.inspect.inputs import load_model, reinitialise, token_ids
 from attnscale.inspect.records import COMPARED
 from attnscale.inspect.report import OUT_FILES, RECORDS, REPORT
 
@@ -66,12 +66,13 @@ def result(model_dir, shipped) -> dict:
 
 def _eager(model_dir: Path | None, ids: torch.Tensor, config=None, seed: int = 0) -> list[dict]:
     """HF's eager attention calls of the checkpoint (or, given ``config``, of the architecture
-    freshly initialised under ``torch.manual_seed(seed)``) on ``ids``."""
+    built afresh and initialised under ``seed`` as inspect draws it,
+    :func:`attnscale.inspect.inputs.reinitialise`) on ``ids``."""
     if config is None:
         model = transformers.AutoModel.from_pretrained(model_dir, attn_implementation="eager")
     else:
-        torch.manual_seed(seed)
-        model = transformers.AutoModel.from_config(config, attn_implementation="eager")
+        model = reinitialise(transformers.AutoModel.from_config(
+            config, attn_implementation="eager"), seed)
     with torch.no_grad(), eager_calls(model.eval()) as calls:
         model(input_ids=ids, output_attentions=True)
     return calls

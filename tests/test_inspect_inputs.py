@@ -4,7 +4,9 @@ loaded model, re-initialised in place).
 
 The GGUF is written in the test with the ``gguf`` package from a tiny Llama's weights, laid out
 as llama.cpp's converter lays them (tests/gguf_files.py), so transformers' own GGUF loader reads
-it back; the run folder is saved by a tiny Hugging Face Trainer run.
+it back; the run folder is saved by a tiny Hugging Face Trainer run.  The figures are stubbed
+(a PNG signature each): their drawing is tested in tests/test_inspect_analyses.py and
+tests/test_inspect.py, and here the inputs, the stores and the pages' text are the subject.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ from attnscale.inspect.sources import load_checkpoint, resolve
 from gguf_files import write_llama_gguf
 
 SETTINGS = dict(block=64, saturated_weight=0.75, saturated_entropy=0.1)
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stub_figures():
+    """Every inspect figure written as a bare PNG signature, for the whole module."""
+    from attnscale.inspect import compare, lengths, report, trajectory
+
+    def stub(*args, **kwargs):
+        path = Path(args[1])
+        path.write_bytes(PNG)
+        return path
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in ((report, "draw_heatmaps"), (report, "draw_scatter"),
+                             (compare, "draw_compare"), (lengths, "draw_lengths"),
+                             (trajectory, "draw_trajectory")):
+            patch.setattr(module, name, stub)
+        yield
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, **extra) -> transformers.LlamaForCausalLM:
