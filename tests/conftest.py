@@ -61,3 +61,12 @@ def cli(capsys):
         out, err = capsys.readouterr()
         return code, out, err
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_home(tmp_path_factory):
+    """One HOME for every Ray test of the session: a local Ray (2.59 and later) writes its token
+    to ~/.ray/auth_token, and a token left in the user's home would make every later
+    ``ray start --head`` there require it (see the README's cluster recipe).  One for the
+    session, because a process keeps the first token it reads."""
+    return tmp_path_factory.mktemp("ray-home")

@@ -191,11 +191,18 @@ def test_recall_on_two_workers_in_chunks_gives_the_results_of_single_runs(tmp_pa
 
 
 def test_ray_runs_chunks_and_a_lost_chunk_falls_back_to_single_trials(tmp_path, marks,
-                                                                       monkeypatch):
+                                                                       monkeypatch, ray_home):
     import ray  # the test extra installs it, as for tests/test_sweep_ray.py
-    from attnscale.sweep.ray_exec import MAX_RETRIES
+    from attnscale.sweep import ray_exec
+    # One retry instead of ray_exec's three: each retry of the doomed trial is a worker
+    # process killed and started again (seconds each), and one shows the fallback as well.
+    monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)
+    MAX_RETRIES = ray_exec.MAX_RETRIES
     tests = Path(__file__).resolve().parent  # Ray's workers import the experiment through this
     monkeypatch.setenv("PYTHONPATH", f"{tests.parent / 'src'}:{tests}")
+    monkeypatch.setenv("HOME", str(ray_home))  # Ray writes its token to ~/.ray
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
     (marks / "kill-3").touch()
     res = sweep.run("test-batched", {"x": list(range(6))}, tmp_path / "s",
                     fixed={"marks": str(marks)}, ray_address="local")

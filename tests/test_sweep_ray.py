@@ -15,20 +15,11 @@ from ray.cluster_utils import Cluster
 import sweep_experiments
 from sweep_experiments import wait_until
 from attnscale import sweep
-from attnscale.sweep.ray_exec import GCS_WAIT_VARIABLE, LOCAL_GCS_WAIT, MAX_RETRIES
+from attnscale.sweep.ray_exec import GCS_WAIT_VARIABLE, LOCAL_GCS_WAIT
 
 TESTS = Path(__file__).resolve().parent
 SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
 SAT_FIXED = {"n": 32, "trials": 100}
-
-
-@pytest.fixture(scope="session")
-def ray_home(tmp_path_factory) -> Path:
-    """One HOME for every Ray test of the session: a local Ray (2.59 and later) writes its token
-    to ~/.ray/auth_token, and a token left in the user's home would make every later
-    ``ray start --head`` there require it (see the README's cluster recipe).  One for the
-    session, because a process keeps the first token it reads."""
-    return tmp_path_factory.mktemp("ray-home")
 
 
 @pytest.fixture
@@ -59,7 +50,9 @@ def test_ray_gives_the_local_executor_results(tmp_path, importable):
     assert _results(on_ray) == _results(local)
 
 
-def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable):
+def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable, monkeypatch):
+    from attnscale.sweep import ray_exec
+    monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)  # each retry a worker started again
     marks = tmp_path / "marks"
     marks.mkdir()
     (marks / "fail-1").touch()
@@ -75,7 +68,7 @@ def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable):
     assert errors[1] == "RuntimeError: trial x=1 was asked to fail"
     assert errors[2].startswith("WorkerCrashedError")
     # an exception is not retried; a crashed worker is, MAX_RETRIES times
-    assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + MAX_RETRIES, 3: 1}
+    assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + ray_exec.MAX_RETRIES, 3: 1}
 
 
 def test_a_local_start_waits_longer_for_its_gcs_and_restores_the_environment(monkeypatch):
