@@ -139,8 +139,16 @@ def test_planted_key_refuses_bad_input(kwargs, pattern):
 
 def test_tiny_section(tmp_path):
     ns = (16, 128, keys.EXPONENT_MIN_N, 2 * keys.EXPONENT_MIN_N)
-    sat, planted = keys_rows(0, ns=ns, d_k=8, trials=lambda n: 24)
+    sat, planted = keys_rows(0, ns=ns, d_k=8, trials=lambda n: 24, module_trials=lambda n: 8)
     section = build_section(tmp_path, sat, planted, seed=0)
+    # The chi-square shortcut's mechanisms (scaled among them) at the claims' count, the others,
+    # figure only, at their own; the text states both.
+    counts = {r["mechanism"]: r["trials"] for r in sat}
+    assert counts["scaled"] == counts["ssmax"] == 24 and counts["qknorm"] == counts["cosine"] == 8
+    assert {c for m, c in counts.items() if m != "scaled"} == {24, 8}
+    assert ", ".join(f"{n}: 24" for n in ns) in section.markdown
+    assert ", ".join(f"{n}: 8" for n in ns) + " for qknorm" in section.markdown
+    assert [r["mechanism"] for r in sat if r["n"] == ns[0]] == AT_INIT   # in registry order
     assert keys.report_section in SECTIONS
     png = tmp_path / "figure_keys_at_init.png"
     assert png.read_bytes().startswith(b"\x89PNG")
@@ -172,3 +180,6 @@ def test_trials_schedule_is_clamped():
     assert keys.trials_for(16) == keys.MAX_TRIALS
     assert keys.trials_for(1 << 30) == keys.MIN_TRIALS
     assert keys.trials_for(4096) == keys.KEY_BUDGET // 4096
+    assert keys.module_trials_for(16) == keys.MAX_TRIALS
+    assert keys.module_trials_for(1 << 30) == keys.MODULE_MIN_TRIALS
+    assert keys.module_trials_for(4096) == keys.MODULE_KEY_BUDGET // 4096
