@@ -8,14 +8,16 @@ one thread in a worker of a 2-worker report.  Its CPU seconds count every proces
 recall section trains in sweep workers): this script samples the CPU time of the subprocess's
 whole process tree from ``/proc`` every 0.1 s.
 
-On an idle 2-core machine ``--workers 2`` runs the recall section on one core and the Monte Carlo
-sections one after the other on the other, so its wall time is about the larger of the two lanes'
-CPU seconds plus the start (imports, the fork server); that estimate ("idle lanes") is printed
-with the section table, because wall times on a machine shared with other work mean little (the
-load average is printed with every figure).  The whole command is then timed in interleaved
-rounds of ``--workers 1`` and ``--workers 2``: wall seconds and the CPU seconds of every process,
-the median and best of each, best ÷ best, and the two reports' ``report.md`` compared byte for
-byte.
+On an idle 2-core machine ``--workers 2`` keeps both cores busy: the driver runs Monte Carlo
+sections while the report worker's fork server imports attnscale, then the recall section, whose
+demo trains on one sweep worker while its other stores train on a second one beside it, and the
+report worker runs the remaining Monte Carlo sections; so its wall time is about the driver's
+start (imports) plus half the CPU seconds of everything after it, but no less than the demo's
+training.  That estimate ("two busy cores") is printed with the section table, because wall
+times on a machine shared with other work mean little (the load average is printed with every
+figure).  The whole command is then timed in interleaved rounds of ``--workers 1`` and
+``--workers 2``: wall seconds and the CPU seconds of every process, the median and best of
+each, best ÷ best, and the two reports' ``report.md`` compared byte for byte.
 
     python benchmarks/bench_reproduce.py                 # sections, then 2 rounds of the command
     python benchmarks/bench_reproduce.py --sections-only
@@ -99,11 +101,10 @@ def run_tree(argv: list[str], report_workers: int = 0) -> dict:
 
 def _lanes(root: int, seen: dict[int, tuple[int, float, int]],
            report_workers: int) -> dict[str, float]:
-    """CPU seconds of a report by role: the driver process, the fork server (its imports), the
-    report workers (the fork server's first ``report_workers`` children: the Monte Carlo
-    sections) and the sweep workers (its later children: the recall section's training).  On an idle 2-core
-    machine the wall time is about the fork server's start plus the larger of the driver's
-    lane (driver and sweep workers) and the report worker's."""
+    """CPU seconds of a report by role: the driver process (its imports, Monte Carlo sections
+    while the fork server starts, the recall section's analysis), the fork server (its imports),
+    the report workers (the fork server's first ``report_workers`` children: Monte Carlo
+    sections) and the sweep workers (its later children: the recall section's training)."""
     forkserver = [pid for pid, (parent, *_) in seen.items() if parent == root
                   and any(p == pid for p, *_ in seen.values())]
     lanes = {"driver": seen[root][1], "fork server": 0.0, "report worker": 0.0,
@@ -132,8 +133,9 @@ if __name__ == "__main__":
 
 
 def lanes(full: bool) -> dict[str, float]:
-    """CPU seconds of each lane of a 2-worker report run alone on one process, start included:
-    the driver's (the recall section) and the worker's (the Monte Carlo sections in a row)."""
+    """CPU seconds of each lane of a 2-worker report run alone, start included: the driver's
+    (the recall section, on two sweep workers) and the worker's (the Monte Carlo sections in a
+    row, on one process)."""
     out = {}
     for lane in ("driver", "worker"):
         load = machine.load()
@@ -142,7 +144,8 @@ def lanes(full: bool) -> dict[str, float]:
         print(f"{lane} lane ({'recall' if lane == 'driver' else 'Monte Carlo'}): {r['cpu']:.1f} s "
               f"CPU in {r['processes']} processes, {r['wall']:.1f} s wall; before: {load}",
               flush=True)
-    print(f"idle estimate of --workers 2: {max(out.values()):.1f} s (the busier lane)")
+    print(f"idle estimate of --workers 2 on two busy cores: {sum(out.values()) / 2:.1f} s "
+          "(half the two lanes' CPU; each counts a start of its own, one more than the report)")
     return out
 
 
@@ -160,8 +163,9 @@ def sections(full: bool) -> None:
                   flush=True)
             if threads == 1:   # a 2-worker report: the last section in the driver, one thread
                 lanes["driver" if i == len(SECTIONS) - 1 else "worker"] += cpu
-    print(f"idle lanes of --workers 2: driver (recall) {lanes['driver']:.1f} s, worker (Monte "
-          f"Carlo) {lanes['worker']:.1f} s of CPU, plus the start; {machine.load()}")
+    print(f"sections of --workers 2: recall {lanes['driver']:.1f} s, Monte Carlo "
+          f"{lanes['worker']:.1f} s of CPU; on two busy cores about "
+          f"{(lanes['driver'] + lanes['worker']) / 2:.1f} s plus the start; {machine.load()}")
 
 
 def command(rounds: int, full: bool) -> None:

@@ -30,8 +30,9 @@ SECTIONS: tuple[Callable[..., Section], ...] = (
     gradient.report_section,
     recall.report_section,   # last: with workers > 1 the calling process runs it (the longest)
 )
-# Processes ``attnscale reproduce`` runs the sections on: the recall section's training in the
-# calling process, the Monte Carlo sections beside it in one worker (:mod:`.parallel`).
+# Processes ``attnscale reproduce`` runs the sections on: the calling process runs the recall
+# section (its training on sweep workers of its own) and, while the worker starts, Monte Carlo
+# sections; one worker runs the other Monte Carlo sections (:mod:`.parallel`).
 REPRODUCE_WORKERS = 2
 
 # The files every report has (the sections add their figures).
