@@ -101,9 +101,11 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
     feeders: list[threading.Thread] = []
     clean = False
     try:  # everything started inside: Ctrl-C at any point stops what has started
-        # The fork server imports attnscale (seconds) when this run starts it: meanwhile the
-        # driver runs sections from the front, and takes the last once a worker is up.
-        cold = start_fork_server()
+        # A worker imports attnscale (seconds) where this run starts the fork server, or where
+        # there is none (spawn): meanwhile the driver runs sections from the front, and takes
+        # the last once a worker is up.
+        cold = (start_fork_server()
+                or process_context().get_start_method() != "forkserver")
         for _ in range(n_workers):
             feeders.append(threading.Thread(target=start_and_feed, daemon=True,
                                             name="attnscale-report-feeder"))
