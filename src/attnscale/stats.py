@@ -515,15 +515,22 @@ def qk_row_stats(q: Tensor, k: Tensor, *, mask: Tensor | None = None,
         compiled kernel where it runs): call it on blocks of query rows.
     """
     q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
-    n_k = k.shape[-2]
     dots = q @ k.transpose(-2, -1)                                # (..., Nq, Nk)
-    if mask is not None and limit is not None:                    # one mask for both
-        mask = mask & (torch.arange(n_k, device=q.device) < limit.to(q.device).unsqueeze(-1))
-        limit = None
+    mask, limit = _one_key_mask(mask, limit, k.shape[-2])
     if mask is not None:
         dots = dots.masked_fill(~mask.expand(dots.shape), -math.inf)
     stats = columns(row_stats(dots, limit=limit))
     return qk_row_factors(q, k, stats["logit_std"], stats["count"], mask=mask, limit=limit)
+
+
+def _one_key_mask(mask: Tensor | None, limit: Tensor | None,
+                  n_k: int) -> tuple[Tensor | None, Tensor | None]:
+    """A mask and a causal ``limit`` given together as one mask (True = attend), limit None;
+    either alone as it is."""
+    if mask is None or limit is None:
+        return mask, limit
+    return mask & (torch.arange(n_k, device=mask.device)
+                   < limit.to(mask.device).unsqueeze(-1)), None
 
 
 def qk_row_factors(q: Tensor, k: Tensor, qk_std: Tensor, count: Tensor, *,
@@ -539,9 +546,7 @@ def qk_row_factors(q: Tensor, k: Tensor, qk_std: Tensor, count: Tensor, *,
     q, k = upcast(check_floating(q, "q")), upcast(check_floating(k, "k"))
     d, n_k = q.shape[-1], k.shape[-2]
     k_sq = (k * k).sum(dim=-1).double() / d                       # (..., Nk), |k_i|²/d
-    if mask is not None and limit is not None:                    # one mask for both
-        mask = mask & (torch.arange(n_k, device=q.device) < limit.to(q.device).unsqueeze(-1))
-        limit = None
+    mask, limit = _one_key_mask(mask, limit, n_k)
     count = count.double()
     if mask is not None:
         keep = mask.expand(*count.shape, n_k)

@@ -34,7 +34,7 @@ from attnscale.errors import ConfigError
 from attnscale.measure.monitor import DEFAULT_BLOCK, monitor
 from attnscale.pipeline import MASKED_BIAS, Observation
 from attnscale.precision import work_dtype
-from attnscale.stats import ROW_STATS_COLUMNS, qk_row_factors, qk_row_stats
+from attnscale.stats import columns, qk_row_factors, qk_row_stats
 
 # Per-head sums kept for each attention site, merged exactly over blocks and calls (float64).
 QK_SUMS = ("rows", "ln_keys", "inv_keys", "q_rms", "k_rms", "coherent_rows", "coherence")
@@ -110,12 +110,11 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
         most = 0  # the most keys a row attends
         known = None
         if rows is not None:  # each row's std of q·k and its keys, from the kernel's rows
-            got_rows = rows.detach().to(q.device)
+            got_rows = columns(rows.detach().to(q.device))
             size = torch.as_tensor(scale, dtype=torch.float64, device=q.device).abs()
             if size.dim():
                 size = size.squeeze(-1)                                # (B|1, H|1, Nq|1)
-            known = (got_rows[..., ROW_STATS_COLUMNS.index("logit_std")] / size,
-                     got_rows[..., ROW_STATS_COLUMNS.index("count")])
+            known = (got_rows["logit_std"] / size, got_rows["count"])
         for i0 in range(0, n_q, block):
             qb = q[..., i0:i0 + block, :]                              # (B, H, b, d)
             row_ids = torch.arange(i0, i0 + qb.shape[-2], device=q.device)
@@ -131,7 +130,7 @@ def qk_totals(q: Tensor, k: Tensor, *, mask: Tensor | None = None, causal: bool 
                 lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
             if hi <= lo:
                 continue                                               # no row has a key
-            limit = (row_ids + 1 - lo) if causal else None                # keys 0..i, from lo
+            limit = (row_ids + 1 - lo) if causal else None             # keys 0..i, from lo
             cut = None if keep is None else keep[..., lo:hi]
             if known is None:
                 got = qk_row_stats(qb, k[..., lo:hi, :], mask=cut, limit=limit)
@@ -274,15 +273,12 @@ def measure(model: nn.Module, inputs: Mapping[str, Tensor], *, block: int = DEFA
         def add(got: QKTotals) -> None:
             totals[site] = totals[site].merge(got) if site in totals else got
 
-        if seen.q is not None and _plain_logits(seen):  # std of q·k from the kernel's rows
-            def from_rows(rows: Tensor) -> None:
-                add(qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
-                              rows=rows, scale=seen.scale))
-            if not seen.request_rows(from_rows):
-                from_rows = None
-        else:
-            from_rows = None
-        if seen.q is not None and from_rows is None:  # None: a model that handed its logits
+        def from_rows(rows: Tensor) -> None:  # each row's std of q·k from the kernel's rows
+            add(qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
+                          rows=rows, scale=seen.scale))
+
+        # seen.q is None for a model that handed its logits (observe_logits)
+        if seen.q is not None and not (_plain_logits(seen) and seen.request_rows(from_rows)):
             add(qk_totals(seen.q, seen.k, mask=seen.mask, causal=seen.causal, block=block,
                           sink=seen.sink is not None))
             if seen.sink is not None:
