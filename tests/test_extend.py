@@ -210,6 +210,13 @@ def test_the_study_draws_its_page_from_the_store(cli, saved, tmp_path):
     assert best["best"]["n"] == 2 and best["yarn"] == pytest.approx(yarn_m(2.0))
     fragment = (out / "fragment.md").read_text()
     assert "10 trials complete" in fragment and "YaRN's rule measured" in fragment
+    # The cost line: the fastest forward with the load before it, and the median forward.
+    rows = [json.loads(line)["result"] for line in (out / "results.jsonl").open()]
+    fastest = min(rows, key=lambda r: r["forward_seconds"])
+    median = sorted(r["forward_seconds"] for r in rows)[4:6]
+    assert (f"took {fastest['forward_seconds']:.0f} s at best (load average "
+            f"{fastest['loadavg_before'][0]:.1f} before it) and {sum(median) / 2:.0f} s in the "
+            "median of 10") in fragment
     assert (out / "extension_loss.png").is_file() and (out / "extension_factor.png").is_file()
     code, _, err = cli("study", "extension", "--from", str(out))
     assert code == 0, err
