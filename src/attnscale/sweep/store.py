@@ -16,7 +16,9 @@ line is appended in one write, flushed and fsync'd before the next trial is coun
 so a crash loses at most the trials in flight, never a finished one.  A crash in the middle of a
 write leaves a last line without its newline: :meth:`Store.records` ignores it when it is not a
 complete record, and :meth:`Store.repair` cuts it off before appending (a complete record that
-only lacks its newline is kept, and the newline added).  Blank lines are skipped.  When a trial
+only lacks its newline is kept, and the newline added).  A file replaced or removed under a
+running sweep (a checkout, a stash) is opened again at its path before the next append, so no
+record goes to a file that no path names.  Blank lines are skipped.  When a trial
 has several lines (an error, then a retry), the last one counts; :meth:`Store.compact` rewrites
 the file (atomically) with one line per trial.
 
@@ -294,6 +296,12 @@ class Store:
     def append(self, record: dict) -> None:
         """Append one record and make it durable before returning."""
         try:
+            if self._fh is not None and not self._same_file():
+                # Another program replaced or removed the file (a checkout, a stash, an editor
+                # saving a copy): appends to the open handle would go to a file no path names,
+                # so the record goes to the file at the path now, and a resume reruns whatever
+                # the replacement dropped.
+                self.close()
             if self._fh is None:
                 created = not self.results_path.exists()
                 self._fh = open(self.results_path, "ab")
@@ -306,6 +314,15 @@ class Store:
             raise ConfigError(f"cannot write {str(self.results_path)!r} "
                               f"({err.strerror or err}); make it writable, then resume the "
                               f"sweep to run the trials not recorded.") from None
+
+    def _same_file(self) -> bool:
+        """Whether the open handle is still the file at ``results.jsonl``'s path."""
+        try:
+            here = os.stat(self.results_path)
+        except FileNotFoundError:
+            return False
+        open_ = os.fstat(self._fh.fileno())
+        return (here.st_dev, here.st_ino) == (open_.st_dev, open_.st_ino)
 
     def close(self) -> None:
         if self._fh is not None:
