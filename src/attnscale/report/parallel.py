@@ -107,9 +107,13 @@ def run_sections(fns: Sequence[SectionFn], fig_dir: Path, *, workers: int = 1) -
         cold = (start_fork_server()
                 or process_context().get_start_method() != "forkserver")
         for _ in range(n_workers):
-            feeders.append(threading.Thread(target=start_and_feed, daemon=True,
-                                            name="attnscale-report-feeder"))
-            feeders[-1].start()
+            feeder = threading.Thread(target=start_and_feed, daemon=True,
+                                      name="attnscale-report-feeder")
+            # Listed once started: start() waits for the new thread, and a signal raised in that
+            # wait would leave a listed thread that cannot be joined.  An unlisted one still
+            # stops its own worker, as every feeder does once ``stopping`` is set.
+            feeder.start()
+            feeders.append(feeder)
         while not cold and not ready.is_set() and any(t.is_alive() for t in feeders):
             ready.wait(0.05)  # a running fork server starts a worker in milliseconds
         with num_threads(_threads(workers)):  # the driver's share of the cores, as a worker's
