@@ -211,7 +211,11 @@ def test_the_study_draws_its_page_from_the_store(cli, saved, tmp_path):
     fragment = (out / "fragment.md").read_text()
     assert "10 trials complete" in fragment and "YaRN's rule measured" in fragment
     # The cost line: the fastest forward with the load before it, and the median forward.
-    rows = [json.loads(line)["result"] for line in (out / "results.jsonl").open()]
+    records = [json.loads(line) for line in (out / "results.jsonl").open()]
+    rows = [r["result"] for r in records]
+    # The text named is the one the last window read (it spans every window's tokens).
+    (source,) = {r["result"]["text_source"] for r in records if r["config"]["window"] == 1}
+    assert f"({source})" in fragment
     fastest = min(rows, key=lambda r: r["forward_seconds"])
     median = sorted(r["forward_seconds"] for r in rows)[4:6]
     assert (f"took {fastest['forward_seconds']:.0f} s at best (load average "

@@ -303,6 +303,9 @@ def figure_factor(records: Sequence[dict]):
 def _setup(records: Sequence[dict]) -> str:
     r0 = records[0]
     c, res = r0["config"], r0["result"]
+    # The text the windows read: the last window's source spans every window's tokens.
+    last = max(records, key=lambda r: (r["config"]["window"], r["result"]["length"]))
+    source = last["result"]["text_source"]
     windows = sorted({r["config"]["window"] for r in records})
     threads = sorted({r["result"]["threads"] for r in records})
     peaks = [r["result"]["peak_rss_bytes"] for r in records
@@ -310,7 +313,7 @@ def _setup(records: Sequence[dict]) -> str:
     text = "text that ships with Python" if c["text"] is None else f"the file {c['text']}"
     return (f"Checkpoint `{c['checkpoint'].rsplit('/', 1)[-1]}` ({res['model']}, trained context "
             f"L = {res['train_len']}), evaluated with no training on {len(windows)} "
-            f"non-overlapping window(s) of s·L tokens of {text} ({res['text_source']}).  "
+            f"non-overlapping window(s) of s·L tokens of {text} ({source}).  "
             f"{len(records)} trials complete.  " + _forward_times(records)
             + f" on {'/'.join(map(str, threads))} CPU thread(s), wall time: a forward that shared "
             "the machine with other work took longer"
