@@ -1,7 +1,7 @@
 """Trials run together (an experiment's ``batch_key`` and ``run_batch``): how pending trials are
 dealt into chunks, that a chunk's trials keep their own records and results (the same bytes as
 alone, for every recall mechanism), and the faults: a chunk that raises or whose worker dies
-falls back to single trials, so only the bad trial is an error."""
+falls back to single trials, so only the bad trial is an error (on Ray: tests/test_sweep_ray.py)."""
 
 from __future__ import annotations
 
@@ -191,30 +191,3 @@ def test_recall_on_two_workers_in_chunks_gives_the_results_of_single_runs(tmp_pa
     alone = {r["trial"]: json.dumps(recall_run(**r["config"])) for r in res}
     assert _results(res) == alone
 
-
-def test_ray_runs_chunks_and_a_lost_chunk_falls_back_to_single_trials(tmp_path, marks,
-                                                                       monkeypatch, ray_home):
-    import ray  # the test extra installs it, as for tests/test_sweep_ray.py
-    from attnscale.sweep import ray_exec
-    # One retry instead of ray_exec's three: each retry of the doomed trial is a worker
-    # process killed and started again (seconds each), and one shows the fallback as well.
-    monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)
-    MAX_RETRIES = ray_exec.MAX_RETRIES
-    tests = Path(__file__).resolve().parent  # Ray's workers import the experiment through this
-    monkeypatch.setenv("PYTHONPATH", f"{tests.parent / 'src'}:{tests}")
-    monkeypatch.setenv("HOME", str(ray_home))  # Ray writes its token to ~/.ray
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
-        monkeypatch.delenv(name, raising=False)
-    (marks / "kill-3").touch()
-    res = sweep.run("test-batched", {"x": list(range(6))}, tmp_path / "s",
-                    fixed={"marks": str(marks)}, ray_address="local")
-    assert not ray.is_initialized()
-    assert {r["config"]["x"] for r in res.failed} == {3}
-    assert res.failed[0]["error"].startswith("WorkerCrashedError")
-    calls = Counter(sweep_batch_experiments.calls(marks))
-    lost = next(c for c in calls if 3 in c and len(c) > 1)   # the chunk: tried, retried, lost
-    assert calls[lost] == 1 + MAX_RETRIES and calls[(3,)] == 1 + MAX_RETRIES
-    assert all(calls[(x,)] == 1 for x in lost if x != 3)      # then each of its trials alone
-    reference = sweep.run("test-batched", {"x": [x for x in range(6) if x != 3]},
-                          tmp_path / "ref", fixed={"marks": str(marks), "group": -1}, workers=1)
-    assert sorted(_results(res.ok).values()) == sorted(_results(reference).values())

@@ -1,20 +1,24 @@
 """The Ray executor for real: a local Ray instance gives the local executor's results, failing
-trials are recorded, and on a two-node cluster a node removed mid-sweep costs no trial."""
+trials are recorded, a lost chunk of batched trials falls back to single trials, and on a
+two-node cluster a node removed mid-sweep costs no trial."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+import sweep_batch_experiments
 import sweep_experiments
 from sweep_experiments import wait_until
 from attnscale import sweep
+from attnscale.sweep import ray_exec
 from attnscale.sweep.ray_exec import GCS_WAIT_VARIABLE, LOCAL_GCS_WAIT
 
 TESTS = Path(__file__).resolve().parent
@@ -22,19 +26,38 @@ SAT_GRID = {"mechanism": ["scaled", "qk-layernorm"], "d_k": [4, 32]}
 SAT_FIXED = {"n": 32, "trials": 100}
 
 
-@pytest.fixture
-def importable(monkeypatch, ray_home):
+def _ray_environment(patch: pytest.MonkeyPatch, ray_home: Path) -> None:
     """Ray's worker processes find attnscale and the test experiments through PYTHONPATH; HOME
-    is :func:`ray_home`."""
+    is :func:`ray_home`; none of the user's cluster settings apply."""
     paths = [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
-    monkeypatch.setenv("HOME", str(ray_home))
+    patch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    patch.setenv("HOME", str(ray_home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS",
                  GCS_WAIT_VARIABLE):
-        monkeypatch.delenv(name, raising=False)   # the user's cluster settings
+        patch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def importable(monkeypatch, ray_home):
+    """A test that starts (and stops) Ray itself, in :func:`_ray_environment`."""
+    _ray_environment(monkeypatch, ray_home)
     assert not ray.is_initialized()
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="class")
+def joined(ray_home):
+    """One local Ray instance for a class of tests, started as ``--ray`` starts one
+    (:func:`ray_exec.connected`): a start costs seconds, and its workers, once they have
+    imported attnscale, serve every test of the class.  A sweep run in the class joins it and
+    leaves it running."""
+    with pytest.MonkeyPatch.context() as patch:
+        _ray_environment(patch, ray_home)
+        assert not ray.is_initialized()
+        with ray_exec.connected("local"):
+            yield
+    assert not ray.is_initialized()
 
 
 def _results(res) -> dict[str, str]:
@@ -50,25 +73,51 @@ def test_ray_gives_the_local_executor_results(tmp_path, importable):
     assert _results(on_ray) == _results(local)
 
 
-def test_ray_records_a_raising_and_a_crashed_trial(cli, tmp_path, importable, monkeypatch):
-    from attnscale.sweep import ray_exec
-    monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)  # each retry a worker started again
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    (marks / "fail-1").touch()
-    (marks / "kill-2").touch()
-    out = tmp_path / "s"
-    code, _, err = cli("sweep", "test-marked", "--grid", "x=0,1,2,3", "--set", f"marks={marks}",
-                       "--out", str(out), "--ray")
-    assert code == 1, err
-    res = sweep.load(out)
-    status = {r["config"]["x"]: r["status"] for r in res}
-    assert status == {0: "ok", 1: "error", 2: "error", 3: "ok"}
-    errors = {r["config"]["x"]: r["error"].split("\n", 1)[0] for r in res.failed}
-    assert errors[1] == "RuntimeError: trial x=1 was asked to fail"
-    assert errors[2].startswith("WorkerCrashedError")
-    # an exception is not retried; a crashed worker is, MAX_RETRIES times
-    assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + ray_exec.MAX_RETRIES, 3: 1}
+@pytest.mark.usefixtures("joined")
+class TestOnOneRayInstance:
+    """Sweeps on one local Ray instance, started once for the class (:func:`joined`)."""
+
+    def test_ray_records_a_raising_and_a_crashed_trial(self, cli, tmp_path, monkeypatch):
+        monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)  # each retry a worker started again
+        marks = tmp_path / "marks"
+        marks.mkdir()
+        (marks / "fail-1").touch()
+        (marks / "kill-2").touch()
+        out = tmp_path / "s"
+        code, _, err = cli("sweep", "test-marked", "--grid", "x=0,1,2,3", "--set",
+                           f"marks={marks}", "--out", str(out), "--ray")
+        assert code == 1, err
+        res = sweep.load(out)
+        status = {r["config"]["x"]: r["status"] for r in res}
+        assert status == {0: "ok", 1: "error", 2: "error", 3: "ok"}
+        errors = {r["config"]["x"]: r["error"].split("\n", 1)[0] for r in res.failed}
+        assert errors[1] == "RuntimeError: trial x=1 was asked to fail"
+        assert errors[2].startswith("WorkerCrashedError")
+        # an exception is not retried; a crashed worker is, MAX_RETRIES times
+        assert sweep_experiments.runs(marks) == {0: 1, 1: 1, 2: 1 + ray_exec.MAX_RETRIES, 3: 1}
+
+    def test_ray_runs_chunks_and_a_lost_chunk_falls_back_to_single_trials(self, tmp_path,
+                                                                           monkeypatch):
+        # One retry instead of ray_exec's three: each retry of the doomed trial is a worker
+        # process killed and started again (seconds each), and one shows the fallback as well.
+        monkeypatch.setattr(ray_exec, "MAX_RETRIES", 1)
+        MAX_RETRIES = ray_exec.MAX_RETRIES
+        marks = tmp_path / "marks"
+        marks.mkdir()
+        (marks / "kill-3").touch()
+        res = sweep.run("test-batched", {"x": list(range(6))}, tmp_path / "s",
+                        fixed={"marks": str(marks)}, ray_address="local")
+        assert ray.is_initialized()                # joined, not started: left running
+        assert {r["config"]["x"] for r in res.failed} == {3}
+        assert res.failed[0]["error"].startswith("WorkerCrashedError")
+        calls = Counter(sweep_batch_experiments.calls(marks))
+        lost = next(c for c in calls if 3 in c and len(c) > 1)   # the chunk: tried, retried, lost
+        assert calls[lost] == 1 + MAX_RETRIES and calls[(3,)] == 1 + MAX_RETRIES
+        assert all(calls[(x,)] == 1 for x in lost if x != 3)      # then each of its trials alone
+        reference = sweep.run("test-batched", {"x": [x for x in range(6) if x != 3]},
+                              tmp_path / "ref", fixed={"marks": str(marks), "group": -1},
+                              workers=1)
+        assert sorted(_results(res.ok).values()) == sorted(_results(reference).values())
 
 
 def test_a_local_start_waits_longer_for_its_gcs_and_restores_the_environment(monkeypatch):
