@@ -25,16 +25,6 @@ import time
 from pathlib import Path
 
 
-def _records(store: Path) -> list[dict]:
-    rows = []
-    with open(store / "results.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("status") == "ok":
-                rows.append(row)
-    return rows
-
-
 def _stored(rows: list[dict], factor: float, a: float | None, window: int) -> dict | None:
     """The store's ``hf-yarn`` record at attention factor ``a`` (None: transformers' default)."""
     for row in rows:
@@ -60,7 +50,8 @@ def main() -> None:
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    rows = _records(args.store)
+    from attnscale import sweep
+    rows = list(sweep.load(args.store).ok)   # the last record of each finished trial, checked
     if not rows:
         sys.exit(f"store: {args.store} has no finished trial")
     first = rows[0]["config"]
