@@ -70,28 +70,3 @@ def ray_home(tmp_path_factory):
     ``ray start --head`` there require it (see the README's cluster recipe).  One for the
     session, because a process keeps the first token it reads."""
     return tmp_path_factory.mktemp("ray-home")
-
-
-# Tests that take a quarter minute or more on two busy cores (pytest --durations).  They run
-# first: pytest-xdist deals the rest of the suite to whichever worker is free, so the short tests
-# even the workers out at the end, instead of one long test keeping a worker busy while the other
-# has finished.  Matched as node-id prefixes; the order among them and among the rest is kept.
-LONG_FIRST = (
-    "tests/test_cli.py::test_reproduce_cli_with_all_registered_sections",
-    "tests/test_sweep.py::test_interrupt_terminate_kill_then_resume_runs_every_trial_once",
-    "tests/test_sweep_ray.py::",
-    "tests/test_results.py::test_shipped_study_redraws_byte_for_byte",
-    "tests/test_cli_hardening.py::test_signal_during_reproduce_leaves_nothing",
-    "tests/test_io.py::test_every_refusal_spells_force_as_the_interface_that_raised_it",
-    "tests/test_recall.py::test_same_curve_across_processes",
-    "tests/test_report_parallel.py::test_while_its_workers_start_the_driver_runs_sections",
-    "tests/test_inspect.py::test_cli_writes_the_report_and_prints_the_verdict",
-    "tests/test_sweep_hardening.py::test_a_sweep_of_a_script_experiment_says_how_to_resume_it",
-    "tests/test_extend.py::test_the_study_draws_its_page_from_the_store",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Move the :data:`LONG_FIRST` tests to the front (a stable sort: fixtures shared by a
-    module's or a class's tests still see them together)."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))
